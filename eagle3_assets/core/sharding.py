@@ -1,0 +1,41 @@
+"""Sample shards: fixed-size runs of dataset rows, keyed by position.
+
+A row's shard is ``row_index // shard_size``, where ``row_index`` counts every row
+of the dataset in file order, bad rows included. Appending rows therefore never
+moves an existing row: it only fills the last shard and opens new ones, which
+become new partition keys. Reading the same file again gives the same shards.
+"""
+
+from __future__ import annotations
+
+import re
+
+DEFAULT_SHARD_SIZE = 128
+_KEY = re.compile(r"^shard-(\d{5,})$")
+
+
+def shard_key(shard_index: int) -> str:
+    return f"shard-{shard_index:05d}"
+
+
+def shard_index(key: str) -> int:
+    match = _KEY.match(key)
+    if not match:
+        raise ValueError(f"not a shard key: {key!r} (expected 'shard-NNNNN')")
+    return int(match.group(1))
+
+
+def shard_of_row(row_index: int, shard_size: int) -> str:
+    return shard_key(row_index // shard_size)
+
+
+def shard_keys_for(num_rows: int, shard_size: int) -> list[str]:
+    """Every shard key a dataset of ``num_rows`` rows spans."""
+    if shard_size <= 0:
+        raise ValueError(f"shard_size must be positive, got {shard_size}")
+    return [shard_key(i) for i in range((num_rows + shard_size - 1) // shard_size)]
+
+
+def row_range(key: str, shard_size: int) -> range:
+    start = shard_index(key) * shard_size
+    return range(start, start + shard_size)

@@ -1,0 +1,79 @@
+"""Where assets write, and how: atomically, so a crash never leaves a half file behind.
+
+Every asset writes under ``$EAGLE3_DATA_DIR/<asset name>/`` (default ``./data``) and
+per-shard files are named by their shard key. A file is written to a temporary
+name in the same directory and renamed into place; a reader sees the old file or
+the new one, never a prefix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+DATA_DIR_ENV = "EAGLE3_DATA_DIR"
+PARTIAL_SUFFIX = ".partial"
+
+
+def data_dir() -> Path:
+    """The root of all asset outputs: ``$EAGLE3_DATA_DIR``, else ``./data``."""
+    return Path(os.environ.get(DATA_DIR_ENV) or "data").resolve()
+
+
+def asset_dir(asset_name: str, root: Path | None = None) -> Path:
+    path = (root or data_dir()) / asset_name
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@contextmanager
+def atomic_path(final: Path) -> Iterator[Path]:
+    """Yield a temporary path beside ``final``; rename it into place only on success."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{final.name}.", suffix=PARTIAL_SUFFIX, dir=final.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        yield tmp
+        with open(tmp, "rb+") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, final)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_bytes_atomic(final: Path, payload: bytes) -> None:
+    with atomic_path(final) as tmp:
+        tmp.write_bytes(payload)
+
+
+def write_json_atomic(final: Path, obj: Any) -> None:
+    write_bytes_atomic(final, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+
+
+def write_parquet_atomic(final: Path, frame: pl.DataFrame) -> None:
+    with atomic_path(final) as tmp:
+        frame.write_parquet(tmp)
+
+
+def stable_hash(obj: Any, length: int = 16) -> str:
+    """A short content hash of a JSON-serialisable object (key order does not matter)."""
+    blob = json.dumps(obj, sort_keys=True, ensure_ascii=False, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:length]
+
+
+def file_hash(path: Path, length: int = 16) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()[:length]

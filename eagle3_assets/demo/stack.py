@@ -1,0 +1,39 @@
+"""Where the embedded default lives on disk: the tiny target and the demo prompt sets.
+
+Everything is derived from seeds and cached under the data directory, so a
+fresh machine builds it once (about a minute) and later runs reuse it.
+``EAGLE3_TINY_TARGET_DIR`` points several data directories (the tests') at one
+cached target.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from eagle3_assets.core.storage import data_dir
+from eagle3_assets.demo.prompt_set import demo_prompts, eval_prompts, write_jsonl
+from eagle3_assets.demo.tiny_target import TinyTargetSpec, ensure_tiny_target
+from eagle3_assets.settings import DEMO_SHARD_SIZE
+
+__all__ = ["DEMO_SHARD_SIZE", "demo_eval_prompts_path", "demo_prompts_path", "tiny_target_dir"]
+
+
+
+def tiny_target_dir(spec: TinyTargetSpec = TinyTargetSpec(), log=print) -> Path:
+    override = os.environ.get("EAGLE3_TINY_TARGET_DIR")
+    return ensure_tiny_target(Path(override) if override else data_dir() / "demo" / "tiny_target", spec, log=log)
+
+
+def demo_prompts_path() -> Path:
+    path = data_dir() / "demo" / "prompts.jsonl"
+    if not path.is_file():
+        write_jsonl(path, demo_prompts())
+    return path
+
+
+def demo_eval_prompts_path() -> Path:
+    path = data_dir() / "demo" / "eval_prompts.jsonl"
+    if not path.is_file():
+        write_jsonl(path, eval_prompts())
+    return path

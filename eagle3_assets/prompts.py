@@ -1,0 +1,82 @@
+"""``prompts``: the normalised questions of one sample shard.
+
+Writes ``<data>/prompts/<shard>.parquet`` (``row_index``, ``id``, ``messages``)
+and ``<shard>.rejected.parquet`` (each bad row with its reason). A shard with
+bad rows still materialises; only an unreadable file fails the run.
+"""
+
+
+from dagster import (
+    AssetCheckResult,
+    AssetCheckSeverity,
+    AssetCheckSpec,
+    AssetExecutionContext,
+    DataVersion,
+    MaterializeResult,
+    MetadataValue,
+    asset,
+)
+
+from eagle3_assets.core.storage import asset_dir, stable_hash, write_parquet_atomic
+from eagle3_assets.partitions import sample_shards
+from resources.prompt_dataset import PromptDataset
+
+MAX_REJECTED_SHARE = 0.05
+
+
+@asset(
+    partitions_def=sample_shards,
+    group_name="generation",
+    code_version="1",
+    kinds={"polars", "parquet"},
+    check_specs=[
+        AssetCheckSpec("prompts_present", asset="prompts", blocking=True, description="the shard holds at least one usable prompt"),
+        AssetCheckSpec("rejected_rows_rare", asset="prompts", description=f"at most {MAX_REJECTED_SHARE:.0%} of the shard's rows were rejected"),
+    ],
+)
+def prompts(context: AssetExecutionContext, prompt_dataset: PromptDataset) -> MaterializeResult:
+    """The questions of one shard, normalised to ``id`` and chat ``messages``; bad rows kept apart with a reason."""
+    key = context.partition_key
+    shard = prompt_dataset.load_shard(key)
+    out = asset_dir("prompts")
+    write_parquet_atomic(out / f"{key}.parquet", shard.accepted)
+    write_parquet_atomic(out / f"{key}.rejected.parquet", shard.rejected)
+
+    accepted, rejected = shard.accepted.height, shard.rejected.height
+    total = accepted + rejected
+    reasons = dict(shard.rejected.group_by("reason").len().iter_rows()) if rejected else {}
+    rejected_share = rejected / total if total else 0.0
+    examples = [f"row {r['row_index']}: {r['reason']} ({r['detail']})" for r in shard.rejected.head(10).iter_rows(named=True)]
+    context.log.info(f"{key}: {accepted} prompts accepted, {rejected} rejected {reasons or ''}")
+    version = stable_hash({"prompts": shard.accepted.to_dicts(), "source": prompt_dataset.resolved_source()})
+    return MaterializeResult(
+        data_version=DataVersion(version),
+        metadata={
+            "path": MetadataValue.path(str(out / f"{key}.parquet")),
+            "source": prompt_dataset.resolved_source(),
+            "rows": total,
+            "accepted": accepted,
+            "rejected": rejected,
+            "rejected_by_reason": MetadataValue.json(reasons),
+            "dagster/row_count": accepted,
+        },
+        check_results=[
+            AssetCheckResult(
+                check_name="prompts_present",
+                passed=accepted > 0,
+                severity=AssetCheckSeverity.ERROR,
+                description=None if accepted else f"shard {key} has no usable prompt ({rejected} rows rejected)",
+                metadata={"accepted": accepted, "rejected": rejected},
+            ),
+            AssetCheckResult(
+                check_name="rejected_rows_rare",
+                passed=rejected_share <= MAX_REJECTED_SHARE,
+                severity=AssetCheckSeverity.WARN,
+                metadata={
+                    "rejected_share": rejected_share,
+                    "threshold": MAX_REJECTED_SHARE,
+                    "examples": MetadataValue.json(examples),
+                },
+            ),
+        ],
+    )

@@ -1,0 +1,36 @@
+"""The prompt dataset and how it is cut into sample shards."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dagster import ConfigurableResource
+from pydantic import Field
+
+from eagle3_assets.core.prompt_loading import ShardPrompts, count_rows, load_shard
+from eagle3_assets.core.sharding import DEFAULT_SHARD_SIZE, shard_keys_for
+
+DEMO_SOURCE = "demo"
+
+
+class PromptDataset(ConfigurableResource):
+    """Where the prompts come from: a JSONL or Parquet path, a hub dataset name, or ``demo``."""
+
+    source: str = Field(
+        default=DEMO_SOURCE,
+        description="JSONL/Parquet path, hub dataset name ('org/name' or 'org/name:split'), or 'demo' for the built-in set",
+    )
+    shard_size: int = Field(default=DEFAULT_SHARD_SIZE, gt=0, description="rows per sample shard; changing it re-keys every shard")
+
+    def resolved_source(self) -> str:
+        if self.source == DEMO_SOURCE:
+            from eagle3_assets.demo.stack import demo_prompts_path
+
+            return str(demo_prompts_path())
+        return str(Path(self.source).expanduser()) if Path(self.source).expanduser().exists() else self.source
+
+    def shard_keys(self) -> list[str]:
+        return shard_keys_for(count_rows(self.resolved_source()), self.shard_size)
+
+    def load_shard(self, key: str) -> ShardPrompts:
+        return load_shard(self.resolved_source(), key, self.shard_size)

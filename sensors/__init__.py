@@ -1,0 +1,1 @@
+"""Sensors: gate-failure and run-failure alerts, server health, new prompt shards."""
