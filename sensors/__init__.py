@@ -1,1 +1,7 @@
 """Sensors: gate-failure and run-failure alerts, server health, new prompt shards."""
+
+from sensors.gate_failure import gate_failure_alert
+from sensors.new_shards import new_prompt_shards
+from sensors.run_failure import run_failure_alert
+
+ALL_SENSORS = [gate_failure_alert, run_failure_alert, new_prompt_shards]

@@ -1,0 +1,35 @@
+"""``new_prompt_shards``: turns a grown prompt dataset into new shard partitions.
+
+Shard keys never change meaning when rows are appended, so the sensor only adds
+keys. With ``EAGLE3_AUTO_GENERATE=1`` it also requests a generation run
+(``prompts`` and ``raw_responses``) for each new shard; off by default, since
+generation occupies the vLLM server.
+"""
+
+import os
+
+from dagster import AssetSelection, DefaultSensorStatus, RunRequest, SensorEvaluationContext, SensorResult, SkipReason, sensor
+
+from eagle3_assets.partitions import SAMPLE_SHARDS, sample_shards
+from resources.prompt_dataset import PromptDataset
+
+AUTO_GENERATE_ENV = "EAGLE3_AUTO_GENERATE"
+
+
+@sensor(
+    name="new_prompt_shards",
+    minimum_interval_seconds=60,
+    default_status=DefaultSensorStatus.STOPPED,
+    target=AssetSelection.groups("generation"),
+    description="Adds the partition keys of new prompt shards; optionally requests their generation runs.",
+)
+def new_prompt_shards(context: SensorEvaluationContext, prompt_dataset: PromptDataset):
+    known = set(context.instance.get_dynamic_partitions(SAMPLE_SHARDS))
+    new = [key for key in prompt_dataset.shard_keys() if key not in known]
+    if not new:
+        return SkipReason(f"no new shards ({len(known)} known)")
+    runs = []
+    if os.environ.get(AUTO_GENERATE_ENV) == "1":
+        runs = [RunRequest(run_key=f"generate-{key}", partition_key=key) for key in new]
+    context.log.info(f"adding {len(new)} shard(s): {new[0]} .. {new[-1]}")
+    return SensorResult(run_requests=runs, dynamic_partitions_requests=[sample_shards.build_add_request(new)])
