@@ -1,43 +1,347 @@
 """The GPU host: where GPU stages run, as separate processes speaking Dagster Pipes.
 
-A stage is a module under ``eagle3_assets.stages`` run with the host's Python
-(``python -m eagle3_assets.stages.<name>``). Its log lines, materialisation
-metadata and check results come back into the Dagster run while it runs. This
-is the local form; the SSH form and the pre-flight gate extend it (see the
-``gpu-host`` issue).
+A stage is a module under ``eagle3_assets.stages`` run with the host's Python.
+The host is this machine (``mode="local"``) or another one reached over SSH
+(``mode="ssh"``). Before every stage the pre-flight
+(:mod:`eagle3_assets.core.preflight`) runs on the host; a failure stops the
+step with one line per problem, and what was checked becomes metadata of the
+materialisation. The stage is started by the stage runner (``python -m
+eagle3_assets.stages <stage>``, see its docstring), which holds the stage lock
+and forwards the stage's Pipes messages: its log lines, materialisation
+metadata and check results arrive in the Dagster run while it runs.
+Terminating the run stops the stage's whole process group on the host.
+
+GPU assets share the pool :data:`GPU_POOL` (``@asset(pool=GPU_POOL)``), whose
+limit is 1 unless configured otherwise: one GPU stage at a time per host.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from collections.abc import Mapping
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
-from dagster import AssetExecutionContext, ConfigurableResource, PipesSubprocessClient
+from dagster import (
+    AssetExecutionContext,
+    ConfigurableResource,
+    DagsterInstance,
+    Failure,
+    MetadataValue,
+    OpExecutionContext,
+    PipesEnvContextInjector,
+    PipesMessageReader,
+    open_pipes_session,
+)
+from dagster._core.errors import DagsterExecutionInterruptedError, DagsterPipesExecutionError
 from dagster._core.pipes.client import PipesClientCompletedInvocation
 from pydantic import Field
 
-STAGE_PACKAGE = "eagle3_assets.stages"
+from eagle3_assets.core import preflight as preflight_module
+from eagle3_assets.core.preflight import STAGE_PACKAGE, StageRequirements, build_spec, validate_stage_name
+from eagle3_assets.core.remote import HostConnection, HostError, SSHTarget, StageProcess
+from eagle3_assets.core.storage import DATA_DIR_ENV, PARTIAL_SUFFIX, data_dir
+
+# The pool every GPU stage's asset joins: ``@asset(pool=GPU_POOL)``. One pool per GPU host;
+# a deployment with two hosts gives the second one its own pool name (EAGLE3_GPU_POOL).
+GPU_POOL = os.environ.get("EAGLE3_GPU_POOL") or "gpu_host"
+DEFAULT_GPU_POOL_LIMIT = 1
+MODES = ("local", "ssh")
+
+# What each GPU stage needs from the host. A stage's asset module declares its entry with
+# ``register_stage(...)``; ``run_stage`` uses it when no requirements are passed, and the
+# ``gpu_host_ready`` job checks every entry on its own.
+STAGE_REQUIREMENTS: dict[str, StageRequirements] = {
+    "host_probe": StageRequirements(modules=["polars"], cpu_allowed=True, min_gpus=0),
+}
+
+
+def register_stage(stage: str, requirements: StageRequirements) -> StageRequirements:
+    """Declare what ``stage`` needs from the GPU host (checked before each run and by ``gpu_host_ready``)."""
+    STAGE_REQUIREMENTS[validate_stage_name(stage)] = requirements
+    return requirements
+
+
+def ensure_gpu_pool_limit(instance: DagsterInstance, limit: int | None = None) -> int:
+    """Give the GPU pool its limit on ``instance`` unless one was set already; return the limit in force.
+
+    The default is ``$EAGLE3_GPU_POOL_LIMIT`` or 1: one GPU stage at a time on
+    the host. A limit set by hand (``dagster instance concurrency set gpu_host
+    N`` or the UI) is kept. ``make dev`` and the demo call this.
+    """
+    wanted = limit if limit is not None else int(os.environ.get("EAGLE3_GPU_POOL_LIMIT") or DEFAULT_GPU_POOL_LIMIT)
+    storage = instance.event_log_storage
+    if not storage.supports_global_concurrency_limits:
+        return wanted
+    current = {pool.name: pool.limit for pool in storage.get_pool_limits()}
+    if current.get(GPU_POOL) is not None:
+        return current[GPU_POOL]
+    storage.set_concurrency_slots(GPU_POOL, wanted)
+    return wanted
+
+
+class _RunnerStdoutMessageReader(PipesMessageReader):
+    """Pipes messages come back on the stage runner's stdout, read line by line by :class:`StageProcess`.
+
+    Nothing to set up here: the runner gives the stage its own message
+    destination (a pipe it forwards to stdout), so over SSH the messages travel
+    in the same connection as the command, while it runs.
+    """
+
+    @contextmanager
+    def read_messages(self, handler):
+        yield {"eagle3_runner": "stdout"}
+
+    def no_messages_debug_text(self) -> str:
+        return "Read Pipes messages from the stage runner's stdout (python -m eagle3_assets.stages)."
+
+    @property
+    def expected_writer_count(self) -> int:
+        # One writer, the stage. (Overridden only to avoid the base property's preview warning.)
+        return 1
 
 
 class GPUHost(ConfigurableResource):
-    """Runs GPU stages out of process on this machine."""
+    """Runs GPU stages out of process: on this machine, or on a GPU host over SSH, after a pre-flight."""
 
+    mode: str = Field(default="local", description="'local' (this machine) or 'ssh'")
+    ssh_host: str = Field(default="", description="GPU host name or address (mode 'ssh')")
+    ssh_port: int = Field(default=22, description="SSH port")
+    ssh_user: str = Field(default="", description="SSH user; empty: ssh's default")
+    ssh_identity_file: str = Field(default="", description="private key file on this machine; empty: ssh's default keys/agent")
+    ssh_known_hosts: str = Field(
+        default="strict", description="host key policy: 'strict' (must be known), 'accept-new' (trust on first use), 'insecure' (test rigs only)"
+    )
+    ssh_known_hosts_file: str = Field(default="", description="known_hosts file; empty: ssh's default")
+    ssh_connect_timeout_s: int = Field(default=15, description="SSH connection timeout")
     python: str = Field(default=sys.executable, description="the Python interpreter on the host that has torch (and vllm)")
     working_dir: str = Field(default=".", description="working directory of stage processes on the host")
-    allow_cpu: bool = Field(default=True, description="let stages run on CPU when the host has no GPU (demo, tests)")
+    data_dir: str = Field(default="", description=f"data directory on the host; empty: ${DATA_DIR_ENV} of this process (local mode only)")
+    lock_dir: str = Field(default="", description="where stage locks live on the host; empty: <data_dir>/.locks")
+    allow_cpu: bool = Field(default=True, description="let every stage run on CPU when the host has no GPU (demo, tests); false: only stages that declare cpu_allowed")
+    remove_partial_files: bool = Field(default=False, description="delete partial files left by an aborted run instead of failing the pre-flight")
+    preflight_timeout_s: float = Field(default=300.0, description="limit for the pre-flight (imports of large modules included)")
+    termination_grace_s: float = Field(default=20.0, description="time a stage gets to stop after the run is terminated, before SIGKILL")
+
+    # -- where and how
+
+    def ssh_target(self) -> SSHTarget | None:
+        if self.mode not in MODES:
+            raise ValueError(f"gpu_host.mode {self.mode!r}: one of {MODES}")
+        if self.mode == "local":
+            return None
+        if not self.ssh_host:
+            raise ValueError("gpu_host.ssh_host is empty: mode 'ssh' needs the GPU host's name or address")
+        return SSHTarget(
+            host=self.ssh_host,
+            port=self.ssh_port,
+            user=self.ssh_user,
+            identity_file=self.ssh_identity_file,
+            known_hosts=self.ssh_known_hosts,
+            known_hosts_file=self.ssh_known_hosts_file,
+            connect_timeout_s=self.ssh_connect_timeout_s,
+        )
+
+    def connection(self) -> HostConnection:
+        return HostConnection(self.ssh_target(), self.working_dir)
+
+    def host_data_dir(self) -> str:
+        if self.data_dir:
+            return self.data_dir
+        if self.mode == "ssh":
+            raise ValueError("gpu_host.data_dir is empty: an SSH host needs its data directory (an absolute path on the host)")
+        return str(data_dir())
+
+    def host_lock_dir(self) -> str:
+        return self.lock_dir or os.path.join(self.host_data_dir(), ".locks")
+
+    def requirements_for(self, stage: str, requirements: StageRequirements | None = None) -> StageRequirements:
+        return requirements or STAGE_REQUIREMENTS.get(stage) or StageRequirements()
+
+    # -- pre-flight
+
+    def preflight(self, stage: str, requirements: StageRequirements | None = None) -> dict:
+        """Run the pre-flight for ``stage`` on the host; the report (``ok``, ``failures``, what was checked).
+
+        Never raises for a host problem: an unreachable host or a broken Python
+        is a failure line of the report, like any other.
+        """
+        requirements = self.requirements_for(stage, requirements)
+        spec = build_spec(
+            stage,
+            requirements,
+            data_dir=self.host_data_dir(),
+            lock_dir=self.host_lock_dir(),
+            partial_suffix=PARTIAL_SUFFIX,
+            remove_partial_files=self.remove_partial_files,
+            cpu_allowed_by_host=self.allow_cpu,
+        )
+        connection = self.connection()
+        base = {"stage": stage, "host": connection.label, "python": self.python, "lock": {"path": spec["lock_path"]}}
+        source = Path(preflight_module.__file__).read_text(encoding="utf-8")
+        try:
+            done = connection.run([self.python, "-", json.dumps(spec)], input=source, timeout_s=self.preflight_timeout_s)
+        except HostError as exc:
+            return {**base, "ok": False, "failures": [str(exc)]}
+        lines = [line for line in done.stdout.splitlines() if line.strip()]
+        try:
+            report = json.loads(lines[-1]) if done.returncode == 0 and lines else None
+        except ValueError:
+            report = None
+        if not isinstance(report, dict):
+            detail = _last_line(done.stderr) or _last_line(done.stdout) or "no output"
+            return {**base, "ok": False, "failures": [f"host python {self.python} on {connection.label}: pre-flight did not run (exit {done.returncode}): {detail}"]}
+        report["host"] = f"{report.get('host')} ({connection.label})"
+        return report
+
+    # -- stages
 
     def run_stage(
         self,
-        context: AssetExecutionContext,
+        context: AssetExecutionContext | OpExecutionContext,
         stage: str,
         extras: Mapping[str, Any],
         env: Mapping[str, str] | None = None,
+        requirements: StageRequirements | None = None,
     ) -> PipesClientCompletedInvocation:
-        """Run ``eagle3_assets.stages.<stage>`` under Pipes and return what it reported."""
-        command = [self.python, "-m", f"{STAGE_PACKAGE}.{stage}"]
-        stage_env = {**os.environ, **(env or {}), "EAGLE3_ALLOW_CPU": "1" if self.allow_cpu else "0"}
-        return PipesSubprocessClient().run(
-            context=context, command=command, extras=dict(extras), env=stage_env, cwd=self.working_dir
-        )
+        """Pre-flight, then run ``eagle3_assets.stages.<stage>`` on the host under Pipes; what it reported.
+
+        ``env`` is added to the stage's environment (sent on the runner's stdin,
+        never on a command line, never logged). ``requirements`` default to the
+        stage's :data:`STAGE_REQUIREMENTS` entry. The pre-flight's report is
+        attached to every result the stage reports (``gpu_host/...`` metadata).
+        The stage finds its data directory in ``$EAGLE3_DATA_DIR`` (the host's).
+        """
+        validate_stage_name(stage)
+        requirements = self.requirements_for(stage, requirements)
+        report = self.preflight(stage, requirements)
+        metadata = preflight_metadata(report)
+        label = self.connection().label
+        if not report["ok"]:
+            lines = "\n".join(f"- {failure}" for failure in report["failures"])
+            raise Failure(description=f"GPU host {label} is not ready for stage {stage}:\n{lines}", metadata=metadata, allow_retries=False)
+        context.log.info(f"GPU host {label}: pre-flight for {stage} passed ({preflight_summary(report)})")
+
+        cpu_allowed = requirements.cpu_allowed or self.allow_cpu
+        stage_env = {**(env or {}), DATA_DIR_ENV: self.host_data_dir(), "EAGLE3_ALLOW_CPU": "1" if cpu_allowed else "0"}
+        runner = [
+            self.python, "-m", STAGE_PACKAGE, stage,
+            "--lock", report["lock"]["path"],
+            "--grace-s", str(self.termination_grace_s),
+        ]  # fmt: skip
+        with open_pipes_session(
+            context=context,
+            context_injector=PipesEnvContextInjector(),
+            message_reader=_RunnerStdoutMessageReader(),
+            extras=dict(extras),
+        ) as session:
+            process = StageProcess(
+                self.connection(),
+                runner,
+                env={**stage_env, **session.get_bootstrap_env_vars()},
+                on_message=session.message_handler.handle_message,
+                on_output=_forward_to_stderr,
+            )
+            try:
+                process.start()
+            except HostError as exc:
+                raise Failure(description=f"stage {stage}: {exc}", metadata=metadata, allow_retries=False) from None
+            context.log.info(f"stage {stage} started on {label}")
+            try:
+                returncode = process.wait()
+            except (DagsterExecutionInterruptedError, KeyboardInterrupt):
+                context.log.warning(f"run terminated: stopping stage {stage} on {label} (its whole process group)")
+                process.terminate(self.termination_grace_s)
+                raise
+            if returncode != 0:
+                reason = process.runner_error() or _exit_reason(returncode, self.ssh_target() is not None)
+                tail = "\n".join(process.output_tail)
+                raise DagsterPipesExecutionError(f"stage {stage} on {label} failed: {reason}\nlast output lines:\n{tail}")
+        return PipesClientCompletedInvocation(session, metadata=metadata)
+
+
+def _forward_to_stderr(line: str) -> None:
+    """The stage's own stdout/stderr: into this step's captured stderr (the UI's compute logs)."""
+    print(line, file=sys.stderr, flush=True)
+
+
+def _exit_reason(returncode: int, over_ssh: bool) -> str:
+    if over_ssh and returncode == 255:
+        return "ssh connection failed or was lost (exit 255)"
+    if returncode > 128:
+        return f"killed by signal {returncode - 128} (exit {returncode})"
+    return f"exit {returncode}"
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+def preflight_summary(report: Mapping[str, Any]) -> str:
+    gpus = report.get("gpus") or []
+    gpu_part = f"{len(gpus)} GPU(s)" if gpus else f"no GPU, CPU allowed by {report.get('cpu_allowed_by')}"
+    modules = report.get("modules") or {}
+    return f"{len(modules)} modules import, {gpu_part}, python {report.get('python_version')}"
+
+
+def preflight_metadata(report: Mapping[str, Any]) -> dict[str, Any]:
+    """What the pre-flight checked, as metadata the UI shows next to the materialisation."""
+    metadata: dict[str, Any] = {
+        "gpu_host/preflight_ok": bool(report.get("ok")),
+        "gpu_host/host": str(report.get("host")),
+        "gpu_host/python": f"{report.get('python')} ({report.get('python_version', '?')})",
+    }
+    if report.get("failures"):
+        metadata["gpu_host/preflight_failures"] = MetadataValue.json(list(report["failures"]))
+    if "modules" in report:
+        metadata["gpu_host/modules"] = MetadataValue.json(report["modules"])
+    if "gpus" in report:
+        rows = ["| GPU | used MiB | total MiB | free MiB |", "| --- | --- | --- | --- |"]
+        rows += [f"| {g['index']} | {g['used_mib']} | {g['total_mib']} | {g['free_mib']} |" for g in report["gpus"]]
+        metadata["gpu_host/gpus"] = MetadataValue.md("\n".join(rows) if report["gpus"] else f"no GPU ({report.get('gpu_note')})")
+    lock = report.get("lock") or {}
+    if lock.get("path"):
+        metadata["gpu_host/lock"] = MetadataValue.path(lock["path"])
+    if report.get("systemd"):
+        metadata["gpu_host/systemd_units"] = MetadataValue.json(report["systemd"])
+    if report.get("disk"):
+        metadata["gpu_host/disk_free_bytes"] = int(report["disk"]["free_bytes"])
+        metadata["gpu_host/disk_needed_bytes"] = int(report["disk"]["needed_bytes"])
+    if report.get("partial_files"):
+        metadata["gpu_host/partial_files_found"] = int(report["partial_files"]["found"])
+        metadata["gpu_host/partial_files_removed"] = int(report["partial_files"]["removed"])
+    return metadata
+
+
+def gpu_host_from_env() -> GPUHost:
+    """The deployment's GPU host from the environment (the README's table); every field stays editable per run.
+
+    ``EAGLE3_GPU_HOST`` is ``local`` (default) or ``ssh://[user@]host[:port]``.
+    """
+    where = os.environ.get("EAGLE3_GPU_HOST") or "local"
+    fields: dict[str, Any] = {}
+    if where != "local":
+        url = urlsplit(where)
+        if url.scheme != "ssh" or not url.hostname:
+            raise ValueError(f"EAGLE3_GPU_HOST={where!r}: expected 'local' or 'ssh://[user@]host[:port]'")
+        fields.update(mode="ssh", ssh_host=url.hostname, ssh_port=url.port or 22, ssh_user=url.username or "")
+        fields["python"] = os.environ.get("EAGLE3_GPU_HOST_PYTHON") or "python3"
+    elif os.environ.get("EAGLE3_GPU_HOST_PYTHON"):
+        fields["python"] = os.environ["EAGLE3_GPU_HOST_PYTHON"]
+    for field_name, variable in (
+        ("working_dir", "EAGLE3_GPU_HOST_WORKDIR"),
+        ("data_dir", "EAGLE3_GPU_HOST_DATA_DIR"),
+        ("ssh_identity_file", "EAGLE3_SSH_IDENTITY_FILE"),
+        ("ssh_known_hosts", "EAGLE3_SSH_KNOWN_HOSTS"),
+        ("ssh_known_hosts_file", "EAGLE3_SSH_KNOWN_HOSTS_FILE"),
+    ):
+        if os.environ.get(variable):
+            fields[field_name] = os.environ[variable]
+    if os.environ.get("EAGLE3_GPU_HOST_ALLOW_CPU"):
+        fields["allow_cpu"] = os.environ["EAGLE3_GPU_HOST_ALLOW_CPU"].lower() in {"1", "true", "yes"}
+    return GPUHost(**fields)

@@ -1,0 +1,291 @@
+"""The GPU host resource over real SSH: a real ``sshd`` on a loopback port, real Dagster runs.
+
+The fixture starts Debian's OpenSSH server (``/usr/sbin/sshd``, installed by
+``.ci/run``) as the current user with a throw-away host key and a throw-away
+client key; the "remote" host is this machine, reached through sshd, so the
+stage runs in an SSH session exactly as on a GPU host.
+"""
+
+
+import getpass
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from dagster import (
+    AssetCheckSpec,
+    AssetExecutionContext,
+    DagsterEventType,
+    DagsterInstance,
+    DagsterRunStatus,
+    asset,
+    materialize,
+)
+
+from eagle3_assets.core.preflight import StageRequirements, lock_holder, process_cmdline
+from eagle3_assets.core.vllm_launcher import free_port
+from eagle3_assets.gpu_host_ready import gpu_host_ready_job
+from resources.gpu_host import GPU_POOL, STAGE_REQUIREMENTS, GPUHost, ensure_gpu_pool_limit
+
+REPO = Path(__file__).resolve().parents[1]
+STAGE = "host_probe"
+
+
+@dataclass(frozen=True)
+class SSHServer:
+    port: int
+    user: str
+    identity_file: Path
+    known_hosts_file: Path
+    log: Path
+
+    def host(self, data_dir: Path, **fields) -> GPUHost:
+        settings = {
+            "mode": "ssh",
+            "ssh_host": "127.0.0.1",
+            "ssh_port": self.port,
+            "ssh_user": self.user,
+            "ssh_identity_file": str(self.identity_file),
+            "ssh_known_hosts": "strict",
+            "ssh_known_hosts_file": str(self.known_hosts_file),
+            "python": sys.executable,
+            "working_dir": str(REPO),
+            "data_dir": str(data_dir),
+            "termination_grace_s": 6.0,
+        }
+        return GPUHost(**{**settings, **fields})
+
+
+@pytest.fixture(scope="module")
+def sshd(tmp_path_factory) -> SSHServer:
+    binary = shutil.which("sshd") or "/usr/sbin/sshd"
+    if not os.path.exists(binary):
+        pytest.fail("sshd not found: install Debian's openssh-server (.ci/run does: apt-get install -y openssh-server)")
+    root = tmp_path_factory.mktemp("sshd")
+    for name in ("host_key", "client_key"):
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", name, "-f", str(root / name)], check=True)
+    (root / "authorized_keys").write_text((root / "client_key.pub").read_text())
+    port, user = free_port(), getpass.getuser()
+    config = root / "sshd_config"
+    config.write_text(
+        "\n".join(
+            [
+                f"Port {port}",
+                "ListenAddress 127.0.0.1",
+                f"HostKey {root / 'host_key'}",
+                f"PidFile {root / 'sshd.pid'}",
+                f"AuthorizedKeysFile {root / 'authorized_keys'}",
+                f"AllowUsers {user}",
+                "PubkeyAuthentication yes",
+                "PasswordAuthentication no",
+                "KbdInteractiveAuthentication no",
+                "PermitRootLogin prohibit-password",
+                "UsePAM no",
+                "StrictModes no",
+                "",
+            ]
+        )
+    )
+    if os.geteuid() == 0:
+        os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # sshd's privilege separation directory
+    known_hosts = root / "known_hosts"
+    known_hosts.write_text(f"[127.0.0.1]:{port} {(root / 'host_key.pub').read_text()}")
+    log = root / "sshd.log"
+    with open(log, "wb") as log_file:
+        server = subprocess.Popen([binary, "-D", "-e", "-f", str(config)], stdout=log_file, stderr=subprocess.STDOUT)
+    ssh = SSHServer(port, user, root / "client_key", known_hosts, log)
+    try:
+        deadline = time.monotonic() + 20
+        probe = ssh.host(root).ssh_target().ssh_argv("exec true")
+        while subprocess.run(probe, capture_output=True).returncode != 0:
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"sshd did not start (exit {server.poll()}):\n{log.read_text()}")
+            time.sleep(0.2)
+        yield ssh
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+
+
+def probe_asset(modules: list[str], requirements: StageRequirements | None = None, hold_s: float = 0):
+    @asset(name="probe", check_specs=[AssetCheckSpec("modules_import", asset="probe", blocking=True)])
+    def probe(context: AssetExecutionContext, gpu_host: GPUHost):
+        extras = {"modules": modules, "check_name": "modules_import", "hold_s": hold_s}
+        return gpu_host.run_stage(context, STAGE, extras, requirements=requirements).get_materialize_result()
+
+    return probe
+
+
+def test_a_stage_runs_over_ssh_and_its_logs_metadata_and_check_arrive_in_dagster(sshd, data_dir):
+    instance = DagsterInstance.ephemeral()
+    host = sshd.host(data_dir)
+    result = materialize([probe_asset(["json", "polars"])], resources={"gpu_host": host}, instance=instance)
+    assert result.success
+    (materialization,) = result.asset_materializations_for_node("probe")
+    metadata = {k: v.value for k, v in materialization.metadata.items()}
+    assert metadata["ssh_connection"].split()[2:] == ["127.0.0.1", str(sshd.port)], "the stage ran in the SSH session"
+    assert metadata["modules"]["polars"] and metadata["modules"]["json"]
+    assert metadata["gpu_host/preflight_ok"] is True
+    assert metadata["gpu_host/host"].endswith(f"({sshd.user}@127.0.0.1:{sshd.port})")
+    assert metadata["gpu_host/modules"]["dagster_pipes"]
+    assert (data_dir / STAGE / "probe.json").is_file()
+    (check,) = result.get_asset_check_evaluations()
+    assert check.check_name == "modules_import" and check.passed
+    logs = [e.message for e in instance.all_logs(result.run_id) if e.is_dagster_event is False]
+    assert any("host_probe: probing 2 modules" in m for m in logs), "the stage's log lines arrive in the run"
+    assert lock_holder(host.host_lock_dir() + f"/{STAGE}.lock") is None, "the lock ends with the stage"
+
+
+def test_a_failed_preflight_stops_the_stage_before_it_starts(sshd, data_dir):
+    requirements = StageRequirements(modules=["eagle3_no_such_module"], cpu_allowed=True)
+    result = materialize(
+        [probe_asset(["json"], requirements)],
+        resources={"gpu_host": sshd.host(data_dir)},
+        instance=DagsterInstance.ephemeral(),
+        raise_on_error=False,
+    )
+    assert not result.success
+    (failure,) = [e for e in result.all_events if e.event_type == DagsterEventType.STEP_FAILURE]
+    error = failure.step_failure_data.user_failure_data
+    assert f"GPU host {sshd.user}@127.0.0.1:{sshd.port} is not ready for stage {STAGE}" in error.description
+    assert "- module eagle3_no_such_module: does not import in" in error.description
+    assert error.metadata["gpu_host/preflight_ok"].value is False
+    assert not (data_dir / STAGE / "probe.json").exists(), "the stage never ran"
+
+
+def test_an_injection_attempt_in_the_data_dir_stays_a_directory_name(sshd, tmp_path):
+    marker = tmp_path / "pwned-by-substitution"
+    data = tmp_path / f"x; touch /tmp/pwned; $(touch {marker}); `touch {marker}`"
+    Path("/tmp/pwned").unlink(missing_ok=True)
+    host = sshd.host(data, working_dir=str(REPO), lock_dir=str(data / "locks; touch /tmp/pwned"))
+    result = materialize([probe_asset(["json"])], resources={"gpu_host": host}, instance=DagsterInstance.ephemeral())
+    assert result.success
+    assert (data / STAGE / "probe.json").is_file(), "the hostile name was used as a directory, verbatim"
+    assert not Path("/tmp/pwned").exists() and not marker.exists()
+
+
+def test_cancelling_the_run_kills_the_remote_stage(sshd, data_dir, tmp_path):
+    """Terminating a run delivers SIGINT to the run's process (what Dagster's run launcher does);
+    the stage's process group on the far side of SSH must go with it."""
+    dagster_home = tmp_path / "dagster_home"
+    dagster_home.mkdir()
+    (dagster_home / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
+    host = sshd.host(data_dir)
+    run = subprocess.Popen(
+        [sys.executable, "-c", CANCELLED_RUN_SOURCE, json.dumps(host.model_dump())],
+        cwd=REPO,
+        env={**os.environ, "DAGSTER_HOME": str(dagster_home)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    lock = Path(host.host_lock_dir()) / f"{STAGE}.lock"
+    holder, deadline = None, time.monotonic() + 90
+    while not (holder and holder.get("stage_pid_alive")):
+        assert run.poll() is None and time.monotonic() < deadline, run.stdout.read().decode()[-3000:] if run.poll() is not None else "timed out"
+        time.sleep(0.2)
+        holder = lock_holder(str(lock))
+    stage_pid, runner_pid = holder["stage_pid"], holder["pid"]
+    assert "eagle3_assets.stages.host_probe" in holder["stage_pid_cmdline"]
+    assert process_cmdline(stage_pid) is not None
+    time.sleep(1.0)  # the stage is holding (hold_s): it has started its work
+
+    run.send_signal(signal.SIGINT)
+    output = run.communicate(timeout=60)[0].decode()
+    deadline = time.monotonic() + 20
+    while (process_cmdline(stage_pid) or process_cmdline(runner_pid)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert process_cmdline(stage_pid) is None, f"remote stage PID {stage_pid} survived the cancelled run"
+    assert process_cmdline(runner_pid) is None, f"remote runner PID {runner_pid} survived the cancelled run"
+    assert lock_holder(str(lock)) is None
+    assert not (data_dir / STAGE / "probe.json").exists(), "the stage was stopped before it finished"
+
+    instance = DagsterInstance.from_config(str(dagster_home))
+    (record,) = instance.get_run_records()
+    assert record.dagster_run.status in {DagsterRunStatus.CANCELED, DagsterRunStatus.FAILURE}, output[-2000:]
+    messages = [e.message for e in instance.all_logs(record.dagster_run.run_id)]
+    assert any("run terminated: stopping stage host_probe" in m for m in messages), output[-2000:]
+    # The stage never finished, yet its log line is in the run: messages stream while the stage runs.
+    assert any("host_probe: holding for 120s" in m for m in messages)
+    instance.dispose()
+
+
+def test_a_crashing_stage_fails_the_step_with_its_last_output_lines(data_dir):
+    # Local mode: the same runner and Pipes path without SSH. A bad extra makes the stage raise.
+    host = GPUHost(mode="local", working_dir=str(REPO))
+    result = materialize(
+        [probe_asset(["json"], hold_s="not a number")],
+        resources={"gpu_host": host},
+        instance=DagsterInstance.ephemeral(),
+        raise_on_error=False,
+    )
+    assert not result.success
+    (failure,) = [e for e in result.all_events if e.event_type == DagsterEventType.STEP_FAILURE]
+    message = failure.step_failure_data.error.cause.message  # the step error wraps the stage's
+    assert f"stage {STAGE} on local failed: exit 1" in message
+    assert "could not convert string to float: 'not a number'" in message, "the stage's traceback is in the error"
+    assert lock_holder(host.host_lock_dir() + f"/{STAGE}.lock") is None
+
+
+def test_an_unknown_host_key_is_refused(sshd, data_dir, tmp_path):
+    empty = tmp_path / "known_hosts"
+    empty.write_text("")
+    report = sshd.host(data_dir, ssh_known_hosts_file=str(empty)).preflight(STAGE)
+    assert report["failures"] == [f"ssh {sshd.user}@127.0.0.1:{sshd.port}: Host key verification failed."]
+
+
+def test_gpu_host_ready_runs_the_preflight_on_its_own_over_ssh(sshd, data_dir, monkeypatch):
+    host = sshd.host(data_dir)
+    # Only host_probe: other engineers' stages register themselves when their assets are imported.
+    config = {"ops": {"gpu_host_preflight": {"config": {"stages": [STAGE], "probe_modules": ["json"]}}}}
+    ready = gpu_host_ready_job.execute_in_process(resources={"gpu_host": host}, run_config=config, instance=DagsterInstance.ephemeral())
+    assert ready.success
+    (output,) = [e for e in ready.all_events if e.event_type == DagsterEventType.STEP_OUTPUT]
+    metadata = output.step_output_data.metadata
+    assert metadata["preflight/host_probe"].value["ok"] is True
+    assert metadata["host_probe"].value["ssh_connection"], "host_probe ran over SSH"
+
+    monkeypatch.setitem(STAGE_REQUIREMENTS, "host_probe", StageRequirements(modules=["eagle3_no_such_module"], cpu_allowed=True))
+    not_ready = gpu_host_ready_job.execute_in_process(
+        resources={"gpu_host": host}, run_config=config, instance=DagsterInstance.ephemeral(), raise_on_error=False
+    )
+    assert not not_ready.success
+    (failure,) = [e for e in not_ready.all_events if e.event_type == DagsterEventType.STEP_FAILURE]
+    assert "- host_probe: module eagle3_no_such_module: does not import" in failure.step_failure_data.user_failure_data.description
+
+
+def test_the_gpu_pool_gets_a_limit_of_one_unless_one_is_set(tmp_path, monkeypatch):
+    monkeypatch.delenv("EAGLE3_GPU_POOL_LIMIT", raising=False)
+    limits = {}
+    for name, preset in (("fresh", None), ("operator_set", 2)):
+        home = tmp_path / name
+        home.mkdir()
+        (home / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
+        with DagsterInstance.from_config(str(home)) as instance:
+            if preset is not None:
+                instance.event_log_storage.set_concurrency_slots(GPU_POOL, preset)
+            limits[name] = ensure_gpu_pool_limit(instance)
+            assert instance.event_log_storage.get_concurrency_info(GPU_POOL).slot_count == limits[name]
+    assert limits == {"fresh": 1, "operator_set": 2}, "one GPU stage at a time by default; an operator's limit is kept"
+
+
+CANCELLED_RUN_SOURCE = """
+import json, sys
+from dagster import AssetExecutionContext, DagsterInstance, asset, materialize
+from resources.gpu_host import GPUHost
+
+@asset(name="long_probe")
+def long_probe(context: AssetExecutionContext, gpu_host: GPUHost):
+    return gpu_host.run_stage(context, "host_probe", {"modules": [], "hold_s": 120}).get_materialize_result()
+
+host = GPUHost(**json.loads(sys.argv[1]))
+with DagsterInstance.get() as instance:
+    result = materialize([long_probe], resources={"gpu_host": host}, instance=instance, raise_on_error=False)
+print("run finished, success:", result.success, flush=True)
+"""
