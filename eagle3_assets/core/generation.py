@@ -1,0 +1,653 @@
+"""Regenerate reasoning traces through an OpenAI-compatible server (vLLM, SGLang), fast and resumably.
+
+Why a hand-written client and not the ``openai`` SDK: the SDK's httpx transport
+becomes the bottleneck at the concurrency a GPU server needs (measured here at
+concurrency 64 against an instant stub: plain aiohttp ~3,100 requests/s, the
+SDK ~217/s; see DESIGN.md section 3 and ``bench/generation.py``). The wire
+format is still exactly OpenAI's chat completions, so any server that speaks it
+works.
+
+What the client gets right, because the story this project comes from got it wrong:
+
+- one read timeout long enough for a whole generation (default 1,800 s), apart
+  from a short connect timeout; a request that times out reading is *not*
+  re-sent (re-sending slow requests makes retry storms);
+- retries with exponential backoff and jitter on connection errors, 408, 429
+  and 5xx only; a 400 (a bad request stays bad) is recorded, never retried;
+- the reasoning is read from ``message.reasoning`` (vLLM since late 2025) and
+  else from ``message.reasoning_content`` (older vLLM, SGLang), and every row
+  records which field carried it;
+- a pre-flight (``/health``, ``/v1/models``, one canary request that must come
+  back with reasoning) runs before the first sample is sent, so a server without
+  a reasoning parser fails the run at once instead of after 10,000 requests;
+- every finished row goes to the shard's journal (:mod:`.journal`) as it
+  arrives; a rerun sends only the ids not yet durable, and rows that ended in an
+  error are sent again.
+
+Nothing here imports Dagster: the asset (``eagle3_assets/raw_responses.py``)
+is a thin wrapper, and the benchmark drives this module directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import time
+import urllib.parse
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import polars as pl
+
+from eagle3_assets.core.journal import ShardJournal, parquet_fingerprint
+from eagle3_assets.core.storage import stable_hash
+
+# The contract of ``<data>/raw_responses/<shard>.parquet`` (one row per prompt).
+ROW_SCHEMA: dict[str, pl.DataType] = {
+    "id": pl.String(),
+    "reasoning": pl.String(),
+    "content": pl.String(),
+    "reasoning_field": pl.String(),  # "reasoning" | "reasoning_content" | "none"
+    "finish_reason": pl.String(),
+    "prompt_tokens": pl.Int64(),
+    "completion_tokens": pl.Int64(),
+    "latency_s": pl.Float64(),  # of the attempt whose outcome the row records
+    "server": pl.String(),  # base URL that answered ("" when no request was sent)
+    "model": pl.String(),
+    "attempts": pl.Int64(),  # requests sent for this row in its run (0: never sent)
+    "error": pl.String(),  # "<kind>: <detail>", null on success
+}
+
+REASONING_FIELDS = ("reasoning", "reasoning_content")  # in order of preference
+_JSON = json.JSONEncoder(ensure_ascii=False)  # one encoder for every request body, not one per call
+SAMPLE_ID_HEADER = "X-Eagle3-Sample-Id"  # lets server logs (and the tests' fault proxy) name the sample
+CANARY_ID = "eagle3-canary"
+DEFAULT_CANARY_PROMPT = "What is 17 + 25? Think it through step by step, then give the answer."
+
+# Error kinds (the part of ``error`` before the colon).
+PROMPT_TOO_LONG = "prompt_too_long"
+HTTP_ERROR = "http"
+CONNECTION_ERROR = "connection"
+READ_TIMEOUT = "read_timeout"
+MALFORMED_RESPONSE = "malformed_response"
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """Everything the client needs; the Dagster resource builds one (``VLLMServerResource.generation_config``)."""
+
+    base_urls: tuple[str, ...]
+    model: str
+    api_key: str | None = field(default=None, repr=False)  # never printed, never part of a fingerprint
+    concurrency: int = 128
+    max_tokens: int = 8192
+    sampling: Mapping[str, Any] = field(default_factory=lambda: {"temperature": 0.6, "top_p": 0.95})
+    extra_body: Mapping[str, Any] = field(default_factory=dict)
+    connect_timeout_s: float = 10.0
+    read_timeout_s: float = 1800.0
+    max_retries: int = 5
+    backoff_initial_s: float = 1.0
+    backoff_max_s: float = 60.0
+    # So many samples in a row ending with retries exhausted means the server is gone:
+    # stop (the journal keeps what is done) rather than fill the shard with error rows.
+    max_consecutive_failures: int = 64
+
+    def __post_init__(self) -> None:
+        if not self.base_urls:
+            raise ValueError("vllm_server.base_urls is empty: give at least one server URL")
+        for url in self.base_urls:
+            parsed = urllib.parse.urlparse(url)
+            if parsed.scheme not in ("http", "https") or not parsed.netloc:
+                raise ValueError(f"vllm_server.base_urls: {url!r} is not an http(s) URL such as http://127.0.0.1:8000")
+        if self.concurrency < 1 or self.max_tokens < 1 or self.max_retries < 0:
+            raise ValueError("vllm_server: concurrency and max_tokens must be >= 1, max_retries >= 0")
+
+    @property
+    def servers(self) -> tuple[str, ...]:
+        return tuple(u.rstrip("/").removesuffix("/v1") for u in self.base_urls)
+
+    def request_fields(self) -> dict[str, Any]:
+        """The request body without the messages: model, max_tokens, sampling, extra_body (merged last)."""
+        fields: dict[str, Any] = {"model": self.model, "max_tokens": self.max_tokens}
+        fields.update({k: v for k, v in self.sampling.items() if v is not None})
+        fields.update(self.extra_body)
+        return fields
+
+    def identity(self) -> dict[str, Any]:
+        """What decides the responses (lineage): the model and the request fields, never URLs or secrets."""
+        return self.request_fields()
+
+
+@dataclass(frozen=True)
+class Sample:
+    id: str
+    messages: list[dict[str, str]]
+
+
+class PreflightError(RuntimeError):
+    """The server is not fit for the run; raised before any sample is sent."""
+
+
+class ServerUnavailableError(RuntimeError):
+    """Too many samples in a row failed after all retries; the run stops, the journal keeps what is done."""
+
+
+@dataclass
+class PreflightReport:
+    servers: list[str]
+    max_model_len: int | None  # the smallest over the servers
+    models: dict[str, dict[str, Any]]  # per server: the /v1/models entry of the model
+    canary_reasoning_field: str
+    canary_reasoning: str
+
+
+def parse_completion(payload: Any) -> dict[str, Any]:
+    """The fields of one chat completion that a row keeps; ValueError when the shape is not a completion."""
+    if not isinstance(payload, dict):
+        raise ValueError(f"expected a JSON object, got {type(payload).__name__}")
+    choices = payload.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        raise ValueError("no choices[0] in the response")
+    choice = choices[0]
+    message = choice.get("message")
+    if not isinstance(message, dict):
+        raise ValueError("choices[0].message is missing")
+    content = message.get("content")
+    if content is not None and not isinstance(content, str):
+        raise ValueError("message.content is not a string")
+    reasoning, reasoning_field = None, "none"
+    for name in REASONING_FIELDS:
+        value = message.get(name)
+        if isinstance(value, str) and value:
+            reasoning, reasoning_field = value, name
+            break
+    usage = payload.get("usage") if isinstance(payload.get("usage"), dict) else {}
+    return {
+        "reasoning": reasoning,
+        "content": content,
+        "reasoning_field": reasoning_field,
+        "finish_reason": choice.get("finish_reason"),
+        "prompt_tokens": _int_or_none(usage.get("prompt_tokens")),
+        "completion_tokens": _int_or_none(usage.get("completion_tokens")),
+    }
+
+
+def prompt_tokens_upper_bound(messages: Sequence[Mapping[str, str]]) -> int:
+    """A bound on the prompt's token count that needs no tokenizer.
+
+    A token covers at least one byte (byte-level BPE, SentencePiece with byte
+    fallback), and a chat template adds a few tokens per message. Prompts under
+    the bound's limit cannot be too long, so only the rare long ones are counted
+    exactly (``/tokenize``).
+    """
+    return sum(len(str(m.get("content", "")).encode()) + 16 for m in messages) + 64
+
+
+class GenerationClient:
+    """One aiohttp session over every server; ``complete`` never raises for a sample's failure."""
+
+    def __init__(self, config: GenerationConfig):
+        self.config = config
+        self._session: aiohttp.ClientSession | None = None
+        self._servers = config.servers
+        self._inflight: dict[str, int] = {s: 0 for s in self._servers}
+        self._turn = 0
+        self._fields = config.request_fields()  # built once: this runs per request at thousands/s
+
+    async def __aenter__(self) -> GenerationClient:
+        headers = {"Content-Type": "application/json"}
+        if self.config.api_key:
+            headers["Authorization"] = f"Bearer {self.config.api_key}"
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=self.config.concurrency + 8, limit_per_host=0),
+            # sock_read bounds the wait for the (non-streamed) response: one whole generation.
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout_s, sock_read=self.config.read_timeout_s),
+            headers=headers,
+        )
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError("GenerationClient used outside `async with`")
+        return self._session
+
+    def _pick_server(self, avoid: str | None = None) -> str:
+        """The server with the fewest requests in flight (rotating among ties), avoiding the one that just failed."""
+        servers = self._servers
+        if len(servers) == 1:
+            return servers[0]
+        self._turn = (self._turn + 1) % len(servers)
+        order = servers[self._turn :] + servers[: self._turn]
+        candidates = [s for s in order if s != avoid] or list(order)
+        return min(candidates, key=self._inflight.__getitem__)
+
+    def _backoff_s(self, attempt: int, retry_after: str | None) -> float:
+        """Exponential backoff with jitter (half fixed, half random), or the server's Retry-After if longer."""
+        ceiling = min(self.config.backoff_max_s, self.config.backoff_initial_s * 2 ** (attempt - 1))
+        delay = ceiling / 2 + random.uniform(0, ceiling / 2)
+        try:
+            delay = max(delay, min(float(retry_after), self.config.backoff_max_s)) if retry_after else delay
+        except ValueError:
+            pass  # an HTTP-date Retry-After: keep our own backoff
+        return delay
+
+    # ------------------------------------------------------------ pre-flight
+    async def preflight(self, canary_prompt: str = DEFAULT_CANARY_PROMPT, canary_max_tokens: int = 512) -> PreflightReport:
+        """``/health``, ``/v1/models`` and one canary completion with reasoning on every server, or PreflightError."""
+        models: dict[str, dict[str, Any]] = {}
+        for server in self.config.servers:
+            status, body = await self._get(server, "/health")
+            if status != 200:
+                raise PreflightError(f"vLLM server {server}: /health answered HTTP {status}: {_excerpt(body)}")
+            status, body = await self._get(server, "/v1/models")
+            if status in (401, 403):
+                raise PreflightError(f"vLLM server {server}: /v1/models answered HTTP {status}: the API key is missing or wrong (set VLLM_API_KEY)")
+            if status != 200:
+                raise PreflightError(f"vLLM server {server}: /v1/models answered HTTP {status}: {_excerpt(body)}")
+            try:
+                listed = {m["id"]: m for m in json.loads(body)["data"]}
+            except (ValueError, KeyError, TypeError):
+                raise PreflightError(f"vLLM server {server}: /v1/models did not return a model list: {_excerpt(body)}") from None
+            if self.config.model not in listed:
+                raise PreflightError(
+                    f"vLLM server {server} does not serve model {self.config.model!r} (it serves {sorted(listed)}); "
+                    "set vllm_server.served_model_name to one of them"
+                )
+            models[server] = listed[self.config.model]
+        lengths = [m["max_model_len"] for m in models.values() if isinstance(m.get("max_model_len"), int)]
+        max_model_len = min(lengths) if lengths else None
+        if max_model_len is not None and self.config.max_tokens > max_model_len:
+            raise PreflightError(
+                f"vllm_server.max_tokens={self.config.max_tokens} exceeds the server's max_model_len={max_model_len} "
+                "(vLLM rejects every such request): lower max_tokens or serve with a longer --max-model-len"
+            )
+        canary = Sample(CANARY_ID, [{"role": "user", "content": canary_prompt}])
+        canary_row: dict[str, Any] = {}
+        for server in self.config.servers:
+            canary_row = await self.complete(canary, max_tokens=min(self.config.max_tokens, canary_max_tokens), server=server)
+            if canary_row["error"]:
+                raise PreflightError(f"vLLM server {server}: the canary request failed: {canary_row['error']}")
+            if not (canary_row["reasoning"] or "").strip():
+                raise PreflightError(
+                    f"vLLM server {server}: the canary response carries no reasoning (neither message.reasoning nor "
+                    f"message.reasoning_content; finish_reason={canary_row['finish_reason']!r}, content starts "
+                    f"{(canary_row['content'] or '')[:80]!r}). Serve the model with a --reasoning-parser for it, and check "
+                    "that its chat template lets it think (extra_body.chat_template_kwargs)."
+                )
+        return PreflightReport(
+            servers=list(self.config.servers),
+            max_model_len=max_model_len,
+            models=models,
+            canary_reasoning_field=canary_row["reasoning_field"],
+            canary_reasoning=canary_row["reasoning"][:200],
+        )
+
+    async def _get(self, server: str, path: str) -> tuple[int, bytes]:
+        try:
+            async with self.session.get(server + path, timeout=aiohttp.ClientTimeout(total=60, sock_connect=self.config.connect_timeout_s)) as resp:
+                return resp.status, await resp.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            raise PreflightError(f"vLLM server {server}: {path} did not answer: {_describe(exc)}") from None
+
+    async def prompt_tokens(self, messages: Sequence[Mapping[str, str]], sample_id: str) -> int | None:
+        """The prompt's exact token count from vLLM's ``/tokenize`` (None when the server has no such endpoint)."""
+        server = self._pick_server()
+        body = {"model": self.config.model, "messages": list(messages), "add_generation_prompt": True}
+        body.update({k: v for k, v in self.config.extra_body.items() if k == "chat_template_kwargs"})
+        try:
+            async with self.session.post(server + "/tokenize", json=body, headers={SAMPLE_ID_HEADER: _header_value(sample_id)}) as resp:
+                if resp.status != 200:
+                    return None
+                count = (await resp.json(content_type=None)).get("count")
+                return count if isinstance(count, int) else None
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError):
+            return None
+
+    # ------------------------------------------------------------ one sample
+    async def complete(self, sample: Sample, max_tokens: int | None = None, server: str | None = None) -> dict[str, Any]:
+        """One row for ``sample``: the response, or the error it ended in after the retries the error allows.
+
+        The row carries ``_retries_exhausted`` (dropped before it is journaled)
+        so that the caller can tell a server that is gone from a bad sample.
+        """
+        fields = dict(self._fields)
+        if max_tokens is not None:
+            fields["max_tokens"] = max_tokens
+        fields["messages"] = sample.messages
+        body = _JSON.encode(fields).encode()
+        headers = {SAMPLE_ID_HEADER: _header_value(sample.id)}
+        attempts, chosen = 0, ""
+        while True:
+            attempts += 1
+            chosen = server or self._pick_server(avoid=chosen or None)
+            started = time.perf_counter()
+            retry_after: str | None = None
+            self._inflight[chosen] += 1
+            try:
+                async with self.session.post(chosen + "/v1/chat/completions", data=body, headers=headers) as resp:
+                    status, payload = resp.status, await resp.read()
+                    if status != 200:
+                        retry_after = resp.headers.get("Retry-After")
+            except aiohttp.SocketTimeoutError:
+                latency = time.perf_counter() - started
+                detail = f"{READ_TIMEOUT}: no response within {self.config.read_timeout_s:g}s (not retried: a re-sent slow request only adds load)"
+                return self._error_row(sample, detail, chosen, attempts, latency)
+            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as exc:
+                status, payload, error = None, b"", f"{CONNECTION_ERROR}: {_describe(exc)}"
+            finally:
+                self._inflight[chosen] -= 1
+            latency = time.perf_counter() - started
+            if status == 200:
+                try:
+                    parsed = parse_completion(json.loads(payload))
+                except ValueError as exc:  # JSONDecodeError is a ValueError
+                    return self._error_row(sample, f"{MALFORMED_RESPONSE}: {exc}; body starts {_excerpt(payload)}", chosen, attempts, latency)
+                return {"id": sample.id, **parsed, "latency_s": latency, "server": chosen, "model": self.config.model, "attempts": attempts, "error": None}
+            if status is not None:
+                error = f"{HTTP_ERROR} {status}: {_error_message(payload)}"
+                if not _retryable_status(status):
+                    return self._error_row(sample, error, chosen, attempts, latency)
+            if attempts > self.config.max_retries:
+                row = self._error_row(sample, f"{error} (after {attempts} attempts)", chosen, attempts, latency)
+                row["_retries_exhausted"] = True
+                return row
+            await asyncio.sleep(self._backoff_s(attempts, retry_after))
+
+    def _error_row(self, sample: Sample, error: str, server: str, attempts: int, latency_s: float) -> dict[str, Any]:
+        return {
+            "id": sample.id, "reasoning": None, "content": None, "reasoning_field": "none", "finish_reason": None,
+            "prompt_tokens": None, "completion_tokens": None, "latency_s": latency_s, "server": server,
+            "model": self.config.model, "attempts": attempts, "error": error,
+        }  # fmt: skip
+
+
+# ------------------------------------------------------------------ a shard
+@dataclass
+class Progress:
+    """What the run log shows every few seconds."""
+
+    done: int
+    total: int
+    errors: int
+    output_tokens_per_s: float
+    elapsed_s: float
+    eta_s: float | None
+
+    def line(self) -> str:
+        eta = "?" if self.eta_s is None else _duration(self.eta_s)
+        share = self.done / self.total if self.total else 1.0
+        return (
+            f"{self.done}/{self.total} rows ({share:.0%}), {self.errors} errors, "
+            f"{self.output_tokens_per_s:,.0f} output tok/s, elapsed {_duration(self.elapsed_s)}, ETA {eta}"
+        )
+
+
+@dataclass
+class ShardOutcome:
+    frame: pl.DataFrame  # the shard's rows, as written to Parquet
+    preflight: PreflightReport
+    reused: int  # rows already durable (journal or earlier Parquet) and not sent again
+    sent: int  # samples this run sent (or settled without a request)
+    wall_s: float  # of the generation, pre-flight excluded
+    output_tokens: int  # completion tokens generated by this run
+    set_aside: Path | None  # a journal of other inputs, moved aside
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.output_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+
+def generation_fingerprint(samples: Sequence[Sample], config: GenerationConfig) -> str:
+    """What a shard's rows are made of: the prompts themselves and the generation identity.
+
+    A journal or Parquet file with another fingerprint is never resumed from.
+    """
+    return stable_hash({"prompts": [[s.id, s.messages] for s in samples], "generation": config.identity()})
+
+
+def generate_shard(
+    config: GenerationConfig,
+    samples: Sequence[Sample],
+    journal_path: Path,
+    parquet_path: Path,
+    *,
+    log: Callable[[str], None] = print,
+    progress_interval_s: float = 5.0,
+    canary_prompt: str = DEFAULT_CANARY_PROMPT,
+    canary_max_tokens: int = 512,
+) -> ShardOutcome:
+    """Pre-flight, then generate every sample of a shard not yet durable, then write the shard's Parquet.
+
+    Raises PreflightError before anything is written when the server is unfit,
+    and ServerUnavailableError (journal kept) when the server goes away mid-shard.
+    """
+    return asyncio.run(
+        _generate_shard(config, samples, Path(journal_path), Path(parquet_path), log, progress_interval_s, canary_prompt, canary_max_tokens)
+    )
+
+
+async def _generate_shard(
+    config: GenerationConfig,
+    samples: Sequence[Sample],
+    journal_path: Path,
+    parquet_path: Path,
+    log: Callable[[str], None],
+    progress_interval_s: float,
+    canary_prompt: str,
+    canary_max_tokens: int,
+) -> ShardOutcome:
+    ids = [s.id for s in samples]
+    duplicated = [i for i, n in Counter(ids).items() if n > 1]
+    if duplicated:
+        raise ValueError(f"{len(duplicated)} sample ids occur more than once in the shard (first: {duplicated[:5]}); ids must be unique")
+    async with GenerationClient(config) as client:
+        report = await client.preflight(canary_prompt, canary_max_tokens)
+        log(
+            f"pre-flight ok: {', '.join(report.servers)} serve {config.model!r} (max_model_len {report.max_model_len}); "
+            f"canary reasoning in message.{report.canary_reasoning_field}"
+        )
+
+        fingerprint = generation_fingerprint(samples, config)
+        journal = ShardJournal(journal_path, fingerprint)
+        rows = journal.load()
+        if journal.set_aside:
+            log(f"journal {journal_path.name} was written for other prompts or sampling; moved aside to {journal.set_aside.name}")
+        seed: list[dict[str, Any]] = []
+        if not rows and parquet_fingerprint(parquet_path) == fingerprint:
+            # Re-materialising a finished shard with unchanged inputs: keep its good rows, retry its errors.
+            seed = [r for r in pl.read_parquet(parquet_path).to_dicts() if r["error"] is None]
+            rows = {r["id"]: r for r in seed}
+        wanted = set(ids)
+        reused = sum(1 for i, r in rows.items() if i in wanted and r.get("error") is None)
+        pending = [s for s in samples if rows.get(s.id, {}).get("error", "retry") is not None]
+        if reused:
+            log(f"resuming: {reused} of {len(samples)} rows already durable; {len(pending)} to send (earlier error rows are sent again)")
+
+        run = _ShardRun(client, journal, rows, pending, len(samples), reused, report.max_model_len, config, log)
+        journal.open(seed)
+        started = time.perf_counter()
+        try:
+            await run.execute(progress_interval_s)
+        finally:
+            journal.close()  # everything finished is durable, also when the run fails
+        wall_s = time.perf_counter() - started
+        log(run.progress(wall_s).line())
+
+    frame = journal.finalize(parquet_path, ids, rows, ROW_SCHEMA)
+    return ShardOutcome(frame, report, reused, len(pending), wall_s, run.output_tokens, journal.set_aside)
+
+
+class _ShardRun:
+    """The workers of one shard: ``concurrency`` coroutines that share the list of pending samples."""
+
+    def __init__(self, client, journal, rows, pending, total, reused, max_model_len, config, log):
+        self.client: GenerationClient = client
+        self.journal: ShardJournal = journal
+        self.rows: dict[str, dict[str, Any]] = rows
+        self.pending: list[Sample] = pending
+        self.total, self.reused = total, reused
+        self.max_model_len: int | None = max_model_len
+        self.config: GenerationConfig = config
+        self.log = log
+        self.finished = self.errors = self.output_tokens = 0
+        self.consecutive_failures = 0
+        self.abort: str | None = None
+        self.started = time.perf_counter()
+
+    async def execute(self, progress_interval_s: float) -> None:
+        queue = iter(self.pending)
+        self.started = time.perf_counter()
+        ticker = asyncio.create_task(self._report_every(progress_interval_s))
+        workers = [asyncio.create_task(self._work(queue)) for _ in range(min(self.config.concurrency, len(self.pending)))]
+        try:
+            await asyncio.gather(*workers)
+        except BaseException:
+            for worker in workers:  # one failed (e.g. the disk): stop the others before the session closes
+                worker.cancel()
+            raise
+        finally:
+            ticker.cancel()
+        if self.abort:
+            raise ServerUnavailableError(self.abort)
+
+    async def _work(self, queue) -> None:
+        for sample in queue:  # a shared iterator: each sample goes to exactly one worker
+            if self.abort:
+                return
+            may_be_too_long = self.max_model_len is not None and prompt_tokens_upper_bound(sample.messages) >= self.max_model_len
+            row = await (self._checked(sample) if may_be_too_long else self.client.complete(sample))
+            exhausted = row.pop("_retries_exhausted", False)
+            self.rows[sample.id] = row
+            self.journal.append(row)
+            self.finished += 1
+            self.output_tokens += row["completion_tokens"] or 0
+            if row["error"]:
+                self.errors += 1
+            self.consecutive_failures = self.consecutive_failures + 1 if exhausted else 0
+            if self.consecutive_failures >= self.config.max_consecutive_failures and not self.abort:
+                self.abort = (
+                    f"{self.consecutive_failures} samples in a row failed after {self.config.max_retries} retries "
+                    f"(last: {row['error']}); the server looks unavailable. The journal keeps the "
+                    f"{self.reused + self.finished - self.errors} finished rows: rerun the shard to resume."
+                )
+
+    async def _checked(self, sample: Sample) -> dict[str, Any]:
+        """A prompt that might not fit: count it exactly; settle it without a generation request if it does not fit."""
+        assert self.max_model_len is not None
+        count = await self.client.prompt_tokens(sample.messages, sample.id)
+        if count is None:  # no /tokenize (not vLLM): let the server judge
+            return await self.client.complete(sample)
+        if count >= self.max_model_len:
+            return self.client._error_row(sample, f"{PROMPT_TOO_LONG}: {count} prompt tokens >= max_model_len {self.max_model_len}; not sent", "", 0, 0.0)
+        return await self.client.complete(sample, max_tokens=min(self.config.max_tokens, self.max_model_len - count))
+
+    def progress(self, now: float | None = None) -> Progress:
+        elapsed = (time.perf_counter() - self.started) if now is None else now
+        left = len(self.pending) - self.finished
+        rate = self.finished / elapsed if elapsed > 0 else 0.0
+        return Progress(
+            done=self.reused + self.finished,
+            total=self.total,
+            errors=self.errors,
+            output_tokens_per_s=self.output_tokens / elapsed if elapsed > 0 else 0.0,
+            elapsed_s=elapsed,
+            eta_s=left / rate if rate > 0 else (0.0 if left == 0 else None),
+        )
+
+    async def _report_every(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            self.log(self.progress().line())
+
+
+# --------------------------------------------------------------- reporting
+def shard_summary(frame: pl.DataFrame) -> dict[str, Any]:
+    """The figures of a finished shard (Dagster-free; the asset turns them into metadata)."""
+    errors = frame.filter(pl.col("error").is_not_null())
+    ok = frame.filter(pl.col("error").is_null())
+    no_reasoning = ok.filter(pl.col("reasoning").fill_null("").str.strip_chars() == "")
+    latency = ok["latency_s"]
+    return {
+        "rows": frame.height,
+        "errors": errors.height,
+        "errors_by_kind": dict(Counter(e.split(":", 1)[0] for e in errors["error"].to_list())),
+        "error_examples": [f"{r['id']}: {r['error'][:160]}" for r in errors.head(10).iter_rows(named=True)],
+        "rows_without_reasoning": no_reasoning.height,
+        "rows_without_reasoning_ids": no_reasoning["id"].head(10).to_list(),
+        "finish_reasons": dict(Counter(str(r) for r in ok["finish_reason"].to_list())),
+        "reasoning_fields": dict(Counter(ok["reasoning_field"].to_list())),
+        "completion_tokens": int(ok["completion_tokens"].fill_null(0).sum()),
+        "latency_p50_s": float(latency.quantile(0.5, "nearest")) if ok.height else None,
+        "latency_p95_s": float(latency.quantile(0.95, "nearest")) if ok.height else None,
+    }
+
+
+def completion_length_histogram(lengths: Sequence[int], bins: int = 12, width: int = 30) -> str:
+    """A markdown bar chart of completion lengths (Dagster's UI renders markdown metadata)."""
+    values = [v for v in lengths if v is not None]
+    if not values:
+        return "_no completions_"
+    low, top = min(values), max(values)
+    step = max(1, math.ceil((top - low + 1) / bins))
+    counts = Counter((v - low) // step for v in values)
+    most = max(counts.values())
+    lines = ["| completion tokens | rows | |", "|---:|---:|:---|"]
+    for b in range(max(counts) + 1):
+        n = counts.get(b, 0)
+        bar = f"`{'█' * max(1, round(width * n / most))}`" if n else ""
+        lines.append(f"| {low + b * step}–{low + (b + 1) * step - 1} | {n} | {bar} |")
+    lines.append(f"\n{len(values)} completions; median {sorted(values)[len(values) // 2]}, max {top} tokens.")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ helpers
+def _retryable_status(status: int) -> bool:
+    return status in (408, 429) or 500 <= status < 600
+
+
+def _error_message(payload: bytes) -> str:
+    """The server's error message (OpenAI error JSON), else the start of the body."""
+    try:
+        body = json.loads(payload)
+        message = body.get("error", {}).get("message") if isinstance(body.get("error"), dict) else body.get("message")
+        if message:
+            return str(message)[:300]
+    except (ValueError, AttributeError):
+        pass
+    return _excerpt(payload)
+
+
+def _excerpt(payload: bytes, limit: int = 120) -> str:
+    return repr(payload[:limit].decode("utf-8", errors="replace"))
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _header_value(sample_id: str) -> str:
+    return urllib.parse.quote(sample_id, safe="")
+
+
+def _int_or_none(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}h{minutes:02d}m" if hours else (f"{minutes}m{secs:02d}s" if minutes else f"{secs}s")

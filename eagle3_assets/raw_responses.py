@@ -1,0 +1,170 @@
+"""``raw_responses``: the target's own reasoning and answer for every prompt of a shard.
+
+Reads ``<data>/prompts/<shard>.parquet``, sends each prompt to the vLLM server
+(``vllm_server`` resource) and writes ``<data>/raw_responses/<shard>.parquet``
+with exactly one row per prompt (the response, or the error it ended in). While
+it runs, finished rows go to ``<shard>.journal.jsonl``: a rerun after a crash
+sends only what is not durable yet, plus the rows that ended in an error.
+
+The step runs in the Dagster pool ``vllm_generation`` so that a backfill of many
+shards does not multiply the requests in flight (see the README).
+"""
+
+import urllib.parse
+
+import polars as pl
+from dagster import (
+    AssetCheckResult,
+    AssetCheckSeverity,
+    AssetCheckSpec,
+    AssetExecutionContext,
+    AssetKey,
+    DataVersion,
+    Failure,
+    MaterializeResult,
+    MetadataValue,
+    asset,
+)
+
+from eagle3_assets.core.generation import (
+    PreflightError,
+    Sample,
+    ServerUnavailableError,
+    completion_length_histogram,
+    generate_shard,
+    shard_summary,
+)
+from eagle3_assets.core.storage import asset_dir, file_hash, stable_hash
+from eagle3_assets.partitions import sample_shards
+from eagle3_assets.prompts import prompts
+from resources.vllm_server import GENERATION_POOL, VLLMServerResource
+
+MAX_ERROR_SHARE = 0.02
+DATA_VERSION_TAG = "dagster/data_version"
+
+
+@asset(
+    partitions_def=sample_shards,
+    deps=[prompts],
+    group_name="generation",
+    pool=GENERATION_POOL,
+    code_version="1",
+    kinds={"vllm", "parquet"},
+    check_specs=[
+        AssetCheckSpec(
+            "one_row_per_prompt", asset="raw_responses", blocking=True,
+            description="the shard's Parquet holds exactly one row per prompt id of the shard, none missing, none twice",
+        ),
+        AssetCheckSpec(
+            "errors_rare", asset="raw_responses",
+            description=f"at most {MAX_ERROR_SHARE:.0%} of the rows ended in an error (a rerun of the shard retries them)",
+        ),
+    ],
+)  # fmt: skip
+def raw_responses(context: AssetExecutionContext, vllm_server: VLLMServerResource) -> MaterializeResult:
+    """The target's reasoning and answer for every prompt of the shard, regenerated through vLLM; resumable after a crash."""
+    key = context.partition_key
+    prompts_path = asset_dir("prompts") / f"{key}.parquet"
+    if not prompts_path.is_file():
+        raise Failure(f"raw_responses {key}: the shard's prompts are missing ({prompts_path}); materialise `prompts` for {key} first")
+    prompt_rows = pl.read_parquet(prompts_path, columns=["id", "messages"])
+    samples = [Sample(r["id"], r["messages"]) for r in prompt_rows.iter_rows(named=True)]
+    config = vllm_server.generation_config()
+
+    out = asset_dir("raw_responses")
+    parquet_path = out / f"{key}.parquet"
+    context.log.info(
+        f"{key}: {len(samples)} prompts -> {vllm_server.served_model_name} on {len(config.servers)} server(s), "
+        f"{config.concurrency} in flight, max_tokens {config.max_tokens}"
+    )
+    try:
+        outcome = generate_shard(
+            config,
+            samples,
+            out / f"{key}.journal.jsonl",
+            parquet_path,
+            log=lambda line: context.log.info(f"{key}: {line}"),
+            progress_interval_s=vllm_server.progress_interval_s,
+            canary_prompt=vllm_server.canary_prompt,
+            canary_max_tokens=vllm_server.canary_max_tokens,
+        )
+    except PreflightError as exc:
+        raise Failure(f"raw_responses {key}: pre-flight failed, nothing was sent: {exc}") from None
+    except ServerUnavailableError as exc:
+        raise Failure(f"raw_responses {key}: stopped: {exc}") from None
+
+    frame, summary = outcome.frame, shard_summary(outcome.frame)
+    error_share = summary["errors"] / frame.height if frame.height else 0.0
+    written_ids = pl.read_parquet(parquet_path, columns=["id"])["id"]
+    expected_ids = prompt_rows["id"]
+    duplicated = written_ids.filter(written_ids.is_duplicated()).unique().to_list()
+    missing = sorted(set(expected_ids) - set(written_ids))
+    extra = sorted(set(written_ids) - set(expected_ids))
+    context.log.info(
+        f"{key}: {frame.height} rows, {summary['errors']} errors, {summary['rows_without_reasoning']} without reasoning, "
+        f"finish reasons {summary['finish_reasons']}"
+    )
+
+    version = stable_hash({"prompts": _prompts_version(context, key, prompts_path), "generation": config.identity()})
+    return MaterializeResult(
+        data_version=DataVersion(version),
+        metadata={
+            "path": MetadataValue.path(str(parquet_path)),
+            "dagster/row_count": frame.height,
+            "model": config.model,
+            "servers": MetadataValue.json([_without_credentials(u) for u in config.servers]),
+            "max_model_len": outcome.preflight.max_model_len,
+            "sampling": MetadataValue.json({k: v for k, v in config.identity().items() if k != "model"}),
+            "reused_rows": outcome.reused,
+            "sent_rows": outcome.sent,
+            "errors": summary["errors"],
+            "errors_by_kind": MetadataValue.json(summary["errors_by_kind"]),
+            "rows_without_reasoning": summary["rows_without_reasoning"],
+            "finish_reasons": MetadataValue.json(summary["finish_reasons"]),
+            "reasoning_fields": MetadataValue.json(summary["reasoning_fields"]),
+            "output_tokens_per_s": round(outcome.output_tokens_per_s, 1),
+            "generation_wall_s": round(outcome.wall_s, 2),
+            "latency_p50_s": summary["latency_p50_s"],
+            "latency_p95_s": summary["latency_p95_s"],
+            "completion_lengths": MetadataValue.md(completion_length_histogram(frame["completion_tokens"].to_list())),
+        },
+        check_results=[
+            AssetCheckResult(
+                check_name="one_row_per_prompt",
+                passed=not (duplicated or missing or extra) and written_ids.len() == expected_ids.len(),
+                severity=AssetCheckSeverity.ERROR,
+                metadata={
+                    "prompts": expected_ids.len(),
+                    "rows": written_ids.len(),
+                    "missing_ids": MetadataValue.json(missing[:10]),
+                    "duplicated_ids": MetadataValue.json(duplicated[:10]),
+                    "unexpected_ids": MetadataValue.json(extra[:10]),
+                },
+            ),
+            AssetCheckResult(
+                check_name="errors_rare",
+                passed=error_share <= MAX_ERROR_SHARE,
+                severity=AssetCheckSeverity.WARN,
+                metadata={
+                    "error_share": error_share,
+                    "threshold": MAX_ERROR_SHARE,
+                    "errors_by_kind": MetadataValue.json(summary["errors_by_kind"]),
+                    "examples": MetadataValue.json(summary["error_examples"]),
+                },
+            ),
+        ],
+    )
+
+
+def _prompts_version(context: AssetExecutionContext, key: str, prompts_path) -> str:
+    """The data version ``prompts`` recorded for this shard, else (no record in this instance) the file's hash."""
+    record = context.instance.get_latest_data_version_record(AssetKey("prompts"), is_source=False, partition_key=key)
+    materialization = record.asset_materialization if record else None
+    tag = materialization.tags.get(DATA_VERSION_TAG) if materialization and materialization.tags else None
+    return tag or f"file:{file_hash(prompts_path)}"
+
+
+def _without_credentials(url: str) -> str:
+    parts = urllib.parse.urlsplit(url)
+    host = parts.netloc.rsplit("@", 1)[-1]
+    return urllib.parse.urlunsplit((parts.scheme, host, parts.path, parts.query, parts.fragment))

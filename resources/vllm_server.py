@@ -1,0 +1,113 @@
+"""The vLLM server (or any OpenAI-compatible one) that regenerates the reasoning traces.
+
+In production it is a long-running service on the GPU host; the platform only
+talks to it over HTTP. Every field is a knob in the UI's launchpad; the
+defaults come from the environment (:meth:`VLLMServerResource.from_env`):
+
+- ``EAGLE3_VLLM_URLS``: comma-separated base URLs (default ``http://127.0.0.1:8000``);
+  requests are spread over them, fewest in flight first;
+- ``EAGLE3_SERVED_MODEL``: the served model name (default ``tiny-reasoner``, the demo's);
+- ``VLLM_API_KEY``: the API key, passed as a Dagster ``EnvVar`` so that the
+  value is never shown in the launchpad, the logs or the metadata.
+
+The Dagster pool :data:`GENERATION_POOL` holds generation steps: with its limit
+at 1 (the default), a backfill of many shards generates one shard at a time, so
+in-flight requests stay at ``concurrency`` instead of shards x concurrency.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from dagster import ConfigurableResource, DagsterInstance, EnvVar
+from pydantic import Field
+
+from eagle3_assets.core.generation import DEFAULT_CANARY_PROMPT, GenerationConfig
+from eagle3_assets.core.vllm_launcher import DEFAULT_SERVED_NAME
+
+DEFAULT_BASE_URL = "http://127.0.0.1:8000"
+URLS_ENV = "EAGLE3_VLLM_URLS"
+MODEL_ENV = "EAGLE3_SERVED_MODEL"
+API_KEY_ENV = "VLLM_API_KEY"
+
+GENERATION_POOL = "vllm_generation"
+POOL_LIMIT_ENV = "EAGLE3_GENERATION_POOL_LIMIT"
+DEFAULT_POOL_LIMIT = 1
+
+
+class VLLMServerResource(ConfigurableResource):
+    """Where and how to generate: servers, model, sampling, timeouts, retries, concurrency."""
+
+    base_urls: list[str] = Field(default=[DEFAULT_BASE_URL], description="base URLs of the servers (no /v1); requests are spread over them")
+    served_model_name: str = Field(default=DEFAULT_SERVED_NAME, description="the model name the server serves (vLLM's --served-model-name)")
+    api_key: str | None = Field(default=None, description=f"bearer token; set it with EnvVar('{API_KEY_ENV}'), never as a literal")
+    concurrency: int = Field(default=128, gt=0, description="requests in flight per run (per shard being generated)")
+    max_tokens: int = Field(default=8192, gt=0, description="completion token limit per request, reasoning included")
+    temperature: float = Field(default=0.6, ge=0, description="sampling temperature (match how the target is served)")
+    top_p: float = Field(default=0.95, gt=0, le=1)
+    top_k: int | None = Field(default=None, description="vLLM extension; unset: the server's default")
+    min_p: float | None = Field(default=None, description="vLLM extension; unset: the server's default")
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = Field(default=None, description="vLLM extension; unset: the server's default")
+    seed: int | None = Field(default=None, description="per-request sampling seed; unset: random")
+    extra_body: dict[str, Any] = Field(
+        default={}, description="merged into every request body, e.g. {'chat_template_kwargs': {'thinking': true}}"
+    )
+    connect_timeout_s: float = Field(default=10.0, gt=0, description="to open a connection; failures are retried")
+    read_timeout_s: float = Field(default=1800.0, gt=0, description="for one whole generation; a read timeout is not retried")
+    max_retries: int = Field(default=5, ge=0, description="retries on connection errors, 408, 429 and 5xx (never on other 4xx)")
+    retry_backoff_s: float = Field(default=1.0, ge=0, description="first backoff; doubles per retry, with jitter")
+    retry_backoff_max_s: float = Field(default=60.0, ge=0)
+    max_consecutive_failures: int = Field(default=64, gt=0, description="samples in a row failing all retries before the run stops")
+    canary_prompt: str = Field(default=DEFAULT_CANARY_PROMPT, description="pre-flight request whose response must carry reasoning")
+    canary_max_tokens: int = Field(default=512, gt=0)
+    progress_interval_s: float = Field(default=5.0, gt=0, description="seconds between progress lines in the run log")
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> VLLMServerResource:
+        """The deployment's defaults: ``EAGLE3_VLLM_URLS``, ``EAGLE3_SERVED_MODEL``, ``VLLM_API_KEY``."""
+        urls = [u.strip() for u in (os.environ.get(URLS_ENV) or DEFAULT_BASE_URL).split(",") if u.strip()]
+        fields: dict[str, Any] = {"base_urls": urls, "served_model_name": os.environ.get(MODEL_ENV) or DEFAULT_SERVED_NAME}
+        if os.environ.get(API_KEY_ENV):  # an EnvVar of an unset variable fails the run: only pass it when set
+            fields["api_key"] = EnvVar(API_KEY_ENV)
+        return cls(**{**fields, **overrides})
+
+    def sampling(self) -> dict[str, Any]:
+        names = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed")
+        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+
+    def generation_config(self) -> GenerationConfig:
+        return GenerationConfig(
+            base_urls=tuple(self.base_urls),
+            model=self.served_model_name,
+            api_key=self.api_key or None,
+            concurrency=self.concurrency,
+            max_tokens=self.max_tokens,
+            sampling=self.sampling(),
+            extra_body=dict(self.extra_body),
+            connect_timeout_s=self.connect_timeout_s,
+            read_timeout_s=self.read_timeout_s,
+            max_retries=self.max_retries,
+            backoff_initial_s=self.retry_backoff_s,
+            backoff_max_s=self.retry_backoff_max_s,
+            max_consecutive_failures=self.max_consecutive_failures,
+        )
+
+
+def ensure_generation_pool_limit(instance: DagsterInstance, limit: int | None = None) -> int:
+    """Give the generation pool its limit unless someone already set one; return the limit in force.
+
+    The default is ``$EAGLE3_GENERATION_POOL_LIMIT`` or 1. A limit set by hand
+    (``dagster instance concurrency set vllm_generation N`` or the UI) is kept.
+    """
+    wanted = limit if limit is not None else int(os.environ.get(POOL_LIMIT_ENV) or DEFAULT_POOL_LIMIT)
+    storage = instance.event_log_storage
+    if not storage.supports_global_concurrency_limits:
+        return wanted
+    current = {pool.name: pool.limit for pool in storage.get_pool_limits()}
+    if GENERATION_POOL in current and current[GENERATION_POOL] is not None:
+        return current[GENERATION_POOL]
+    storage.set_concurrency_slots(GENERATION_POOL, wanted)
+    return wanted

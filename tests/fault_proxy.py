@@ -1,0 +1,204 @@
+"""``FaultProxy``: a FAKE for fault injection, in front of the real vLLM server.
+
+It forwards everything to the real server and, on chat-completion requests,
+injects what a production network and server do to a long generation run:
+5xx answers, connection resets, slow responses, a renamed or missing reasoning
+field, malformed JSON, chosen status codes for chosen samples, and a server
+that goes away. It counts chat-completion requests per sample id (the client
+names the sample in the ``X-Eagle3-Sample-Id`` header), which is how the tests
+prove that a resumed shard does not ask again for what was already durable.
+
+Faults are drawn deterministically from (seed, sample id, n-th request of that
+id), so a test sees the same faults on every run, and a retried request draws
+afresh (it can succeed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import threading
+import urllib.parse
+from collections import Counter
+from collections.abc import Iterable, Mapping
+
+import aiohttp
+from aiohttp import web
+
+from eagle3_assets.core.generation import SAMPLE_ID_HEADER
+
+FAULT_KINDS = ("5xx", "reset", "slow")
+HOP_BY_HOP = {"host", "content-length", "transfer-encoding", "connection", "keep-alive"}
+
+
+class FaultProxy:
+    """A reverse proxy (aiohttp, own thread and event loop) on a loopback port; use as a context manager."""
+
+    def __init__(
+        self,
+        upstream: str,
+        *,
+        fault_rate: float = 0.0,
+        fault_kinds: Iterable[str] = FAULT_KINDS,
+        slow_s: float = 1.0,
+        delay_s: float = 0.0,
+        rename_reasoning: bool = False,
+        drop_reasoning: bool = False,
+        malformed_ids: Iterable[str] = (),
+        status_for_ids: Mapping[str, int] | None = None,
+        unavailable_after: int | None = None,
+        seed: int = 0,
+    ):
+        self.upstream = upstream.rstrip("/")
+        self.fault_rate = fault_rate
+        self.fault_kinds = tuple(fault_kinds)
+        self.slow_s = slow_s
+        self.delay_s = delay_s
+        self.rename_reasoning = rename_reasoning
+        self.drop_reasoning = drop_reasoning
+        self.malformed_ids = set(malformed_ids)
+        self.status_for_ids = dict(status_for_ids or {})
+        self.unavailable_after = unavailable_after  # answer 503 to every chat request after this many
+        self.seed = seed
+        self._lock = threading.Lock()
+        self._counts: Counter[str] = Counter()  # chat-completion requests per sample id
+        self._tokenize_counts: Counter[str] = Counter()
+        self._injected: Counter[str] = Counter()
+        self._authorization: set[str] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._runner: web.AppRunner | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self.port: int | None = None
+
+    # ------------------------------------------------------------ observations
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def counts(self) -> Counter[str]:
+        with self._lock:
+            return Counter(self._counts)
+
+    def tokenize_counts(self) -> Counter[str]:
+        with self._lock:
+            return Counter(self._tokenize_counts)
+
+    def injected(self) -> Counter[str]:
+        with self._lock:
+            return Counter(self._injected)
+
+    def authorization_seen(self) -> set[str]:
+        with self._lock:
+            return set(self._authorization)
+
+    # ---------------------------------------------------------------- lifecycle
+    def __enter__(self) -> FaultProxy:
+        ready = threading.Event()
+        self._thread = threading.Thread(target=self._serve, args=(ready,), name="fault-proxy", daemon=True)
+        self._thread.start()
+        if not ready.wait(30) or self.port is None:
+            raise RuntimeError("FaultProxy did not start")
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        if self._loop is not None:
+            asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(30)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        if self._thread is not None:
+            self._thread.join(30)
+
+    def _serve(self, ready: threading.Event) -> None:
+        self._loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_until_complete(self._start())
+        ready.set()
+        self._loop.run_forever()
+        self._loop.close()
+
+    async def _start(self) -> None:
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_read=600))
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_route("*", "/{tail:.*}", self._handle)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = self._runner.addresses[0][1]
+
+    async def _shutdown(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self._session is not None:
+            await self._session.close()
+
+    # ----------------------------------------------------------------- handling
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        sample_id = urllib.parse.unquote(request.headers.get(SAMPLE_ID_HEADER, ""))
+        if "authorization" in request.headers:
+            with self._lock:
+                self._authorization.add(request.headers["authorization"])
+        if request.path == "/tokenize":
+            with self._lock:
+                self._tokenize_counts[sample_id] += 1
+        if request.path != "/v1/chat/completions":
+            return await self._forward(request, body)
+
+        with self._lock:
+            self._counts[sample_id] += 1
+            nth = self._counts[sample_id]
+            total = sum(self._counts.values())
+        if self.unavailable_after is not None and total > self.unavailable_after:
+            return self._inject("unavailable", web.json_response({"error": {"message": "server gone (FaultProxy)"}}, status=503))
+        if sample_id in self.status_for_ids:
+            status = self.status_for_ids[sample_id]
+            return self._inject(f"status_{status}", web.json_response({"error": {"message": f"injected {status} (FaultProxy)", "code": status}}, status=status))
+        draw = random.Random(f"{self.seed}:{sample_id}:{nth}")
+        if self.fault_kinds and draw.random() < self.fault_rate:
+            kind = draw.choice(self.fault_kinds)
+            if kind == "5xx":
+                status = draw.choice((500, 502, 503))
+                return self._inject("5xx", web.json_response({"error": {"message": f"injected {status} (FaultProxy)"}}, status=status))
+            if kind == "reset":
+                self._inject("reset", None)
+                request.transport.abort()  # drop the connection without an answer
+                raise ConnectionResetError("FaultProxy reset the connection")
+            if kind == "slow":
+                self._inject("slow", None)
+                await asyncio.sleep(self.slow_s)
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        if sample_id in self.malformed_ids:
+            await self._forward(request, body)  # the server does the work; the answer is garbled on the way back
+            return self._inject("malformed", web.Response(body=b'{"id": "chatcmpl-x", "choices": [{"message": {"reas', content_type="application/json"))
+
+        response = await self._forward(request, body, rewrite=self.rename_reasoning or self.drop_reasoning)
+        return response
+
+    def _inject(self, kind: str, response):
+        with self._lock:
+            self._injected[kind] += 1
+        return response
+
+    async def _forward(self, request: web.Request, body: bytes, rewrite: bool = False) -> web.Response:
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+        assert self._session is not None
+        async with self._session.request(request.method, self.upstream + request.path_qs, data=body, headers=headers) as upstream:
+            payload = await upstream.read()
+            status, content_type = upstream.status, upstream.content_type
+        if rewrite and status == 200:
+            payload = self._rewrite(payload)
+        return web.Response(body=payload, status=status, content_type=content_type)
+
+    def _rewrite(self, payload: bytes) -> bytes:
+        data = json.loads(payload)
+        for choice in data.get("choices", []):
+            message = choice.get("message") or {}
+            if self.drop_reasoning:
+                message.pop("reasoning", None)
+                message.pop("reasoning_content", None)
+            elif "reasoning" in message:
+                message["reasoning_content"] = message.pop("reasoning")
+        return json.dumps(data).encode()

