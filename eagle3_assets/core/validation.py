@@ -1,0 +1,572 @@
+"""Keep or reject each raw response, render the kept ones, and compute the quality gates.
+
+A row of ``raw_responses`` is kept when the request succeeded, the generation
+stopped on its own (``finish_reason == "stop"``; truncated rows only when
+allowed), reasoning and answer are non-empty, no think marker is left inside
+either (the reasoning parser did not split the text), it is not a repeat of an
+earlier row of the shard (same prompt, same response), and its rendered token
+sequence fits the maximum sequence length. Every other row goes to the
+rejected table with the first reason that applies, so the shard's rows are
+always accounted for.
+
+Memory: a shard of 10,000 traces of 8k tokens is ~300 MB of text and as much
+again as token ids. The shard is therefore streamed: a first pass over a few
+small columns (ids and response hashes) finds duplicates, a second pass reads
+the rows in batches, renders and tokenises each batch and writes it to a part
+file; the parts are then streamed into the shard's file. At no point is more
+than one batch of token ids, or more than one copy of the text, in memory.
+
+The gate computations are pure functions returning a :class:`CheckOutcome`
+(figure, threshold, up to 10 offending ids), so they are tested without Dagster
+and the asset only converts them.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import polars as pl
+
+from eagle3_assets.core.chat_rendering import ChatRenderer
+from eagle3_assets.core.prompt_loading import MESSAGES_DTYPE
+from eagle3_assets.core.storage import PARTIAL_SUFFIX, atomic_path, write_parquet_atomic
+
+MAX_OFFENDING_IDS = 10
+
+RAW_RESPONSES_SCHEMA: dict[str, pl.DataType] = {
+    "id": pl.String,
+    "reasoning": pl.String,
+    "content": pl.String,
+    "reasoning_field": pl.String,
+    "finish_reason": pl.String,
+    "prompt_tokens": pl.Int64,
+    "completion_tokens": pl.Int64,
+    "latency_s": pl.Float64,
+    "server": pl.String,
+    "model": pl.String,
+    "attempts": pl.Int64,
+    "error": pl.String,
+}
+# The columns validation reads; the others are the generation stage's bookkeeping.
+_RAW_COLUMNS_READ = ("id", "reasoning", "content", "reasoning_field", "finish_reason", "error")
+
+KEPT_SCHEMA: dict[str, pl.DataType] = {
+    "id": pl.String,
+    "messages": MESSAGES_DTYPE,
+    "reasoning": pl.String,
+    "content": pl.String,
+    "input_ids": pl.List(pl.Int32),
+    "loss_mask": pl.List(pl.Int8),
+    "num_tokens": pl.Int64,
+}
+REJECTED_SCHEMA: dict[str, pl.DataType] = {"id": pl.String, "reason": pl.String, "detail": pl.String}
+
+# Reason codes, in the order they are tested: a row gets the first that applies.
+REJECTION_REASONS: dict[str, str] = {
+    "request_error": "the request failed (raw `error` is set)",
+    "unknown_prompt": "the id is not a prompt of this shard (stale or foreign raw row)",
+    "duplicate_id": "an earlier raw row of the shard has the same id",
+    "truncated": "generation hit max_tokens (finish_reason 'length')",
+    "not_stopped": "generation ended for another reason than 'stop' (abort, error, repetition, none)",
+    "empty_reasoning": "no reasoning after stripping whitespace",
+    "empty_content": "no answer after stripping whitespace",
+    "think_markers_left": "a think marker is left inside the reasoning or the answer (the reasoning parser did not split the text)",
+    "duplicate_response": "an earlier row of the shard has the same prompt and the same response",
+    "template_error": "the target's chat template refused the prompt (e.g. roles that do not alternate)",
+    "too_long": "the rendered trace is longer than the maximum sequence length",
+}
+
+
+class ValidationInputError(ValueError):
+    """An input shard file is missing or does not follow its contract."""
+
+
+@dataclass(frozen=True)
+class ValidationRules:
+    max_seq_len: int
+    allow_truncated: bool = False
+
+    def __post_init__(self):
+        if self.max_seq_len <= 0:
+            raise ValueError(f"max_seq_len must be positive, got {self.max_seq_len}")
+
+
+@dataclass
+class ShardValidation:
+    """What one pass over a shard found; the inputs of every gate."""
+
+    raw_rows: int = 0
+    raw_ids: list[str] = field(default_factory=list)
+    prompt_ids: list[str] = field(default_factory=list)
+    ids_without_reasoning: list[str] = field(default_factory=list)
+    truncated_ids: list[str] = field(default_factory=list)
+    think_marker_ids: list[str] = field(default_factory=list)
+    reasoning_fields: dict[str, int] = field(default_factory=dict)
+    kept: int = 0
+    rejected_by_reason: dict[str, int] = field(default_factory=dict)
+    rejected_examples: list[str] = field(default_factory=list)
+    prompts_opening_think_block: int = 0
+
+    @property
+    def rejected(self) -> int:
+        return sum(self.rejected_by_reason.values())
+
+
+@dataclass(frozen=True)
+class CheckOutcome:
+    """A gate's verdict, figure and evidence; the asset turns it into an ``AssetCheckResult``."""
+
+    passed: bool
+    figure_name: str
+    figure: float | int
+    threshold: float | int
+    offending_ids: list[str]
+    description: str
+    counts: dict[str, int | float] = field(default_factory=dict)
+
+
+# -- reading ---------------------------------------------------------------------
+
+
+def scan_checked(path: Path, schema: dict[str, pl.DataType], what: str, columns: Sequence[str]) -> pl.LazyFrame:
+    """A lazy scan of an input shard file, after checking it exists and has the contract's columns and types."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValidationInputError(f"{what}: {path} does not exist (materialise that shard upstream first)")
+    try:
+        found = pl.scan_parquet(path).collect_schema()
+    except Exception as exc:  # polars raises several kinds for a non-parquet file
+        raise ValidationInputError(f"{what}: {path} is not a readable parquet file ({exc})") from exc
+    missing = [c for c in columns if c not in found]
+    if missing:
+        raise ValidationInputError(f"{what}: {path} lacks column(s) {missing} (has {list(found)})")
+    wrong = {c: f"{found[c]} (expected {schema[c]})" for c in columns if found[c] != schema[c] and found[c] != pl.Null}
+    if wrong:
+        raise ValidationInputError(f"{what}: {path} has column(s) of the wrong type: {wrong}")
+    return pl.scan_parquet(path).select([pl.col(c).cast(schema[c]) for c in columns])
+
+
+def scan_prompts(path: Path) -> pl.LazyFrame:
+    schema = {"id": pl.String, "messages": MESSAGES_DTYPE}
+    return scan_checked(path, schema, "prompts", ["id", "messages"]).unique("id", keep="first", maintain_order=True)
+
+
+def scan_raw_responses(path: Path) -> pl.LazyFrame:
+    return scan_checked(path, RAW_RESPONSES_SCHEMA, "raw_responses", _RAW_COLUMNS_READ)
+
+
+# -- row rules ---------------------------------------------------------------------
+
+
+def _blank(column: str) -> pl.Expr:
+    return pl.col(column).is_null() | (pl.col(column).str.strip_chars() == "")
+
+
+def _holds_markers(column: str, markers: Sequence[str]) -> pl.Expr:
+    expr = pl.lit(False)
+    for marker in markers:
+        expr = expr | pl.col(column).str.contains(marker, literal=True).fill_null(False)
+    return expr
+
+
+def duplicate_flags(raw: pl.LazyFrame, prompts: pl.LazyFrame) -> pl.DataFrame:
+    """Per raw row (by position): whether an earlier row has its id, or its prompt and response.
+
+    Compares two 64-bit hashes of (messages, reasoning, content) with different
+    seeds, so only ~16 bytes per row are held, not the text; a false duplicate
+    needs a 128-bit collision.
+    """
+    joined = raw.with_row_index("row_nr").join(prompts, on="id", how="left", maintain_order="left")
+    response = pl.struct("messages", "reasoning", "content")
+    hashes = joined.select("row_nr", "id", response.hash(1).alias("h1"), response.hash(2).alias("h2")).collect(engine="streaming")
+    return hashes.select(
+        "row_nr",
+        (~pl.col("id").is_first_distinct()).alias("is_duplicate_id"),
+        (~pl.struct("h1", "h2").is_first_distinct()).alias("is_duplicate_response"),
+    )
+
+
+def classify(raw: pl.LazyFrame, prompts: pl.LazyFrame, flags: pl.DataFrame, rules: ValidationRules, markers: Sequence[str]) -> pl.LazyFrame:
+    """Raw rows joined to their prompts, with ``reason``/``detail`` (null when kept so far) and the gates' per-row flags.
+
+    ``too_long`` is not decided here: it needs the rendered tokens.
+    """
+    has_markers = _holds_markers("reasoning", markers) | _holds_markers("content", markers)
+    finish = pl.col("finish_reason")
+    reason = (
+        pl.when(pl.col("error").is_not_null())
+        .then(pl.lit("request_error"))
+        .when(pl.col("messages").is_null())
+        .then(pl.lit("unknown_prompt"))
+        .when(pl.col("is_duplicate_id"))
+        .then(pl.lit("duplicate_id"))
+        .when((finish == "length").fill_null(False) & (not rules.allow_truncated))
+        .then(pl.lit("truncated"))
+        .when(~finish.is_in(["stop", "length"]).fill_null(False))
+        .then(pl.lit("not_stopped"))
+        .when(_blank("reasoning"))
+        .then(pl.lit("empty_reasoning"))
+        .when(_blank("content"))
+        .then(pl.lit("empty_content"))
+        .when(has_markers)
+        .then(pl.lit("think_markers_left"))
+        .when(pl.col("is_duplicate_response"))
+        .then(pl.lit("duplicate_response"))
+        .otherwise(pl.lit(None, dtype=pl.String))
+    )
+    detail = (
+        pl.when(reason == "request_error")
+        .then(pl.col("error").str.slice(0, 300))
+        .when(reason.is_in(["truncated", "not_stopped"]))
+        .then(pl.lit("finish_reason=") + finish.fill_null("null"))
+        .when(reason == "empty_reasoning")
+        .then(pl.lit("reasoning_field=") + pl.col("reasoning_field").fill_null("null"))
+        .when(reason.is_not_null())
+        .then(reason.replace_strict(REJECTION_REASONS, default=None))
+        .otherwise(pl.lit(None, dtype=pl.String))
+    )
+    return (
+        raw.with_row_index("row_nr")
+        .join(prompts, on="id", how="left", maintain_order="left")
+        .join(flags.lazy(), on="row_nr", how="left", maintain_order="left")
+        .with_columns(
+            reason=reason,
+            detail=detail,
+            has_reasoning=~_blank("reasoning"),
+            is_truncated=(finish == "length").fill_null(False),
+            has_markers=has_markers,
+            finished=(finish == "stop").fill_null(False),
+        )
+    )
+
+
+# -- the shard pass ----------------------------------------------------------------
+
+
+def validate_shard(
+    raw_path: Path,
+    prompts_path: Path,
+    renderer: ChatRenderer,
+    rules: ValidationRules,
+    kept_path: Path,
+    rejected_path: Path,
+    batch_rows: int = 128,
+) -> ShardValidation:
+    """Write the shard's kept traces and rejected rows; return what the gates need."""
+    raw, prompts = scan_raw_responses(raw_path), scan_prompts(prompts_path)
+    markers = (renderer.think_open, renderer.think_close)
+    summary = ShardValidation(prompt_ids=prompts.select("id").collect()["id"].to_list())
+    flags = duplicate_flags(raw, prompts)
+    rows = classify(raw, prompts, flags, rules, markers).select(
+        "id", "messages", "reasoning", "content", "reasoning_field", "reason", "detail", "has_reasoning", "is_truncated", "has_markers", "finished"
+    )
+
+    parts_dir = kept_path.parent / f".{kept_path.stem}.parts{PARTIAL_SUFFIX}"
+    shutil.rmtree(parts_dir, ignore_errors=True)  # a previous interrupted pass: redo, it is cheap next to generation
+    parts_dir.mkdir(parents=True)
+    part_paths: list[Path] = []
+    rejected_frames: list[pl.DataFrame] = []
+    try:
+        for batch in rows.collect_batches(chunk_size=batch_rows, engine="streaming"):
+            _tally(summary, batch)
+            rejected = batch.filter(pl.col("reason").is_not_null()).select(list(REJECTED_SCHEMA))
+            candidates = batch.filter(pl.col("reason").is_null())
+            kept, unrenderable = _render(candidates, renderer, rules)
+            rejected_frames.append(rejected)
+            if unrenderable.height:
+                rejected_frames.append(unrenderable)
+            summary.prompts_opening_think_block += int(kept.height and kept["_opened"].sum())
+            kept = kept.drop("_opened")
+            if kept.height:
+                part = parts_dir / f"part-{len(part_paths):05d}.parquet"
+                kept.write_parquet(part, row_group_size=batch_rows)
+                part_paths.append(part)
+            summary.kept += kept.height
+        with atomic_path(kept_path) as tmp:
+            if part_paths:
+                # small row groups: readers (the alignment gate, extraction) can stream the file
+                pl.scan_parquet(part_paths).sink_parquet(tmp, row_group_size=batch_rows, engine="streaming")
+            else:
+                pl.DataFrame(schema=KEPT_SCHEMA).write_parquet(tmp)
+    finally:
+        shutil.rmtree(parts_dir, ignore_errors=True)
+
+    rejected_all = pl.concat(rejected_frames, how="vertical") if rejected_frames else pl.DataFrame(schema=REJECTED_SCHEMA)
+    write_parquet_atomic(rejected_path, rejected_all.cast(REJECTED_SCHEMA))
+    summary.rejected_by_reason = dict(sorted(rejected_all.group_by("reason").len().iter_rows())) if rejected_all.height else {}
+    summary.rejected_examples = [f"{r['id']}: {r['reason']} ({r['detail']})" for r in rejected_all.head(MAX_OFFENDING_IDS).iter_rows(named=True)]
+    return summary
+
+
+def _tally(summary: ShardValidation, batch: pl.DataFrame) -> None:
+    summary.raw_rows += batch.height
+    summary.raw_ids.extend(batch["id"].to_list())
+    summary.ids_without_reasoning.extend(batch.filter(~pl.col("has_reasoning"))["id"].to_list())
+    summary.truncated_ids.extend(batch.filter(pl.col("is_truncated"))["id"].to_list())
+    summary.think_marker_ids.extend(batch.filter(pl.col("has_markers"))["id"].to_list())
+    for name, count in batch.group_by("reasoning_field").len().iter_rows():
+        summary.reasoning_fields[str(name)] = summary.reasoning_fields.get(str(name), 0) + count
+
+
+def _render(candidates: pl.DataFrame, renderer: ChatRenderer, rules: ValidationRules) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """Render and tokenise a batch; split off the rows the template refuses and those over the maximum length.
+
+    Returns (kept, rejected) frames.
+    """
+    rows = list(zip(candidates["messages"].to_list(), candidates["reasoning"].to_list(), candidates["content"].to_list(), candidates["finished"].to_list()))
+    refused: dict[int, str] = {}
+    try:
+        traces = renderer.render_batch(rows)
+    except Exception:  # some templates raise on one prompt's shape: find which rows, reject only those
+        traces = []
+        for position, row in enumerate(rows):
+            try:
+                traces.append(renderer.render_batch([row])[0])
+            except Exception as exc:
+                refused[position] = f"{type(exc).__name__}: {exc}"[:300]
+        if refused:
+            refused_rows = pl.DataFrame(
+                {"id": candidates["id"].gather(list(refused)), "reason": ["template_error"] * len(refused), "detail": list(refused.values())},
+                schema=REJECTED_SCHEMA,
+            )
+            candidates = candidates.filter(~pl.int_range(pl.len()).is_in(list(refused)))
+    lengths = [t.num_tokens for t in traces]
+    rendered = pl.DataFrame(
+        {
+            "id": candidates["id"],
+            "messages": candidates["messages"],
+            "reasoning": candidates["reasoning"],
+            "content": candidates["content"],
+            "input_ids": pl.Series([t.input_ids for t in traces], dtype=pl.List(pl.Int32)),
+            "loss_mask": pl.Series([t.loss_mask for t in traces], dtype=pl.List(pl.Int8)),
+            "num_tokens": pl.Series(lengths, dtype=pl.Int64),
+            "_opened": pl.Series([renderer.prompt_opens_think_block(t.prompt_text) for t in traces], dtype=pl.Boolean),
+        },
+        schema={**KEPT_SCHEMA, "_opened": pl.Boolean},
+    )
+    fits = pl.col("num_tokens") <= rules.max_seq_len
+    too_long = rendered.filter(~fits).select(
+        "id",
+        pl.lit("too_long").alias("reason"),
+        (pl.format("{} tokens > max_seq_len {}", pl.col("num_tokens"), pl.lit(rules.max_seq_len))).alias("detail"),
+    )
+    if refused:
+        too_long = pl.concat([refused_rows, too_long])
+    return rendered.filter(fits), too_long
+
+
+def mask_alignment_problems(kept_path: Path, raw_path: Path, renderer: ChatRenderer, batch_rows: int = 128) -> tuple[int, dict[str, str]]:
+    """Re-read the written traces in batches and return (rows checked, {id: problem}) for misaligned masks.
+
+    Reads what is on disk, not what the pass meant to write, and looks up each
+    trace's raw finish reason to know whether an end-of-turn token belongs to
+    the completion (a trace with no finished raw row must not end with one).
+    """
+    finished_ids = set(
+        scan_raw_responses(raw_path).filter(pl.col("finish_reason") == "stop").select("id").collect()["id"].to_list()
+    )
+    traces = pl.scan_parquet(kept_path).select("id", "messages", "reasoning", "content", "input_ids", "loss_mask")
+    checked, problems = 0, {}
+    for batch in traces.collect_batches(chunk_size=batch_rows, engine="streaming"):
+        for row in batch.iter_rows(named=True):
+            checked += 1
+            problem = renderer.supervised_text_problem(
+                row["input_ids"] or [],
+                row["loss_mask"] or [],
+                row["messages"] or [],
+                row["reasoning"] or "",
+                row["content"] or "",
+                finished=row["id"] in finished_ids,
+            )
+            if problem:
+                problems[row["id"]] = problem
+    return checked, problems
+
+
+def written_ids(path: Path) -> list[str]:
+    return pl.scan_parquet(path).select("id").collect()["id"].to_list()
+
+
+def written_token_lengths(kept_path: Path) -> list[int]:
+    return pl.scan_parquet(kept_path).select("num_tokens").collect()["num_tokens"].to_list()
+
+
+# -- the gates (pure) -------------------------------------------------------------
+
+
+def _first(ids: Iterable[str]) -> list[str]:
+    out = []
+    for sample_id in ids:
+        out.append(str(sample_id))
+        if len(out) == MAX_OFFENDING_IDS:
+            break
+    return out
+
+
+def check_traces_present(kept: int, rejected_by_reason: dict[str, int], rejected_examples: Sequence[str] = ()) -> CheckOutcome:
+    rejected = sum(rejected_by_reason.values())
+    description = (
+        f"{kept} of {kept + rejected} rows kept"
+        if kept
+        else f"every row of the shard was rejected ({rejected} rows: {rejected_by_reason or 'no raw rows at all'}); "
+        f"see the rejected table, e.g. {list(rejected_examples)[:3]}"
+    )
+    return CheckOutcome(
+        passed=kept > 0,
+        figure_name="kept_rows",
+        figure=kept,
+        threshold=1,
+        offending_ids=[],
+        description=description,
+        counts={"rejected": rejected},
+    )
+
+
+def check_reasoning_present(raw_rows: int, ids_without_reasoning: Sequence[str], min_share: float, reasoning_fields: dict[str, int] | None = None) -> CheckOutcome:
+    """The share of raw rows with non-empty reasoning must reach ``min_share``.
+
+    The story's failure: a client that read the wrong response field wrote
+    hundreds of rows with empty reasoning. ``reasoning_fields`` (which field
+    the server answered in) points straight at that cause.
+    """
+    with_reasoning = raw_rows - len(ids_without_reasoning)
+    share = with_reasoning / raw_rows if raw_rows else 0.0
+    passed = raw_rows > 0 and share >= min_share
+    if not raw_rows:
+        description = "the shard has no raw responses"
+    else:
+        description = f"{with_reasoning} of {raw_rows} raw rows have reasoning ({share:.1%}; at least {min_share:.0%} required)"
+        if not passed:
+            description += (
+                f"; response fields seen: {reasoning_fields or {}}. Is the server's reasoning parser on, "
+                "and does the client read `message.reasoning` (vLLM) before `reasoning_content`?"
+            )
+    return CheckOutcome(
+        passed=passed,
+        figure_name="reasoning_share",
+        figure=share,
+        threshold=min_share,
+        offending_ids=_first(ids_without_reasoning),
+        description=description,
+        counts={"raw_rows": raw_rows, "rows_without_reasoning": len(ids_without_reasoning)},
+    )
+
+
+def check_responses_accounted(raw_ids: Sequence[str], prompt_ids: Sequence[str], kept_ids: Sequence[str], rejected_ids: Sequence[str]) -> CheckOutcome:
+    """Raw rows = kept + rejected, raw ids unique, and every prompt of the shard answered (and nothing else)."""
+    raw_set, prompt_set = set(raw_ids), set(prompt_ids)
+    seen: set[str] = set()
+    duplicated = [i for i in raw_ids if i in seen or seen.add(i)]
+    missing = [i for i in prompt_ids if i not in raw_set]
+    foreign = [i for i in dict.fromkeys(raw_ids) if i not in prompt_set]
+    unaccounted = len(raw_ids) - len(kept_ids) - len(rejected_ids)
+    outcome_ids = set(kept_ids) | set(rejected_ids)
+    lost = [i for i in dict.fromkeys(raw_ids) if i not in outcome_ids]
+    problems = []
+    if unaccounted or lost:
+        problems.append(f"{len(raw_ids)} raw rows but {len(kept_ids)} kept + {len(rejected_ids)} rejected")
+    if duplicated:
+        problems.append(f"{len(duplicated)} duplicate raw id(s), e.g. {_first(duplicated)[:3]}")
+    if missing:
+        problems.append(f"{len(missing)} prompt(s) of the shard have no raw response, e.g. {_first(missing)[:3]}")
+    if foreign:
+        problems.append(f"{len(foreign)} raw id(s) are not prompts of the shard, e.g. {_first(foreign)[:3]}")
+    count = abs(unaccounted) + len(lost) + len(duplicated) + len(missing) + len(foreign)
+    return CheckOutcome(
+        passed=not problems,
+        figure_name="unaccounted",
+        figure=count,
+        threshold=0,
+        offending_ids=_first([*missing, *duplicated, *foreign, *lost]),
+        description="; ".join(problems) if problems else f"all {len(prompt_ids)} prompts answered once; {len(raw_ids)} raw rows = {len(kept_ids)} kept + {len(rejected_ids)} rejected",
+        counts={
+            "raw_rows": len(raw_ids),
+            "prompts": len(prompt_ids),
+            "kept": len(kept_ids),
+            "rejected": len(rejected_ids),
+            "missing_prompts": len(missing),
+            "duplicate_ids": len(duplicated),
+            "foreign_ids": len(foreign),
+        },
+    )
+
+
+def check_loss_mask_aligned(rows_checked: int, problems: dict[str, str]) -> CheckOutcome:
+    """Every kept row supervises exactly the target's output (reasoning, markers, answer, end of turn)."""
+    examples = [f"{i}: {p}" for i, p in list(problems.items())[:3]]
+    return CheckOutcome(
+        passed=not problems,
+        figure_name="misaligned_rows",
+        figure=len(problems),
+        threshold=0,
+        offending_ids=_first(problems),
+        description=f"{len(problems)} of {rows_checked} kept rows misaligned: {examples}" if problems else f"all {rows_checked} kept rows aligned",
+        counts={"rows_checked": rows_checked},
+    )
+
+
+def check_truncation_rate_low(raw_rows: int, truncated_ids: Sequence[str], max_rate: float) -> CheckOutcome:
+    rate = len(truncated_ids) / raw_rows if raw_rows else 0.0
+    return CheckOutcome(
+        passed=rate <= max_rate,
+        figure_name="truncation_rate",
+        figure=rate,
+        threshold=max_rate,
+        offending_ids=_first(truncated_ids),
+        description=f"{len(truncated_ids)} of {raw_rows} generations hit max_tokens ({rate:.1%}; at most {max_rate:.0%} expected)"
+        + ("" if rate <= max_rate else ": raise max_tokens, or allow_truncated to keep them"),
+        counts={"truncated_rows": len(truncated_ids)},
+    )
+
+
+def check_think_markers_absent(raw_rows: int, marker_ids: Sequence[str], markers: Sequence[str]) -> CheckOutcome:
+    return CheckOutcome(
+        passed=not marker_ids,
+        figure_name="rows_with_think_markers",
+        figure=len(marker_ids),
+        threshold=0,
+        offending_ids=_first(marker_ids),
+        description=(
+            f"{len(marker_ids)} of {raw_rows} raw rows still hold {' / '.join(markers)} in their reasoning or answer: "
+            "is the server's reasoning parser the target's?"
+            if marker_ids
+            else f"no think markers left in {raw_rows} raw rows"
+        ),
+    )
+
+
+# -- token-length statistics ---------------------------------------------------------
+
+
+def token_length_stats(lengths: Sequence[int]) -> dict[str, float]:
+    """p50/p95 by nearest rank (an actual trace length: the ceil(q*n)-th smallest), max and mean."""
+    if not lengths:
+        return {"p50": 0, "p95": 0, "max": 0, "mean": 0.0}
+    ordered = sorted(lengths)
+
+    def rank(q: float) -> int:
+        return int(ordered[max(0, math.ceil(q * len(ordered)) - 1)])
+
+    return {"p50": rank(0.5), "p95": rank(0.95), "max": int(ordered[-1]), "mean": round(sum(ordered) / len(ordered), 1)}
+
+
+def token_length_histogram_markdown(lengths: Sequence[int], bins: int = 12, bar_width: int = 40) -> str:
+    """A histogram as a markdown table of bars, which the Dagster UI renders as is."""
+    if not lengths:
+        return "_no kept traces_"
+    low, high = min(lengths), max(lengths)
+    width = max(1, -(-(high - low + 1) // bins))  # ceil: equal-width bins covering [low, high]
+    counts = [0] * (((high - low) // width) + 1)
+    for n in lengths:
+        counts[(n - low) // width] += 1
+    peak = max(counts)
+    lines = ["| tokens | rows | |", "| ---: | ---: | :--- |"]
+    for i, count in enumerate(counts):
+        start = low + i * width
+        bar = "█" * round(bar_width * count / peak) if count else ""
+        lines.append(f"| {start}–{start + width - 1} | {count} | {bar} |")
+    return "\n".join(lines)

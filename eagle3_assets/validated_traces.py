@@ -1,0 +1,203 @@
+"""``validated_traces``: the raw responses that pass the gates, as the target's own token sequences.
+
+Reads ``<data>/prompts/<shard>.parquet`` and ``<data>/raw_responses/<shard>.parquet``;
+writes ``<data>/validated_traces/<shard>.parquet`` (``id``, ``messages``,
+``reasoning``, ``content``, ``input_ids``, ``loss_mask``, ``num_tokens``) and
+``<shard>.rejected.parquet`` (``id``, ``reason``, ``detail``). The rules and the
+rendering live in :mod:`eagle3_assets.core.validation` and
+:mod:`eagle3_assets.core.chat_rendering`; this module wires them to Dagster.
+
+The blocking checks are the point of running on Dagster: when one fails, the
+step fails after writing its files (so the rejected rows can be inspected),
+and nothing downstream of the shard is built in that run. Had such a gate stood
+after generation in the story this project comes from, 388 rows of empty
+reasoning would have stopped the run at once.
+
+``raw_responses`` is referenced by key, not imported, so this module does not
+depend on how generation is implemented.
+"""
+
+from typing import Optional
+
+from dagster import (
+    AssetCheckResult,
+    AssetCheckSeverity,
+    AssetCheckSpec,
+    AssetExecutionContext,
+    AssetKey,
+    Config,
+    DataVersion,
+    MaterializeResult,
+    MetadataValue,
+    asset,
+)
+from pydantic import Field
+
+from eagle3_assets.core.chat_rendering import ChatRenderer
+from eagle3_assets.core.storage import asset_dir, data_dir, file_hash, stable_hash
+from eagle3_assets.core.validation import (
+    REJECTION_REASONS,
+    CheckOutcome,
+    ValidationRules,
+    check_loss_mask_aligned,
+    check_reasoning_present,
+    check_responses_accounted,
+    check_think_markers_absent,
+    check_traces_present,
+    check_truncation_rate_low,
+    mask_alignment_problems,
+    token_length_histogram_markdown,
+    token_length_stats,
+    validate_shard,
+    written_ids,
+    written_token_lengths,
+)
+from eagle3_assets.partitions import sample_shards
+from resources.target_model import TargetModel
+
+ASSET = "validated_traces"
+DEFAULT_MIN_REASONING_SHARE = 0.98
+DEFAULT_MAX_TRUNCATION_RATE = 0.05
+
+
+class ValidationConfig(Config):
+    """The keep/reject rules and gate thresholds; set per run in the launchpad."""
+
+    max_seq_len: Optional[int] = Field(
+        default=None, description="longest rendered trace kept, in tokens; default: the target's max_position_embeddings"
+    )
+    allow_truncated: bool = Field(
+        default=False, description="keep rows whose generation hit max_tokens (finish_reason 'length'); they get no end-of-turn token"
+    )
+    min_reasoning_share: float = Field(
+        default=DEFAULT_MIN_REASONING_SHARE, description="reasoning_present fails (blocking) below this share of raw rows with reasoning"
+    )
+    max_truncation_rate: float = Field(
+        default=DEFAULT_MAX_TRUNCATION_RATE, description="truncation_rate_low warns above this share of truncated generations"
+    )
+    think_open: Optional[str] = Field(default=None, description="start-of-thinking marker; default: found in the target's tokenizer/template")
+    think_close: Optional[str] = Field(default=None, description="end-of-thinking marker; default: found in the target's tokenizer/template")
+    end_of_turn: Optional[str] = Field(
+        default=None, description="token that ends the assistant's turn; default: what the target's template writes after an answer, else eos"
+    )
+    batch_rows: int = Field(default=128, description="rows rendered and tokenised per batch, and rows per parquet row group (bounds memory)")
+
+
+def _spec(name: str, description: str, blocking: bool = False) -> AssetCheckSpec:
+    return AssetCheckSpec(name, asset=ASSET, blocking=blocking, description=description)
+
+
+CHECK_SPECS = [
+    _spec("traces_present", "at least one row of the shard was kept", blocking=True),
+    _spec("reasoning_present", "enough raw rows carry non-empty reasoning (default 98 %)", blocking=True),
+    _spec("responses_accounted", "raw rows = kept + rejected, raw ids unique, every prompt of the shard answered", blocking=True),
+    _spec("loss_mask_aligned", "every kept row supervises exactly the target's output: reasoning, think markers, answer, end of turn", blocking=True),
+    _spec("truncation_rate_low", "few generations hit max_tokens (default at most 5 %)"),
+    _spec("think_markers_absent", "no think marker left inside reasoning or answer"),
+]
+
+
+@asset(
+    partitions_def=sample_shards,
+    group_name="validation",
+    code_version="1",
+    kinds={"polars", "parquet"},
+    deps=[AssetKey("prompts"), AssetKey("raw_responses")],
+    check_specs=CHECK_SPECS,
+)
+def validated_traces(context: AssetExecutionContext, config: ValidationConfig, target_model: TargetModel) -> MaterializeResult:
+    """Rows that pass the gates, rendered into the target's chat template with its thinking tokens, with input_ids and loss_mask; rejected rows kept apart with a reason."""
+    key = context.partition_key
+    root = data_dir()
+    prompts_path = root / "prompts" / f"{key}.parquet"
+    raw_path = root / "raw_responses" / f"{key}.parquet"
+    out = asset_dir(ASSET)
+    kept_path, rejected_path = out / f"{key}.parquet", out / f"{key}.rejected.parquet"
+
+    renderer = ChatRenderer(target_model.load_tokenizer(), config.think_open, config.think_close, config.end_of_turn)
+    target_config = target_model.config()
+    max_seq_len = config.max_seq_len or int(target_config.get("text_config", target_config).get("max_position_embeddings") or 0)
+    if max_seq_len <= 0:
+        raise ValueError(f"target {target_model.path} has no max_position_embeddings: set max_seq_len in the validated_traces config")
+    rules = ValidationRules(max_seq_len=max_seq_len, allow_truncated=config.allow_truncated)
+
+    summary = validate_shard(raw_path, prompts_path, renderer, rules, kept_path, rejected_path, batch_rows=config.batch_rows)
+    rows_checked, misaligned = mask_alignment_problems(kept_path, raw_path, renderer, batch_rows=config.batch_rows)
+    lengths = written_token_lengths(kept_path)
+    stats = token_length_stats(lengths)
+    markers = (renderer.think_open, renderer.think_close)
+    context.log.info(
+        f"{key}: {summary.kept} of {summary.raw_rows} raw rows kept, rejected {summary.rejected_by_reason or 'none'}; "
+        f"tokens p50 {stats['p50']} p95 {stats['p95']} max {stats['max']}"
+    )
+
+    blocking = [
+        ("traces_present", check_traces_present(summary.kept, summary.rejected_by_reason, summary.rejected_examples)),
+        (
+            "reasoning_present",
+            check_reasoning_present(summary.raw_rows, summary.ids_without_reasoning, config.min_reasoning_share, summary.reasoning_fields),
+        ),
+        (
+            "responses_accounted",
+            check_responses_accounted(summary.raw_ids, summary.prompt_ids, written_ids(kept_path), written_ids(rejected_path)),
+        ),
+        ("loss_mask_aligned", check_loss_mask_aligned(rows_checked, misaligned)),
+    ]
+    advisory = [
+        ("truncation_rate_low", check_truncation_rate_low(summary.raw_rows, summary.truncated_ids, config.max_truncation_rate)),
+        ("think_markers_absent", check_think_markers_absent(summary.raw_rows, summary.think_marker_ids, markers)),
+    ]
+    check_results = [_check_result(name, outcome, AssetCheckSeverity.ERROR) for name, outcome in blocking]
+    check_results += [_check_result(name, outcome, AssetCheckSeverity.WARN) for name, outcome in advisory]
+
+    version = stable_hash(
+        {
+            "prompts": file_hash(prompts_path),
+            "raw_responses": file_hash(raw_path),
+            "target": target_model.config_hash(),
+            "rendering": renderer.fingerprint(),
+            "rules": {"max_seq_len": max_seq_len, "allow_truncated": config.allow_truncated},
+        }
+    )
+    return MaterializeResult(
+        data_version=DataVersion(version),
+        metadata={
+            "path": MetadataValue.path(str(kept_path)),
+            "rejected_path": MetadataValue.path(str(rejected_path)),
+            "raw_rows": summary.raw_rows,
+            "kept": summary.kept,
+            "rejected": summary.rejected,
+            "rejected_by_reason": MetadataValue.json(summary.rejected_by_reason),
+            "rejection_reasons": MetadataValue.json({r: REJECTION_REASONS[r] for r in summary.rejected_by_reason}),
+            "dagster/row_count": summary.kept,
+            "tokens_p50": stats["p50"],
+            "tokens_p95": stats["p95"],
+            "tokens_max": stats["max"],
+            "tokens_mean": stats["mean"],
+            "tokens_total": int(sum(lengths)),
+            "token_length_histogram": MetadataValue.md(token_length_histogram_markdown(lengths)),
+            "think_markers": MetadataValue.json(list(markers)),
+            "end_of_turn": renderer.end_of_turn,
+            "template_opens_think_block": renderer.template_opens_think_block(),
+            "max_seq_len": max_seq_len,
+            "allow_truncated": config.allow_truncated,
+            "target_config_hash": target_model.config_hash(),
+        },
+        check_results=check_results,
+    )
+
+
+def _check_result(name: str, outcome: CheckOutcome, severity: AssetCheckSeverity) -> AssetCheckResult:
+    """A gate's outcome as Dagster shows it: figure, threshold and up to 10 offending ids."""
+    return AssetCheckResult(
+        check_name=name,
+        passed=outcome.passed,
+        severity=severity,
+        description=outcome.description,
+        metadata={
+            outcome.figure_name: outcome.figure,
+            "threshold": outcome.threshold,
+            "offending_ids": MetadataValue.json(outcome.offending_ids),
+            **outcome.counts,
+        },
+    )

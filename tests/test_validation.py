@@ -1,0 +1,358 @@
+"""validated_traces and its gates, on recorded raw shards that follow the raw_responses contract.
+
+The raw shards are written the way generation writes them (one row per prompt,
+the contract's columns), so no vLLM server is needed: the point here is what
+validation does with what the server returned, the story's empty-reasoning
+shard included.
+
+No ``from __future__ import annotations`` here: this module defines an asset,
+and Dagster must resolve its ``context`` type hint.
+"""
+
+import polars as pl
+import pytest
+from dagster import AssetExecutionContext, AssetKey, DagsterInstance, MaterializeResult, asset, materialize
+from transformers import AutoTokenizer
+
+from eagle3_assets.core.chat_rendering import ChatRenderer
+from eagle3_assets.core.prompt_loading import PROMPTS_SCHEMA
+from eagle3_assets.core.storage import asset_dir, write_parquet_atomic
+from eagle3_assets.core.validation import (
+    KEPT_SCHEMA,
+    RAW_RESPONSES_SCHEMA,
+    REJECTED_SCHEMA,
+    ValidationInputError,
+    ValidationRules,
+    check_reasoning_present,
+    check_responses_accounted,
+    check_truncation_rate_low,
+    mask_alignment_problems,
+    token_length_histogram_markdown,
+    token_length_stats,
+    validate_shard,
+)
+from eagle3_assets.partitions import register_shards, sample_shards
+from eagle3_assets.validated_traces import validated_traces
+from resources.target_model import TargetModel
+
+SHARD = "shard-00000"
+
+
+# -- recorded shards ---------------------------------------------------------------
+
+
+def question(i: int) -> list[dict]:
+    return [{"role": "user", "content": f"What is {i}+{i + 7}?"}]
+
+
+def multi_turn(i: int) -> list[dict]:
+    return [
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": "What is 2+2?"},
+        {"role": "assistant", "content": "The answer is 4."},
+        *question(i),
+    ]
+
+
+def response(sample_id: str, i: int, **overrides) -> dict:
+    """A raw row as vLLM with the deepseek_r1 parser returns the tiny target's answer."""
+    row = {
+        "id": sample_id,
+        "reasoning": f"I need to add {i} and {i + 7}. So the sum is {2 * i + 7}.\n",
+        "content": f"\n\nThe answer is {2 * i + 7}.",
+        "reasoning_field": "reasoning",
+        "finish_reason": "stop",
+        "prompt_tokens": 12,
+        "completion_tokens": 30,
+        "latency_s": 0.05,
+        "server": "http://127.0.0.1:8000",
+        "model": "tiny-target",
+        "attempts": 1,
+        "error": None,
+    }
+    row.update(overrides)
+    return row
+
+
+def write_shard(data_dir, prompts: list[tuple[str, list[dict]]], raw_rows: list[dict], shard: str = SHARD) -> None:
+    prompt_frame = pl.DataFrame(
+        [{"row_index": n, "id": sample_id, "messages": messages} for n, (sample_id, messages) in enumerate(prompts)], schema=PROMPTS_SCHEMA
+    )
+    write_parquet_atomic(asset_dir("prompts", data_dir) / f"{shard}.parquet", prompt_frame)
+    write_parquet_atomic(asset_dir("raw_responses", data_dir) / f"{shard}.parquet", pl.DataFrame(raw_rows, schema=RAW_RESPONSES_SCHEMA))
+
+
+def run(assets, tiny_target, run_config: dict | None = None, shard: str = SHARD):
+    instance = DagsterInstance.ephemeral()
+    register_shards(instance, [shard])
+    result = materialize(
+        assets,
+        partition_key=shard,
+        resources={"target_model": TargetModel(path=str(tiny_target))},
+        run_config={"ops": {"validated_traces": {"config": run_config}}} if run_config else None,
+        instance=instance,
+        raise_on_error=False,
+    )
+    return result, instance
+
+
+def checks_of(result) -> dict:
+    return {e.check_name: e for e in result.get_asset_check_evaluations()}
+
+
+@pytest.fixture(scope="module")
+def renderer(tiny_target):
+    return ChatRenderer(AutoTokenizer.from_pretrained(tiny_target))
+
+
+# -- the asset ---------------------------------------------------------------------
+
+
+def test_mixed_shard_keeps_good_rows_and_rejects_each_bad_one_with_its_reason(data_dir, tiny_target, renderer):
+    long_reasoning = "I need to add 5 and 12. " * 40 + "So the sum is 17.\n"
+    prompts = [(f"p{i}", multi_turn(i) if i == 1 else question(i)) for i in range(9)]
+    prompts[5] = ("p5", question(0))  # same question as p0, answered identically below
+    raw = [
+        response("p0", 0),
+        response("p1", 1),
+        response("p2", 2, content=None, finish_reason="length"),
+        response("p3", 3, reasoning=None, content=None, finish_reason=None, error="ReadTimeout after 1800 s"),
+        response("p4", 4, content="</think>\n\nThe answer is 15."),
+        response("p5", 0),
+        response("p6", 5, reasoning=long_reasoning),
+        response("p7", 7, finish_reason="abort"),
+        response("p8", 8, reasoning="  \n", reasoning_field="reasoning_content"),
+    ]
+    write_shard(data_dir, prompts, raw)
+    result, _ = run([validated_traces], tiny_target, {"max_seq_len": 150, "min_reasoning_share": 0.7})
+    assert result.success
+
+    kept = pl.read_parquet(data_dir / "validated_traces" / f"{SHARD}.parquet")
+    assert kept.schema == pl.Schema(KEPT_SCHEMA)
+    assert kept["id"].to_list() == ["p0", "p1"]
+    assert kept["num_tokens"].to_list() == kept["input_ids"].list.len().to_list()
+    assert kept.filter(pl.col("id") == "p1")["messages"].to_list()[0] == multi_turn(1)
+    rejected = pl.read_parquet(data_dir / "validated_traces" / f"{SHARD}.rejected.parquet")
+    assert rejected.schema == pl.Schema(REJECTED_SCHEMA)
+    assert dict(zip(rejected["id"], rejected["reason"])) == {
+        "p2": "truncated",
+        "p3": "request_error",
+        "p4": "think_markers_left",
+        "p5": "duplicate_response",
+        "p6": "too_long",
+        "p7": "not_stopped",
+        "p8": "empty_reasoning",
+    }
+    details = dict(zip(rejected["id"], rejected["detail"]))
+    assert details["p3"] == "ReadTimeout after 1800 s" and details["p7"] == "finish_reason=abort"
+    assert details["p8"] == "reasoning_field=reasoning_content" and details["p6"].endswith("> max_seq_len 150")
+
+    # the kept rows are exactly what the renderer makes of them, mask included
+    for row in kept.iter_rows(named=True):
+        original = next(r for r in raw if r["id"] == row["id"])
+        trace = renderer.render(row["messages"], original["reasoning"], original["content"])
+        assert row["input_ids"] == trace.input_ids and row["loss_mask"] == trace.loss_mask
+
+    checks = checks_of(result)
+    for name in ("traces_present", "reasoning_present", "responses_accounted", "loss_mask_aligned"):
+        assert checks[name].passed, (name, checks[name].description)
+    reasoning = checks["reasoning_present"].metadata
+    assert reasoning["reasoning_share"].value == pytest.approx(7 / 9) and reasoning["threshold"].value == 0.7
+    assert reasoning["offending_ids"].value == ["p3", "p8"]
+    truncation = checks["truncation_rate_low"]
+    assert not truncation.passed and truncation.metadata["truncation_rate"].value == pytest.approx(1 / 9)
+    assert truncation.metadata["offending_ids"].value == ["p2"]
+    markers = checks["think_markers_absent"]
+    assert not markers.passed and markers.metadata["offending_ids"].value == ["p4"]
+
+    (mat,) = result.asset_materializations_for_node("validated_traces")
+    meta = mat.metadata
+    assert meta["kept"].value == 2 and meta["rejected"].value == 7 and meta["raw_rows"].value == 9
+    lengths = sorted(kept["num_tokens"].to_list())
+    assert meta["tokens_max"].value == lengths[-1] and meta["tokens_p50"].value in lengths
+    assert "█" in meta["token_length_histogram"].value
+    assert meta["template_opens_think_block"].value is True and meta["think_markers"].value == ["<think>", "</think>"]
+    assert mat.tags.get("dagster/data_version")
+
+
+def test_allow_truncated_keeps_a_cut_answer_without_end_of_turn(data_dir, tiny_target):
+    write_shard(data_dir, [("p0", question(0)), ("p1", question(1))], [response("p0", 0), response("p1", 1, content="\n\nThe ans", finish_reason="length")])
+    result, _ = run([validated_traces], tiny_target, {"allow_truncated": True})
+    assert result.success, checks_of(result)
+    kept = pl.read_parquet(data_dir / "validated_traces" / f"{SHARD}.parquet")
+    assert kept["id"].to_list() == ["p0", "p1"]
+    end_of_turn = AutoTokenizer.from_pretrained(tiny_target).convert_tokens_to_ids("<|im_end|>")
+    assert [ids[-1] == end_of_turn for ids in kept["input_ids"]] == [True, False]
+    assert checks_of(result)["loss_mask_aligned"].passed
+
+
+def test_shard_with_every_row_rejected_fails_its_gate_with_a_clear_message(data_dir, tiny_target):
+    prompts = [(f"p{i}", question(i)) for i in range(3)]
+    raw = [response(f"p{i}", i, reasoning=None, content=None, finish_reason=None, error="HTTP 500: engine dead") for i in range(3)]
+    write_shard(data_dir, prompts, raw)
+    result, _ = run([validated_traces], tiny_target)
+
+    assert not result.success
+    failures = [e for e in result.all_events if e.is_step_failure]
+    assert len(failures) == 1
+    error = failures[0].step_failure_data.error
+    assert error.cls_name == "DagsterAssetCheckFailedError" and "traces_present" in error.message  # a gate, not a crash
+    checks = checks_of(result)
+    assert not checks["traces_present"].passed
+    assert "every row of the shard was rejected" in checks["traces_present"].description
+    assert "request_error" in checks["traces_present"].description
+    assert checks["responses_accounted"].passed and checks["loss_mask_aligned"].passed  # nothing lost, nothing misaligned
+    kept = pl.read_parquet(data_dir / "validated_traces" / f"{SHARD}.parquet")
+    assert kept.height == 0 and kept.schema == pl.Schema(KEPT_SCHEMA)
+    assert pl.read_parquet(data_dir / "validated_traces" / f"{SHARD}.rejected.parquet")["reason"].to_list() == ["request_error"] * 3
+
+
+def test_accounting_gate_catches_a_prompt_without_response(data_dir, tiny_target):
+    write_shard(data_dir, [(f"p{i}", question(i)) for i in range(3)], [response("p0", 0), response("p2", 2)])
+    result, _ = run([validated_traces], tiny_target)
+    assert not result.success
+    accounted = checks_of(result)["responses_accounted"]
+    assert not accounted.passed
+    assert accounted.metadata["offending_ids"].value == ["p1"] and accounted.metadata["missing_prompts"].value == 1
+    assert "1 prompt(s) of the shard have no raw response" in accounted.description
+
+
+def test_missing_raw_shard_fails_naming_the_file(data_dir, tiny_target):
+    write_shard(data_dir, [("p0", question(0))], [response("p0", 0)])
+    (data_dir / "raw_responses" / f"{SHARD}.parquet").unlink()
+    result, _ = run([validated_traces], tiny_target)
+    assert not result.success
+    (failure,) = [e for e in result.all_events if e.is_step_failure]
+    assert f"raw_responses/{SHARD}.parquet does not exist" in failure.step_failure_data.error.to_string()
+
+
+# -- a blocking gate stops everything downstream of the shard ------------------------
+
+
+@asset(partitions_def=sample_shards, group_name="extraction", deps=[validated_traces])
+def downstream_of_traces(context: AssetExecutionContext) -> MaterializeResult:
+    """Stands in for hidden_states: reads the shard's traces and writes a file of its own."""
+    traces = pl.read_parquet(asset_dir("validated_traces") / f"{context.partition_key}.parquet")
+    out = asset_dir("downstream_of_traces") / f"{context.partition_key}.parquet"
+    write_parquet_atomic(out, traces.select("id", "num_tokens"))
+    return MaterializeResult(metadata={"rows": traces.height})
+
+
+def test_blocking_gate_stops_downstream_assets_in_the_same_run(data_dir, tiny_target):
+    """The story's failure: the client read `reasoning_content`, the server sent `reasoning`, every reasoning empty.
+
+    One run selects validated_traces, the real hidden_states below it and a
+    further downstream asset: the gate fails, and neither is even started.
+    """
+    from eagle3_assets.hidden_states import hidden_states
+    from resources.gpu_host import GPUHost
+
+    write_shard(data_dir, [(f"p{i}", question(i)) for i in range(4)], [response(f"p{i}", i, reasoning=None, reasoning_field="none") for i in range(4)])
+    instance = DagsterInstance.ephemeral()
+    register_shards(instance, [SHARD])
+    result = materialize(
+        [validated_traces, hidden_states, downstream_of_traces],
+        partition_key=SHARD,
+        resources={"target_model": TargetModel(path=str(tiny_target)), "gpu_host": GPUHost()},
+        instance=instance,
+        raise_on_error=False,
+    )
+
+    assert not result.success
+    gate = checks_of(result)["reasoning_present"]
+    assert not gate.passed and gate.metadata["reasoning_share"].value == 0.0 and gate.metadata["threshold"].value == 0.98
+    assert gate.metadata["offending_ids"].value == ["p0", "p1", "p2", "p3"]
+    assert "{'none': 4}" in gate.description  # names the response field the rows came from
+    assert result.asset_materializations_for_node("validated_traces")  # the shard is recorded for inspection...
+    for below in ("hidden_states", "downstream_of_traces"):  # ...but nothing below it
+        assert instance.get_latest_materialization_event(AssetKey(below)) is None, below
+        assert not (data_dir / below).exists(), below
+    started = [e.step_key for e in result.all_events if e.event_type_value == "STEP_START"]
+    assert started == ["validated_traces"]
+
+
+def test_passing_gates_let_the_same_selection_build_downstream(data_dir, tiny_target):
+    """The control for the test above: the same kind of run, with reasoning, builds the asset below."""
+    write_shard(data_dir, [(f"p{i}", question(i)) for i in range(4)], [response(f"p{i}", i) for i in range(4)])
+    result, instance = run([validated_traces, downstream_of_traces], tiny_target)
+    assert result.success
+    assert instance.get_latest_materialization_event(AssetKey("downstream_of_traces")) is not None
+    assert pl.read_parquet(data_dir / "downstream_of_traces" / f"{SHARD}.parquet").height == 4
+
+
+# -- the core, without Dagster -------------------------------------------------------
+
+
+def test_alignment_gate_reads_the_written_file_and_catches_a_shifted_mask(tmp_path, renderer):
+    prompts_path, raw_path = tmp_path / "p.parquet", tmp_path / "r.parquet"
+    kept_path, rejected_path = tmp_path / "k.parquet", tmp_path / "x.parquet"
+    pl.DataFrame([{"row_index": i, "id": f"p{i}", "messages": multi_turn(i)} for i in range(3)], schema=PROMPTS_SCHEMA).write_parquet(prompts_path)
+    pl.DataFrame([response(f"p{i}", i) for i in range(3)], schema=RAW_RESPONSES_SCHEMA).write_parquet(raw_path)
+    summary = validate_shard(raw_path, prompts_path, renderer, ValidationRules(max_seq_len=4096), kept_path, rejected_path, batch_rows=2)
+    assert summary.kept == 3 and summary.prompts_opening_think_block == 3
+    assert mask_alignment_problems(kept_path, raw_path, renderer) == (3, {})
+
+    kept = pl.read_parquet(kept_path)
+    shifted = kept.with_columns(pl.when(pl.col("id") == "p1").then(pl.col("loss_mask").list.shift(1).list.eval(pl.element().fill_null(0))).otherwise(pl.col("loss_mask")).alias("loss_mask"))
+    shifted.write_parquet(kept_path)
+    checked, problems = mask_alignment_problems(kept_path, raw_path, renderer)
+    assert checked == 3 and list(problems) == ["p1"] and "supervision starts at token" in problems["p1"]
+
+
+def test_prompt_the_template_refuses_is_rejected_not_fatal(tmp_path, tiny_target):
+    from eagle3_assets.demo.tiny_target import CHAT_TEMPLATE
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target)
+    tokenizer.chat_template = "{% if messages[0]['role'] == 'assistant' %}{{ raise_exception('must start with a user turn') }}{% endif %}" + CHAT_TEMPLATE
+    strict = ChatRenderer(tokenizer)
+    prompts_path, raw_path = tmp_path / "p.parquet", tmp_path / "r.parquet"
+    messages = [question(0), [{"role": "assistant", "content": "Hello."}, *question(1)], question(2)]
+    pl.DataFrame([{"row_index": i, "id": f"p{i}", "messages": m} for i, m in enumerate(messages)], schema=PROMPTS_SCHEMA).write_parquet(prompts_path)
+    pl.DataFrame([response(f"p{i}", i) for i in range(3)], schema=RAW_RESPONSES_SCHEMA).write_parquet(raw_path)
+    summary = validate_shard(raw_path, prompts_path, strict, ValidationRules(max_seq_len=4096), tmp_path / "k.parquet", tmp_path / "x.parquet")
+    assert summary.kept == 2 and summary.rejected_by_reason == {"template_error": 1}
+    assert pl.read_parquet(tmp_path / "k.parquet")["id"].to_list() == ["p0", "p2"]
+    (rejected,) = pl.read_parquet(tmp_path / "x.parquet").to_dicts()
+    assert rejected["id"] == "p1" and "must start with a user turn" in rejected["detail"]
+
+
+def test_bad_raw_file_is_named_with_what_is_wrong(tmp_path, renderer):
+    prompts_path, raw_path = tmp_path / "p.parquet", tmp_path / "r.parquet"
+    pl.DataFrame([{"row_index": 0, "id": "p0", "messages": question(0)}], schema=PROMPTS_SCHEMA).write_parquet(prompts_path)
+    pl.DataFrame({"id": ["p0"], "reasoning_content": ["x"]}).write_parquet(raw_path)
+    with pytest.raises(ValidationInputError, match=r"raw_responses: .*r\.parquet lacks column\(s\) \['reasoning', 'content'"):
+        validate_shard(raw_path, prompts_path, renderer, ValidationRules(max_seq_len=64), tmp_path / "k.parquet", tmp_path / "x.parquet")
+
+
+def test_reasoning_gate_threshold_is_inclusive_and_names_the_response_field():
+    ids_without = [f"q{i}" for i in range(2)]
+    assert check_reasoning_present(100, ids_without, 0.98).passed
+    failed = check_reasoning_present(100, [*ids_without, "q2"], 0.98, {"reasoning": 97, "none": 3})
+    assert not failed.passed and failed.figure == pytest.approx(0.97) and failed.threshold == 0.98
+    assert "'none': 3" in failed.description
+    assert not check_reasoning_present(0, [], 0.98).passed  # an empty shard is not a healthy one
+
+
+def test_accounting_gate_catches_duplicates_foreign_and_lost_rows():
+    ok = check_responses_accounted(["a", "b"], ["a", "b"], ["a"], ["b"])
+    assert ok.passed and ok.figure == 0
+    dup = check_responses_accounted(["a", "b", "a"], ["a", "b"], ["a", "b"], ["a"])
+    assert not dup.passed and dup.counts["duplicate_ids"] == 1
+    foreign = check_responses_accounted(["a", "z"], ["a"], ["a"], ["z"])
+    assert not foreign.passed and foreign.offending_ids == ["z"]
+    lost = check_responses_accounted(["a", "b"], ["a", "b"], ["a"], [])
+    assert not lost.passed and lost.offending_ids == ["b"]
+
+
+def test_offending_ids_are_capped_at_ten():
+    outcome = check_truncation_rate_low(100, [f"q{i}" for i in range(30)], 0.05)
+    assert not outcome.passed and len(outcome.offending_ids) == 10 and outcome.figure == pytest.approx(0.3)
+
+
+def test_token_length_statistics_and_histogram():
+    lengths = list(range(1, 101))
+    assert token_length_stats(lengths) == {"p50": 50, "p95": 95, "max": 100, "mean": 50.5}
+    table = token_length_histogram_markdown(lengths, bins=4)
+    rows = table.splitlines()[2:]
+    assert [r.split("|")[2].strip() for r in rows] == ["25"] * 4 and rows[0].startswith("| 1–25 |")
+    assert token_length_histogram_markdown([]) == "_no kept traces_"
