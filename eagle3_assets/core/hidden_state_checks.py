@@ -1,0 +1,303 @@
+"""The gates on a ``hidden_states`` shard, computed where the files are (the GPU host).
+
+- ``states_finite``: no NaN or Inf anywhere in the stored states;
+- ``states_match_traces``: the shard holds exactly the ids of its
+  ``validated_traces`` shard, each with the same tokens and loss mask;
+- ``final_state_reproduces_logits``: the target's ``lm_head`` applied to the
+  stored final states (after the target's final norm when the sidecar says
+  ``pre_norm``) gives the argmax of the target's own forward pass on sampled
+  positions;
+- ``aux_states_match_layer_ids``: the sidecar's layer ids are the configured
+  ones, and, where a transformers reference is at hand, each stored aux block
+  is closest to ``hidden_states[k]`` for exactly the id ``k`` the sidecar
+  names (the off-by-one that silently ruins acceptance).
+
+Each gate returns its figure, threshold and a few offending ids. Dagster-free.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagle3_assets.core.extraction import (
+    TargetFacts,
+    Trace,
+    iter_samples,
+    read_sidecar,
+    rms_norm,
+)
+
+MAX_EXAMPLES = 10
+DEFAULT_MIN_ARGMAX_AGREEMENT = 0.999
+
+
+@dataclass
+class CheckOutcome:
+    name: str
+    passed: bool
+    description: str
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+# -- the target's head, straight from its checkpoint ------------------------------------
+
+
+@dataclass
+class TargetHead:
+    """The target's final norm and ``lm_head``, read from its safetensors files (no full model needed).
+
+    For a target too large for transformers this is a few GB, not the model.
+    The norm is Llama's RMSNorm (Llama, Qwen, Mistral, DeepSeek/Kimi families).
+    """
+
+    lm_head: torch.Tensor  # [V, H]
+    norm_weight: torch.Tensor  # [H]
+    eps: float
+
+    @classmethod
+    def from_checkpoint(cls, target_path: Path | str, device: str = "cpu") -> TargetHead:
+        from safetensors import safe_open
+
+        root = Path(target_path)
+        facts = TargetFacts.from_path(root)
+        index = root / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        else:
+            files = sorted(root.glob("*.safetensors"))
+            if not files:
+                raise FileNotFoundError(f"target model {root}: no safetensors weights")
+            weight_map = {}
+            for file in files:
+                with safe_open(str(file), framework="pt") as handle:
+                    weight_map.update({name: file.name for name in handle.keys()})
+        names = list(weight_map)
+        head = _pick(names, lambda n: n.endswith("lm_head.weight")) or _pick(names, lambda n: n.endswith("embed_tokens.weight"))
+        norm = _pick(names, lambda n: n.endswith("norm.weight") and ".layers." not in n and n.split(".")[-2] == "norm")
+        if head is None or norm is None:
+            raise ValueError(f"target model {root}: cannot find the lm_head and final norm weights among {len(names)} tensors")
+
+        def load(name: str) -> torch.Tensor:
+            with safe_open(str(root / weight_map[name]), framework="pt") as handle:
+                return handle.get_tensor(name).float().to(device)
+
+        return cls(lm_head=load(head), norm_weight=load(norm), eps=facts.rms_norm_eps)
+
+    def logits(self, final_states: torch.Tensor, final_state: str) -> torch.Tensor:
+        states = final_states.to(self.lm_head.device)
+        states = rms_norm(states, self.norm_weight, self.eps) if final_state == "pre_norm" else states.float()
+        return states @ self.lm_head.T
+
+
+def _pick(names: Sequence[str], predicate: Callable[[str], bool]) -> str | None:
+    matches = sorted((n for n in names if predicate(n)), key=len)
+    return matches[0] if matches else None
+
+
+# -- the gates ---------------------------------------------------------------------------
+
+
+def check_states_finite(shard_dir: Path) -> CheckOutcome:
+    """Every stored state is finite; reads one sample at a time."""
+    bad_samples: list[str] = []
+    bad_values = 0
+    tokens = 0
+    for sample in iter_samples(shard_dir):
+        tokens += sample.aux.shape[0]
+        bad = int((~torch.isfinite(sample.aux)).sum()) + int((~torch.isfinite(sample.final)).sum())
+        if bad:
+            bad_values += bad
+            bad_samples.append(sample.id)
+    passed = bad_values == 0
+    return CheckOutcome(
+        name="states_finite",
+        passed=passed,
+        description="every stored state is finite"
+        if passed
+        else f"{bad_values} NaN/Inf values in {len(bad_samples)} samples (e.g. {', '.join(bad_samples[:3])})",
+        metadata={"non_finite_values": bad_values, "samples_with_non_finite": len(bad_samples), "tokens": tokens, "offending_ids": bad_samples[:MAX_EXAMPLES]},
+    )
+
+
+def check_states_match_traces(shard_dir: Path, traces: Sequence[Trace]) -> CheckOutcome:
+    """The shard holds exactly the traces' ids, each with the traces' tokens and loss mask."""
+    sidecar = read_sidecar(shard_dir)
+    by_id = {t.id: t for t in traces}
+    stored_ids = list(sidecar["sample_ids"])
+    duplicates = sorted(i for i, n in Counter(stored_ids).items() if n > 1)
+    missing = sorted(set(by_id) - set(stored_ids))
+    extra = sorted(set(stored_ids) - set(by_id))
+    wrong_count = [i for i, n in zip(stored_ids, sidecar["num_tokens"]) if i in by_id and by_id[i].num_tokens != n]
+    wrong_tokens: list[str] = []
+    for sample in iter_samples(shard_dir):
+        trace = by_id.get(sample.id)
+        if trace is None:
+            continue
+        if not torch.equal(sample.input_ids, trace.input_ids) or not torch.equal(sample.loss_mask, trace.loss_mask):
+            wrong_tokens.append(sample.id)
+    problems = {
+        "missing": missing,
+        "unexpected": extra,
+        "duplicated": duplicates,
+        "token_count_differs": wrong_count,
+        "tokens_or_mask_differ": wrong_tokens,
+    }
+    offending = [i for ids in problems.values() for i in ids]
+    passed = not offending
+    summary = ", ".join(f"{len(v)} {k.replace('_', ' ')}" for k, v in problems.items() if v)
+    return CheckOutcome(
+        name="states_match_traces",
+        passed=passed,
+        description=f"the {len(stored_ids)} stored samples are exactly the {len(traces)} validated traces"
+        if passed
+        else f"stored samples differ from validated_traces: {summary}",
+        metadata={
+            "stored_samples": len(stored_ids),
+            "trace_samples": len(traces),
+            **{f"{k}_count": len(v) for k, v in problems.items()},
+            "offending_ids": offending[:MAX_EXAMPLES],
+        },
+    )
+
+
+def sample_ids_for_checks(shard_dir: Path, count: int, seed: int) -> list[str]:
+    ids = list(read_sidecar(shard_dir)["sample_ids"])
+    return sorted(random.Random(seed).sample(ids, min(count, len(ids))))
+
+
+def check_final_state_reproduces_logits(
+    shard_dir: Path,
+    head: TargetHead,
+    reference_argmax: Callable[[list[torch.Tensor]], list[torch.Tensor]],
+    *,
+    samples: int = 8,
+    max_positions: int = 4096,
+    min_agreement: float = DEFAULT_MIN_ARGMAX_AGREEMENT,
+    seed: int = 0,
+) -> CheckOutcome:
+    """The ``lm_head`` on the stored final states picks the same token as the target's own forward pass."""
+    sidecar = read_sidecar(shard_dir)
+    chosen = set(sample_ids_for_checks(shard_dir, samples, seed))
+    sequences = {sample.id: sample.input_ids for sample in iter_samples(shard_dir, only=chosen)}
+    references = dict(zip(sequences, reference_argmax(list(sequences.values()))))  # one call: vLLM batches them
+    rng = random.Random(seed + 1)
+    per_sample_budget = max(1, max_positions // max(1, len(chosen)))
+    agree = total = 0
+    disagreements: list[dict[str, Any]] = []
+    for sample in iter_samples(shard_dir, only=chosen):
+        reference = references[sample.id].cpu()
+        length = sample.final.shape[0]
+        positions = sorted(rng.sample(range(length), min(length, per_sample_budget)))
+        index = torch.tensor(positions, dtype=torch.long)
+        logits = head.logits(sample.final[index], sidecar["final_state"]).cpu()
+        stored = logits.argmax(dim=-1)
+        expected = reference[index]
+        same = stored == expected
+        agree += int(same.sum())
+        total += len(positions)
+        for j in (~same).nonzero().flatten().tolist()[:3]:
+            row = logits[j]
+            disagreements.append(
+                {
+                    "id": sample.id,
+                    "position": positions[j],
+                    "target_argmax": int(expected[j]),
+                    "stored_argmax": int(stored[j]),
+                    "logit_gap": round(float(row[stored[j]] - row[expected[j]]), 6),
+                }
+            )
+    agreement = agree / total if total else 0.0
+    passed = total > 0 and agreement >= min_agreement
+    return CheckOutcome(
+        name="final_state_reproduces_logits",
+        passed=passed,
+        description=f"argmax agreement {agreement:.4%} on {total} sampled positions of {len(chosen)} samples "
+        f"({'>=' if passed else '<'} {min_agreement:.1%}; final state {sidecar['final_state']})",
+        metadata={
+            "argmax_agreement": agreement,
+            "threshold": min_agreement,
+            "positions": total,
+            "samples": len(chosen),
+            "final_state": sidecar["final_state"],
+            "disagreements": disagreements[:MAX_EXAMPLES],
+            "offending_ids": sorted({d["id"] for d in disagreements})[:MAX_EXAMPLES],
+        },
+    )
+
+
+def check_aux_states_match_layer_ids(
+    shard_dir: Path,
+    expected_layer_ids: Sequence[int],
+    target: TargetFacts,
+    reference_hidden_states: Callable[[torch.Tensor], Sequence[torch.Tensor]] | None = None,
+    *,
+    samples: int = 4,
+    max_relative_error: float | None = None,
+    seed: int = 0,
+) -> CheckOutcome:
+    """The sidecar names the configured layer ids, and the stored blocks are the states at those ids.
+
+    With ``reference_hidden_states`` (an unpadded transformers forward giving
+    every ``hidden_states[k]``), each stored aux block must be closer to
+    ``hidden_states[k]`` for the id the sidecar names than to any other layer's,
+    and within ``max_relative_error`` of it (default: 1e-3 for fp32 storage,
+    5e-2 for 16-bit storage or a 16-bit target).
+    """
+    sidecar = read_sidecar(shard_dir)
+    stored_ids = [int(i) for i in sidecar.get("aux_layer_ids") or []]
+    problems: list[str] = []
+    if stored_ids != list(expected_layer_ids):
+        problems.append(f"sidecar aux_layer_ids {stored_ids}, configured {list(expected_layer_ids)}")
+    if int(sidecar.get("num_layers", -1)) != target.num_layers or int(sidecar.get("hidden_size", -1)) != target.hidden_size:
+        problems.append(
+            f"sidecar says L={sidecar.get('num_layers')} H={sidecar.get('hidden_size')}, "
+            f"the target has L={target.num_layers} H={target.hidden_size}"
+        )
+    hidden = target.hidden_size
+    verified: list[dict[str, Any]] = []
+    offending: list[str] = []
+    if reference_hidden_states is not None and len(stored_ids) == 3:
+        tolerance = max_relative_error if max_relative_error is not None else (1e-3 if sidecar["dtype"] == "float32" else 5e-2)
+        for sample in iter_samples(shard_dir, only=set(sample_ids_for_checks(shard_dir, samples, seed))):
+            states = reference_hidden_states(sample.input_ids)
+            for block, claimed in enumerate(stored_ids):
+                stored = sample.aux[:, block * hidden : (block + 1) * hidden].float()
+                errors = {k: float((stored - states[k]).norm() / states[k].norm().clamp_min(1e-12)) for k in range(len(states) - 1)}
+                closest = min(errors, key=errors.get)
+                entry = {"id": sample.id, "block": block, "sidecar_layer_id": claimed, "closest_layer_id": closest}
+                if claimed >= len(states) - 1:
+                    entry["note"] = "id L (pre-norm) is not in the reference; not compared"
+                else:
+                    entry["relative_error"] = round(errors[claimed], 7)
+                    if closest != claimed or errors[claimed] > tolerance:
+                        offending.append(sample.id)
+                        problems.append(
+                            f"{sample.id}: aux block {block} matches hidden_states[{closest}] best "
+                            f"(relative error {errors[closest]:.2e}), the sidecar says layer {claimed} ({errors[claimed]:.2e})"
+                        )
+                verified.append(entry)
+    passed = not problems
+    how = "against a transformers forward" if verified else "sidecar only (no transformers reference)"
+    return CheckOutcome(
+        name="aux_states_match_layer_ids",
+        passed=passed,
+        description=f"aux states are at layer ids {stored_ids} (vLLM's convention), checked {how}"
+        if passed
+        else "; ".join(dict.fromkeys(problems))[:1000],
+        metadata={
+            "sidecar_aux_layer_ids": stored_ids,
+            "configured_aux_layer_ids": list(expected_layer_ids),
+            "verified_against": how,
+            "comparisons": verified[: 3 * MAX_EXAMPLES],
+            "problems": list(dict.fromkeys(problems))[:MAX_EXAMPLES],
+            "offending_ids": sorted(set(offending))[:MAX_EXAMPLES],
+        },
+    )
