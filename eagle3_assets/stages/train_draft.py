@@ -1,0 +1,83 @@
+"""``train_draft``: train the EAGLE-3 draft on the GPU host and export it in vLLM's form (Dagster Pipes).
+
+Extras:
+
+- ``train``: the :class:`eagle3_assets.core.training.TrainConfig` fields
+  (hidden-state shard directories, vocabulary map, target, training directory,
+  hyperparameters, ``init_from`` for fine-tuning);
+- ``nproc_per_node``: processes (GPUs) to train with; above 1 the training
+  runs under ``torchrun`` (DDP; gloo on CPU) while this process keeps the one
+  Pipes connection and relays rank 0's progress;
+- ``export_dir``: where the vLLM-native directory goes; ``export_dtype``
+  (default: the target's dtype).
+
+A run killed at any point is resumed from its last complete epoch checkpoint
+the next time the same configuration is materialised.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+STAGE = "train_draft"
+
+
+def describe(event: dict) -> str | None:
+    """One log line per training event (None for events not worth a line)."""
+    kind = event.get("event")
+    if kind == "start":
+        init = event["init"]
+        source = "from scratch" if init["source"] == "scratch" else f"fine-tuning {init['source']}"
+        remap = f", lm_head rows kept {init['lm_head_rows_kept']} / new {init['lm_head_rows_new']}" if init["source"] != "scratch" else ""
+        return (
+            f"{STAGE}: {event['samples']} samples, {event['tokens']} tokens, {event['total_steps']} steps "
+            f"on {event['world_size']} x {event['device']}, {source}{remap}"
+        )
+    if kind == "resumed":
+        return f"{STAGE}: resuming from {event['checkpoint']} (epoch {event['epoch']}, step {event['step']})"
+    if kind == "step":
+        accuracy = " ".join(f"{a:.2f}" for a in event["accuracy"])
+        return (
+            f"{STAGE}: epoch {event['epoch']} step {event['step']}/{event['total_steps']} loss {event['loss']:.4f} "
+            f"lr {event['lr']:.2e} accuracy by position [{accuracy}] ({event['elapsed_s']:.0f}s)"
+        )
+    if kind == "checkpoint":
+        return f"{STAGE}: checkpoint of epoch {event['epoch']} at {event['path']}"
+    if kind == "done":
+        return f"{STAGE}: done, {event['tokens_per_s']:.0f} tokens/s"
+    return None
+
+
+def main() -> None:
+    from dagster_pipes import open_dagster_pipes
+
+    from eagle3_assets.core.training import TrainConfig, export_trained_draft, run_training
+
+    with open_dagster_pipes() as pipes:
+        extras = pipes.extras or {}
+        config = TrainConfig.from_dict(dict(extras["train"]))
+        nproc = int(extras.get("nproc_per_node", 1))
+
+        def on_event(event: dict) -> None:
+            line = describe(event)
+            if line:
+                pipes.log.info(line)
+
+        result = run_training(config, nproc=nproc, on_event=on_event)
+        export_dir = export_trained_draft(result["checkpoint"], config.target_path, Path(extras["export_dir"]), extras.get("export_dtype"))
+        pipes.log.info(f"{STAGE}: exported {export_dir}")
+        pipes.report_asset_materialization(
+            metadata={
+                "training_fingerprint": result["fingerprint"],
+                "resumed_from": result["resumed_from"] or "",
+                "init": {"raw_value": result["init"], "type": "json"},
+                "tokens_per_s": round(float(result["tokens_per_s"]), 1),
+                "nproc_per_node": nproc,
+                "checkpoint": {"raw_value": result["checkpoint"], "type": "path"},
+            },
+            data_version=result["fingerprint"],
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""``vocab_mapping``: the draft vocabulary over every shard of validated traces.
+
+Counts target token ids where ``loss_mask == 1`` (the tokens the target wrote
+itself) over all shards, keeps the ``draft_vocab_size`` most frequent (ties by
+id), and writes ``<data>/vocab_mapping/vocab_mapping.safetensors`` (``d2t``,
+``t2d``) and ``vocab_mapping.json``. See :mod:`eagle3_assets.core.vocab`.
+"""
+
+import polars as pl
+from dagster import (
+    AllPartitionMapping,
+    AssetCheckResult,
+    AssetCheckSeverity,
+    AssetCheckSpec,
+    AssetDep,
+    AssetExecutionContext,
+    AssetKey,
+    Config,
+    DataVersion,
+    MaterializeResult,
+    MetadataValue,
+    asset,
+)
+from pydantic import Field
+
+from eagle3_assets.core.storage import asset_dir, file_hash, stable_hash
+from eagle3_assets.core.vocab import build_vocab_mapping, count_supervised_tokens, coverage, save_vocab_mapping
+from eagle3_assets.partitions import SAMPLE_SHARDS
+from resources.target_model import TargetModel
+
+MIN_COVERAGE = 0.95
+
+
+class VocabMappingConfig(Config):
+    draft_vocab_size: int = Field(default=32000, description="tokens the draft predicts over (capped at the target's vocabulary)")
+
+
+# The demo's tiny target writes ~170 distinct tokens of its 640.
+DEMO_VOCAB_MAPPING_CONFIG = VocabMappingConfig(draft_vocab_size=256)
+
+
+def shard_files(asset_name: str, keys: list[str], suffix: str) -> dict:
+    """``<data>/<asset>/<key><suffix>`` of every registered shard; an error names the shards without one."""
+    root = asset_dir(asset_name)
+    files = {key: root / f"{key}{suffix}" for key in keys}
+    missing = [key for key, path in files.items() if not path.exists()]
+    if not keys:
+        raise ValueError(f"no sample shards are registered ({SAMPLE_SHARDS}): materialise the per-shard assets first")
+    if missing:
+        raise FileNotFoundError(f"{asset_name} has no output for shards {missing} under {root}: materialise those shards first")
+    return files
+
+
+@asset(
+    group_name="training",
+    code_version="1",
+    kinds={"polars", "safetensors"},
+    deps=[AssetDep(AssetKey("validated_traces"), partition_mapping=AllPartitionMapping())],
+    check_specs=[
+        AssetCheckSpec(
+            "draft_vocab_covers_targets",
+            asset="vocab_mapping",
+            description=f"at least {MIN_COVERAGE:.0%} of the supervised target tokens are in the draft vocabulary",
+        )
+    ],
+)
+def vocab_mapping(context: AssetExecutionContext, config: VocabMappingConfig, target_model: TargetModel) -> MaterializeResult:
+    """The draft vocabulary (d2t/t2d): the most frequent target tokens of every shard's assistant turns."""
+    keys = sorted(context.instance.get_dynamic_partitions(SAMPLE_SHARDS))
+    files = shard_files("validated_traces", keys, ".parquet")
+    target_vocab_size = int(target_model.config().get("text_config", target_model.config())["vocab_size"])
+    draft_vocab_size = min(config.draft_vocab_size, target_vocab_size)
+    if draft_vocab_size < config.draft_vocab_size:
+        context.log.warning(f"draft_vocab_size {config.draft_vocab_size} exceeds the target's vocabulary: using {target_vocab_size}")
+
+    counts = None
+    samples = 0
+    for key, path in files.items():
+        traces = pl.read_parquet(path, columns=["id", "input_ids", "loss_mask"])
+        try:
+            shard_counts = count_supervised_tokens(traces, target_vocab_size)
+        except ValueError as exc:
+            raise ValueError(f"validated_traces {path}: {exc}") from None
+        counts = shard_counts if counts is None else counts + shard_counts
+        samples += traces.height
+    mapping = build_vocab_mapping(counts, draft_vocab_size)
+    covered = coverage(counts, mapping)
+    supervised = int(counts.sum())
+    out = asset_dir("vocab_mapping")
+    path = save_vocab_mapping(
+        out, mapping, {"coverage": covered, "supervised_tokens": supervised, "samples": samples, "shards": keys}
+    )
+
+    uncovered = (counts * ~mapping.t2d).topk(min(10, target_vocab_size))
+    uncovered_ids = [(int(i), int(c)) for c, i in zip(uncovered.values, uncovered.indices) if c > 0]
+    distinct = int((counts > 0).sum())
+    context.log.info(
+        f"draft vocabulary {draft_vocab_size} of {target_vocab_size}: coverage {covered:.4f} "
+        f"of {supervised} supervised tokens ({distinct} distinct) over {len(keys)} shards"
+    )
+    version = stable_hash(
+        {
+            "traces": {key: file_hash(p) for key, p in files.items()},
+            "draft_vocab_size": draft_vocab_size,
+            "target": target_model.config_hash(),
+        }
+    )
+    return MaterializeResult(
+        data_version=DataVersion(version),
+        metadata={
+            "path": MetadataValue.path(str(path)),
+            "draft_vocab_size": draft_vocab_size,
+            "target_vocab_size": target_vocab_size,
+            "coverage": covered,
+            "supervised_tokens": supervised,
+            "distinct_supervised_tokens": distinct,
+            "samples": samples,
+            "shards": len(keys),
+        },
+        check_results=[
+            AssetCheckResult(
+                check_name="draft_vocab_covers_targets",
+                passed=covered >= MIN_COVERAGE,
+                severity=AssetCheckSeverity.WARN,
+                description=None if covered >= MIN_COVERAGE else (
+                    f"only {covered:.2%} of supervised tokens are in the draft vocabulary: raise draft_vocab_size"
+                ),
+                metadata={
+                    "coverage": covered,
+                    "threshold": MIN_COVERAGE,
+                    "uncovered_tokens": supervised - int(counts[mapping.t2d].sum()),
+                    "most_frequent_uncovered_ids": MetadataValue.json(uncovered_ids),
+                },
+            )
+        ],
+    )

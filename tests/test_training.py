@@ -1,0 +1,240 @@
+"""Training: the target's head, fine-tuning with a new vocabulary map, kill-and-resume, and DDP.
+
+Hidden states come from a direct transformers forward of the tiny target over
+templated demo conversations (tests/demo_hidden_states.py), cached in
+``.cache/`` between runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from eagle3_assets.core.draft_model import DraftConfig, Eagle3Draft
+from eagle3_assets.core.export import export_draft, read_draft_dir
+from eagle3_assets.core.storage import write_json_atomic
+from eagle3_assets.core.training import (
+    HiddenStateIndex,
+    TargetHead,
+    TrainConfig,
+    index_hidden_states,
+    initial_draft,
+    latest_checkpoint,
+    load_batch,
+    load_target_tensors,
+    run_fingerprint,
+    run_training,
+)
+from eagle3_assets.core.vocab import VocabMapping, build_vocab_mapping, save_vocab_mapping
+from tests.demo_hidden_states import cached_demo_hidden_states
+
+# Loss curves of 1 and 2 processes agree to this relative tolerance: the batches are identical,
+# only float summation order differs (DDP's gradient all-reduce vs. local accumulation).
+DDP_LOSS_RTOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def hidden_states(tiny_target) -> list[Path]:
+    return cached_demo_hidden_states(tiny_target, shards=2, count=24)
+
+
+def mapping_from_hidden_states(shard_dirs: list[Path], size: int, out: Path) -> Path:
+    counts = torch.zeros(640, dtype=torch.int64)
+    for shard in shard_dirs:
+        for part in shard.glob("part-*.safetensors"):
+            tensors = load_file(str(part))
+            counts += torch.bincount(tensors["input_ids"][tensors["loss_mask"] == 1], minlength=640)
+    return save_vocab_mapping(out, build_vocab_mapping(counts, size), {})
+
+
+def small_config(hidden_states, tiny_target, root: Path, **overrides) -> TrainConfig:
+    mapping = root / "vocab_mapping.safetensors"
+    if not mapping.is_file():
+        mapping_from_hidden_states(hidden_states, 200, root)
+    settings = dict(
+        hidden_state_dirs=[str(d) for d in hidden_states],
+        vocab_mapping=str(mapping),
+        target_path=str(tiny_target),
+        training_dir=str(root / "training"),
+        epochs=3,
+        learning_rate=2e-3,
+        warmup_ratio=0.1,
+        ttt_steps=2,
+        batch_tokens=256,
+        max_seq_len=40,  # truncated samples: quicker epochs, and truncation is exercised
+        seed=7,
+        log_every=1,
+    )
+    return TrainConfig(**{**settings, **overrides})
+
+
+def final_weights(result: dict) -> dict[str, torch.Tensor]:
+    return load_file(str(Path(result["checkpoint"]) / "model.safetensors"))
+
+
+def test_target_head_normalises_pre_norm_states_like_the_post_norm_ones(tiny_target):
+    post = cached_demo_hidden_states(tiny_target, shards=1, count=3, dtype=torch.float32)
+    pre = cached_demo_hidden_states(tiny_target, shards=1, count=3, dtype=torch.float32, final_state="pre_norm")
+    post_index, pre_index = index_hidden_states(post), index_hidden_states(pre)
+    assert (post_index.final_state, pre_index.final_state) == ("post_norm", "pre_norm")
+    mapping = build_vocab_mapping(torch.arange(640), 100)
+    target = load_target_tensors(tiny_target)
+    post_batch, pre_batch = load_batch(post_index.samples, 4096), load_batch(pre_index.samples, 4096)
+    assert not torch.allclose(post_batch.final, pre_batch.final)  # the stored states really differ
+    post_logits, post_top = TargetHead(target, mapping, "post_norm")(post_batch.final)
+    pre_logits, pre_top = TargetHead(target, mapping, "pre_norm")(pre_batch.final)
+    valid = post_batch.loss_mask | (post_batch.input_ids > 0)
+    torch.testing.assert_close(pre_logits[valid], post_logits[valid], rtol=1e-4, atol=1e-4)
+    assert torch.equal(pre_top[valid], post_top[valid])
+    # The top token is the target's own argmax over its whole vocabulary.
+    full = post_batch.final @ target["lm_head"].T
+    assert torch.equal(post_top[valid], full.argmax(-1)[valid])
+
+
+def draft_with_rows_named_by_target_id(tiny_target, mapping: VocabMapping, layer_ids=(2, 3, 4)) -> Eagle3Draft:
+    """A draft whose lm_head row for target id t is filled with t: misaligned rows show at once."""
+    target_config = json.loads((tiny_target / "config.json").read_text())
+    draft = Eagle3Draft(DraftConfig.for_target(target_config, mapping.draft_vocab_size, list(layer_ids)))
+    draft.set_vocab_mapping(mapping.d2t, mapping.t2d)
+    with torch.no_grad():
+        draft.lm_head.weight.copy_(mapping.draft_to_target.float()[:, None].expand(-1, draft.config.hidden_size))
+        draft.embed_tokens.weight.copy_(load_target_tensors(tiny_target)["embed"])
+    return draft
+
+
+def sidecar_index(layer_ids=(2, 3, 4)) -> HiddenStateIndex:
+    return HiddenStateIndex([], list(layer_ids), 7, 64, 640, "post_norm", "x", "x")
+
+
+def test_fine_tuning_remaps_lm_head_rows_by_target_id(tiny_target, tmp_path):
+    generator = torch.Generator().manual_seed(1)
+    old_mapping = build_vocab_mapping(torch.randint(0, 100, (640,), generator=generator), 200)
+    new_mapping = build_vocab_mapping(torch.randint(0, 100, (640,), generator=generator), 230)
+    old = draft_with_rows_named_by_target_id(tiny_target, old_mapping)
+    old_dir = export_draft(old, tmp_path / "published", dtype="float32")  # bf16 would round the ids
+    save_vocab_mapping(tmp_path / "new", new_mapping, {})
+
+    config = TrainConfig(
+        hidden_state_dirs=["unused"], vocab_mapping=str(tmp_path / "new"), target_path=str(tiny_target),
+        training_dir=str(tmp_path / "training"), init_from=str(old_dir),
+    )  # fmt: skip
+    draft, report = initial_draft(config, sidecar_index(), new_mapping, load_target_tensors(tiny_target))
+
+    assert torch.equal(draft.d2t, new_mapping.d2t) and torch.equal(draft.t2d, new_mapping.t2d)
+    in_old = old_mapping.t2d[new_mapping.draft_to_target]
+    assert report.lm_head_rows_kept == int(in_old.sum()) and report.lm_head_rows_new == int((~in_old).sum())
+    assert 0 < report.lm_head_rows_kept < 230 and report.lm_head_rows_new > 0
+    for row, target_id in enumerate(new_mapping.draft_to_target.tolist()):
+        weights = draft.lm_head.weight[row]
+        if in_old[row]:
+            assert torch.all(weights == target_id), f"row {row} (target id {target_id}) carries another token's weights"
+        else:
+            assert not torch.all(weights == weights[0]), f"row {row} is new and should be freshly initialised"
+    # Everything but the head is the published draft's.
+    _, published = read_draft_dir(old_dir)
+    assert torch.equal(draft.fc.weight, published["fc.weight"].float())
+    assert torch.equal(draft.midlayer.self_attn.q_proj.weight, published["midlayer.self_attn.q_proj.weight"].float())
+
+
+def test_fine_tuning_refuses_a_draft_trained_on_other_layers_or_widths(tiny_target, tmp_path):
+    mapping = build_vocab_mapping(torch.arange(640), 100)
+    save_vocab_mapping(tmp_path / "map", mapping, {})
+    target = load_target_tensors(tiny_target)
+
+    def start(draft_dir: Path, index: HiddenStateIndex):
+        config = TrainConfig(["unused"], str(tmp_path / "map"), str(tiny_target), str(tmp_path / "t"), init_from=str(draft_dir))
+        return initial_draft(config, index, mapping, target)
+
+    other_layers = export_draft(draft_with_rows_named_by_target_id(tiny_target, mapping, (1, 3, 5)), tmp_path / "a", dtype="float32")
+    with pytest.raises(ValueError, match=r"trained on layers \[1, 3, 5\].*\[2, 3, 4\]"):
+        start(other_layers, sidecar_index())
+    with pytest.raises(ValueError, match="reads target states of width 64, the hidden states have 128"):
+        start(other_layers, HiddenStateIndex([], [1, 3, 5], 7, 128, 640, "post_norm", "x", "x"))
+
+    # No layer ids in its config: vLLM would use its default (2, L//2, L-3) = (2, 3, 4) here, which fits...
+    unnamed = export_draft(draft_with_rows_named_by_target_id(tiny_target, mapping), tmp_path / "b", dtype="float32")
+    config_file = unnamed / "config.json"
+    raw = json.loads(config_file.read_text())
+    del raw["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    config_file.write_text(json.dumps(raw))
+    _, report = start(unnamed, sidecar_index())
+    assert "vLLM's default [2, 3, 4]" in report.notes[0]
+    # ...but not hidden states taken elsewhere.
+    with pytest.raises(ValueError, match=r"vLLM used its default \[2, 3, 4\].*extracted at \[1, 3, 5\]"):
+        start(unnamed, sidecar_index((1, 3, 5)))
+
+
+def test_killed_training_resumes_from_its_last_complete_checkpoint_to_the_same_weights(hidden_states, tiny_target, tmp_path):
+    config = small_config(hidden_states, tiny_target, tmp_path / "a", epochs=3)
+    uninterrupted = run_training(config)
+    history = json.loads((Path(config.training_dir) / "history.json").read_text())["history"]
+    assert [r["epoch"] for r in history][-1] == 3 and len(history[0]["accuracy"]) == 2
+
+    interrupted = small_config(hidden_states, tiny_target, tmp_path / "b", epochs=3)
+    assert run_fingerprint(interrupted, index_hidden_states(interrupted.hidden_state_dirs)) == uninterrupted["fingerprint"]
+    Path(interrupted.training_dir).mkdir(parents=True)
+    launch = Path(interrupted.training_dir) / "launch.json"
+    write_json_atomic(launch, interrupted.to_dict())
+    process = subprocess.Popen([sys.executable, "-m", "eagle3_assets.core.training", "--config", str(launch)], stdout=subprocess.DEVNULL)
+    checkpoints = Path(interrupted.training_dir) / "checkpoints"
+    deadline = time.monotonic() + 300
+    try:
+        while not (checkpoints / "epoch-0001" / "manifest.json").is_file():
+            assert process.poll() is None, "training exited before its first checkpoint"
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+    finally:
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait()
+    assert not (checkpoints / "epoch-0003").exists(), "the kill came too late to interrupt anything"
+
+    # Fault injection: what a crash while writing epoch 2 and a damaged epoch-2 directory would leave.
+    (checkpoints / ".epoch-0002.crashed.partial").mkdir(exist_ok=True)
+    (checkpoints / ".epoch-0002.crashed.partial" / "model.safetensors").write_bytes(b"half a file")
+    damaged = checkpoints / "epoch-0002"
+    if not damaged.exists():
+        damaged.mkdir()
+        for name in ("model.safetensors", "trainer.pt", "state.json", "manifest.json"):
+            (damaged / name).write_bytes((checkpoints / "epoch-0001" / name).read_bytes())
+    with open(damaged / "model.safetensors", "r+b") as fh:
+        fh.truncate(100)
+    assert latest_checkpoint(checkpoints, uninterrupted["fingerprint"]) == checkpoints / "epoch-0001"
+
+    resumed = run_training(interrupted)
+    assert resumed["resumed_from"] == str(checkpoints / "epoch-0001")
+    assert not (checkpoints / ".epoch-0002.crashed.partial").exists()
+    expected, got = final_weights(uninterrupted), final_weights(resumed)
+    assert expected.keys() == got.keys()
+    for name in expected:
+        assert torch.equal(expected[name], got[name]), f"{name} differs after resuming"
+    resumed_history = json.loads((Path(interrupted.training_dir) / "history.json").read_text())["history"]
+    assert [r["loss"] for r in resumed_history] == [r["loss"] for r in history]
+
+
+def test_two_process_ddp_follows_the_single_process_loss_curve(hidden_states, tiny_target, tmp_path):
+    # 1 process accumulating 2 micro-batches per step sees the batches that 2 processes see together.
+    single = small_config(hidden_states, tiny_target, tmp_path / "one", epochs=2, grad_accumulation=2, torch_threads=1)
+    ddp = small_config(hidden_states, tiny_target, tmp_path / "two", epochs=2, grad_accumulation=1, torch_threads=1)
+    events: list[dict] = []
+    single_result = run_training(single, nproc=1)
+    ddp_result = run_training(ddp, nproc=2, on_event=events.append)
+
+    assert any(e["event"] == "start" and e["world_size"] == 2 for e in events)
+    curve_1 = json.loads((Path(single.training_dir) / "history.json").read_text())["history"]
+    curve_2 = json.loads((Path(ddp.training_dir) / "history.json").read_text())["history"]
+    assert len(curve_1) == len(curve_2) >= 6
+    torch.testing.assert_close(
+        torch.tensor([r["loss"] for r in curve_2]), torch.tensor([r["loss"] for r in curve_1]), rtol=DDP_LOSS_RTOL, atol=0
+    )
+    assert curve_1[-1]["loss"] < curve_1[0]["loss"]
+    assert [r["tokens"] for r in curve_1] == [r["tokens"] for r in curve_2]
+    assert single_result["checkpoint"] and ddp_result["checkpoint"]

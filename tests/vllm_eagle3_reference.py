@@ -1,0 +1,105 @@
+"""Run vLLM's own EAGLE-3 draft module (``llama_eagle3.Eagle3LlamaForCausalLM``) on CPU, outside the engine.
+
+Used by tests/test_draft_model.py as the reference for our draft's forward
+pass. Everything is vLLM's code — config parsing, ``load_weights`` with its
+name mapping (``midlayer.`` -> ``layers.0.``, q/k/v stacking, ``d2t``),
+norms, rotary embedding, ``fc``, ``compute_logits`` with the draft-to-target
+scatter — except the attention kernel: the engine's paged CPU attention needs
+the engine's scheduler metadata, so a plain causal attention over a growing
+KV cache (what the paged kernel computes for one sequence) stands in for it.
+
+Drafting is replayed the way vLLM's proposer runs it: for a chain that starts
+after position t, step 0 runs over positions 0..t with tokens shifted by one
+and the target's fused states; step k runs at position t+k on the previous
+step's pre-norm output.
+
+    python tests/vllm_eagle3_reference.py TARGET_DIR DRAFT_DIR INPUTS.safetensors STEPS OUT.safetensors
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+
+import torch
+from safetensors.torch import load_file, save_file
+
+
+class CachedCausalAttention(torch.nn.Module):
+    """Causal attention of one sequence over everything written to its KV cache so far."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+
+    def forward(self, q, k, v, *args, **kwargs):
+        self.keys.append(k.view(-1, self.num_kv_heads, self.head_dim))
+        self.values.append(v.view(-1, self.num_kv_heads, self.head_dim))
+        keys, values = torch.cat(self.keys), torch.cat(self.values)
+        new, total = q.shape[0], keys.shape[0]
+        groups = self.num_heads // self.num_kv_heads
+        q = q.view(new, self.num_heads, self.head_dim).transpose(0, 1)
+        keys = keys.repeat_interleave(groups, dim=1).transpose(0, 1)
+        values = values.repeat_interleave(groups, dim=1).transpose(0, 1)
+        allowed = torch.arange(total)[None, :] <= (torch.arange(new)[:, None] + total - new)
+        out = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=allowed)
+        return out.transpose(0, 1).reshape(new, self.num_heads * self.head_dim)
+
+
+def main(target_dir: str, draft_dir: str, inputs_file: str, steps: int, out_file: str) -> None:
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    from vllm.config import (
+        CompilationConfig, CompilationMode, ModelConfig, ParallelConfig, SpeculativeConfig, VllmConfig,
+        set_current_vllm_config,
+    )  # fmt: skip
+    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+    model_config = ModelConfig(model=target_dir, dtype="float32", max_model_len=512, seed=0)
+    parallel = ParallelConfig()
+    speculative = SpeculativeConfig(
+        method="eagle3", model=draft_dir, num_speculative_tokens=steps,
+        target_model_config=model_config, target_parallel_config=parallel,
+    )  # fmt: skip
+    # Eager: a compiled graph would bake the stand-in attention into vLLM's shared compile cache.
+    vllm_config = VllmConfig(
+        model_config=model_config, parallel_config=parallel, speculative_config=speculative,
+        compilation_config=CompilationConfig(mode=CompilationMode.NONE),
+    )  # fmt: skip
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    inputs = load_file(inputs_file)
+    aux, ids = inputs["aux"].float(), inputs["input_ids"].long()
+    with set_current_vllm_config(vllm_config):
+        init_distributed_environment(1, 0, f"tcp://127.0.0.1:{port}", 0, backend="gloo")
+        ensure_model_parallel_initialized(1, 1)
+        from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
+
+        model = Eagle3LlamaForCausalLM(vllm_config=vllm_config)
+        model.load_weights(load_file(os.path.join(draft_dir, "model.safetensors")).items())
+        if not model.has_own_embed_tokens:  # the engine would share the target's: do the same
+            target = load_file(os.path.join(target_dir, "model.safetensors"))
+            model.model.embed_tokens.weight.data.copy_(target["model.embed_tokens.weight"])
+        process_weights_after_loading(model, model_config, torch.device("cpu"))
+        attn = model.model.layers[0].self_attn
+        chains = ids.numel() - steps - 1
+        logits = torch.zeros(chains, steps, model.config.vocab_size)
+        with torch.no_grad():
+            fused = model.combine_hidden_states(aux)
+            for t in range(chains):
+                attn.attn = CachedCausalAttention(attn.num_heads, attn.num_kv_heads, attn.head_dim)
+                normed, prenorm = model(ids[1 : t + 2], torch.arange(t + 1), fused[: t + 1])
+                logits[t, 0] = model.compute_logits(normed[-1:])[0]
+                hidden = prenorm[-1:]
+                for k in range(1, steps):
+                    normed, hidden = model(ids[t + 1 + k : t + 2 + k], torch.tensor([t + k]), hidden)
+                    logits[t, k] = model.compute_logits(normed)[0]
+    save_file({"logits": logits}, out_file)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5])
