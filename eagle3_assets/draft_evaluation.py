@@ -1,0 +1,97 @@
+"""``draft_evaluation``: the draft's mean acceptance length, measured through vLLM speculative decoding.
+
+On held-out prompts (never in a training shard), the GPU host serves the target
+alone, with the trained draft, and with a baseline draft (stage
+``evaluate_draft``), reading vLLM's spec-decode counters around each pass.
+Writes ``<data>/draft_evaluation/report.json``. The gate
+``acceptance_above_floor`` is ERROR below the floor and WARN when the trained
+draft does not beat the baseline.
+"""
+
+from pathlib import Path
+
+import polars as pl
+from dagster import AssetCheckSpec, AssetExecutionContext, Config, MaterializeResult, asset
+from pydantic import Field
+
+from eagle3_assets.core.evaluation import load_conversations
+from eagle3_assets.core.preflight import StageRequirements
+from eagle3_assets.core.storage import asset_dir
+from eagle3_assets.draft_checkpoint import draft_checkpoint
+from resources.gpu_host import GPU_POOL, GPUHost, register_stage
+from resources.target_model import TargetModel
+
+STAGE = "evaluate_draft"
+register_stage(STAGE, StageRequirements(modules=["vllm", "torch", "aiohttp", "dagster_pipes"], output_dirs=["draft_evaluation"]))
+
+
+class DraftEvaluationConfig(Config):
+    eval_prompts: str = Field(default="demo", description="held-out prompt set (JSONL/Parquet path) or 'demo' for the built-in one")
+    num_speculative_tokens: int = Field(default=3, description="draft tokens proposed per step")
+    max_tokens: int = Field(default=128, description="completion tokens per prompt (greedy)")
+    concurrency: int = Field(default=8, description="requests in flight")
+    floor: float = Field(default=2.0, description="acceptance_above_floor fails (ERROR) below this mean acceptance length")
+    baseline: str = Field(default="untrained", description="'untrained' (random draft of the same shape) or the checkpoint training started from")
+
+
+def resolve_eval_prompts(source: str) -> str:
+    if source == "demo":
+        from eagle3_assets.demo.stack import demo_eval_prompts_path
+
+        return str(demo_eval_prompts_path())
+    return source
+
+
+def training_overlap(eval_ids: list[str], eval_conversations: list[list[dict]], prompts_dir: Path) -> list[str]:
+    """Held-out prompts that also occur (by id or by text) in a training shard."""
+    shards = sorted(p for p in prompts_dir.glob("shard-*.parquet") if not p.name.endswith(".rejected.parquet"))
+    if not shards:
+        return []
+    seen = pl.concat([pl.read_parquet(p, columns=["id", "messages"]) for p in shards])
+    seen_ids = set(seen["id"].to_list())
+    seen_texts = {m[-1]["content"] for m in seen["messages"].to_list() if m}
+    return [i for i, conv in zip(eval_ids, eval_conversations) if i in seen_ids or conv[-1]["content"] in seen_texts]
+
+
+@asset(
+    group_name="evaluation",
+    code_version="1",
+    kinds={"vllm"},
+    pool=GPU_POOL,
+    deps=[draft_checkpoint],
+    check_specs=[
+        AssetCheckSpec(
+            "acceptance_above_floor",
+            asset="draft_evaluation",
+            description="ERROR below the floor; WARN when the trained draft does not beat the baseline",
+        )
+    ],
+)
+def draft_evaluation(
+    context: AssetExecutionContext, config: DraftEvaluationConfig, target_model: TargetModel, gpu_host: GPUHost
+) -> MaterializeResult:
+    """Mean acceptance length and per-position acceptance of the trained draft and of a baseline, through vLLM."""
+    eval_prompts = resolve_eval_prompts(config.eval_prompts)
+    ids, conversations = load_conversations(eval_prompts)
+    overlap = training_overlap(ids, conversations, asset_dir("prompts"))
+    if overlap:
+        raise ValueError(f"evaluation prompts {eval_prompts} are not held out: {len(overlap)} also occur in training shards, e.g. {overlap[:5]}")
+    draft_dir = asset_dir("draft_checkpoint") / "model"
+    if not (draft_dir / "config.json").is_file():
+        raise FileNotFoundError(f"no exported draft at {draft_dir}: materialise draft_checkpoint first")
+    invocation = gpu_host.run_stage(
+        context,
+        STAGE,
+        {
+            "target_dir": str(target_model.resolved_path()),
+            "draft_dir": str(draft_dir),
+            "baseline": config.baseline,
+            "eval_prompts": eval_prompts,
+            "num_speculative_tokens": config.num_speculative_tokens,
+            "max_tokens": config.max_tokens,
+            "concurrency": config.concurrency,
+            "floor": config.floor,
+            "report_path": str(asset_dir("draft_evaluation") / "report.json"),
+        },
+    )
+    return invocation.get_materialize_result()

@@ -1,0 +1,52 @@
+"""Acceptance arithmetic and the gate's verdicts (the real-server path is in test_end_to_end.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from eagle3_assets.core.evaluation import load_conversations, render_positions
+from eagle3_assets.core.vllm_metrics import SpecDecodeCounters
+from eagle3_assets.stages.evaluate_draft import judge
+
+PAGE = """# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts_total counter
+vllm:spec_decode_num_drafts_total{engine="0",model_name="tiny-reasoner"} 100.0
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="tiny-reasoner"} 300.0
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="tiny-reasoner"} 150.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="tiny-reasoner",position="0"} 80.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="tiny-reasoner",position="1"} 50.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="tiny-reasoner",position="2"} 20.0
+"""
+
+
+def test_counters_difference_gives_acceptance_length_and_per_position_rates():
+    before = SpecDecodeCounters(drafts=40, draft_tokens=120, accepted=30, accepted_per_position=[20, 8, 2])
+    delta = SpecDecodeCounters.from_metrics(PAGE).minus(before)
+    assert delta.drafts == 60 and delta.accepted == 120
+    assert delta.mean_acceptance_length == pytest.approx(3.0)
+    assert delta.acceptance_rate_per_position == pytest.approx([1.0, 42 / 60, 18 / 60])
+
+
+def test_no_drafts_means_acceptance_length_one():
+    assert SpecDecodeCounters(0, 0, 0, []).mean_acceptance_length == 1.0
+
+
+@pytest.mark.parametrize(
+    ("trained", "baseline", "passed", "severity"),
+    [(2.4, 1.0, True, "ERROR"), (1.8, 1.0, False, "ERROR"), (2.1, 2.3, False, "WARN")],
+)
+def test_floor_is_an_error_and_not_beating_the_baseline_a_warning(trained, baseline, passed, severity):
+    verdict = judge(trained, baseline, floor=2.0)
+    assert verdict[:2] == (passed, severity)
+
+
+def test_eval_prompts_with_a_bad_row_fail_naming_the_file_and_row(tmp_path):
+    path = tmp_path / "eval.jsonl"
+    path.write_text('{"question": "ok?"}\n{"nothing": 1}\n')
+    with pytest.raises(ValueError, match=r"eval\.jsonl, row 2"):
+        load_conversations(str(path))
+
+
+def test_per_position_table_lists_every_position():
+    table = render_positions({"trained": [0.8, 0.5, 0.2], "baseline": [0.0, 0.0, 0.0]})
+    assert table.count("\n") == 4 and "| 3 | 0.200" in table
