@@ -32,6 +32,8 @@ test: install
 
 # The UI on 127.0.0.1:3000, over the same instance and data as `make demo`.
 dev: install $(DAGSTER_HOME)/dagster.yaml
+	$(PY) -c 'from dagster import DagsterInstance; from resources.vllm_server import ensure_generation_pool_limit as f; f(DagsterInstance.get())'
+	$(PY) -c 'from dagster import DagsterInstance; from resources.gpu_host import ensure_gpu_pool_limit as f; f(DagsterInstance.get())'
 	$(VENV)/bin/dagster dev -w workspace.yaml -h 127.0.0.1 -p 3000
 
 # The demo's vLLM server in the foreground, for materialising from the UI.

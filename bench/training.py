@@ -2,14 +2,15 @@
 
 Each configuration runs in a child process (so that its peak memory is its
 own) the training step of eagle3_assets.core.training on synthetic batches of
-the preset's shape: the target's head (full-vocabulary top-1 and the
+the preset's shape (the tiny one is the demo's): the target's head (full-vocabulary top-1 and the
 draft-vocabulary distribution), the training-time-test unroll, backward,
 gradient clipping, AdamW. Data loading is left out: it is a slice of a
 memory-mapped file per sample.
 
 Prints tokens/s and peak memory for each ``--ttt`` depth and their ratios to
 depth 1 (the cost of training-time test). On CPU the peak is the child's
-maximum RSS; on CUDA, ``torch.cuda.max_memory_allocated``.
+maximum RSS (torch itself included; the growth during the steps is printed
+beside it); on CUDA, ``torch.cuda.max_memory_allocated``.
 
     .venv/bin/python bench/training.py                                  # the demo's tiny draft on CPU
     python bench/training.py --device cuda --preset llama3-8b           # a GPU host: an 8B-class draft
@@ -88,6 +89,7 @@ def child(spec: dict) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize()
 
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # torch, model, batch: not the step's
     for _ in range(spec["warmup"]):
         step()
     sync()
@@ -98,8 +100,12 @@ def child(spec: dict) -> dict:
         step()
     sync()
     elapsed = time.perf_counter() - started
-    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"tokens_per_s": batch * length * spec["steps"] / elapsed, "peak_bytes": peak, "batch": batch, "seq_len": length}
+    if device.type == "cuda":
+        peak, step_bytes = torch.cuda.max_memory_allocated(), None
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        step_bytes = peak - before
+    return {"tokens_per_s": batch * length * spec["steps"] / elapsed, "peak_bytes": peak, "step_bytes": step_bytes, "batch": batch, "seq_len": length}
 
 
 def main() -> None:
@@ -126,7 +132,8 @@ def main() -> None:
             sys.exit(f"ttt={depth} failed:\n{done.stderr[-3000:]}")
         results[depth] = json.loads(done.stdout.strip().splitlines()[-1])
         r = results[depth]
-        print(f"  ttt_steps={depth}: {r['tokens_per_s']:10.0f} tokens/s, peak memory {r['peak_bytes'] / 2**20:8.0f} MiB (batch {r['batch']} x {r['seq_len']})")
+        step = f" (of which the training step {r['step_bytes'] / 2**20:.0f} MiB)" if r["step_bytes"] is not None else ""
+        print(f"  ttt_steps={depth}: {r['tokens_per_s']:10.0f} tokens/s, peak memory {r['peak_bytes'] / 2**20:6.0f} MiB{step} (batch {r['batch']} x {r['seq_len']})")
     base = results[args.ttt[0]]
     for depth in args.ttt[1:]:
         r = results[depth]

@@ -6,19 +6,36 @@ from dagster import Definitions
 
 from eagle3_assets import settings
 from eagle3_assets.demo.stack import DEMO_SHARD_SIZE
+from eagle3_assets.draft_checkpoint import draft_checkpoint
+from eagle3_assets.draft_evaluation import draft_evaluation
+from eagle3_assets.gpu_host_ready import gpu_host_ready_job
+from eagle3_assets.hidden_states import hidden_states
 from eagle3_assets.prompts import prompts
+from eagle3_assets.raw_responses import raw_responses
+from eagle3_assets.validated_traces import validated_traces
+from eagle3_assets.vocab_mapping import vocab_mapping
 from resources.alerts import alert_channel_from_env
+from resources.gpu_host import gpu_host_from_env
 from resources.prompt_dataset import PromptDataset
+from resources.target_model import TargetModel
+from resources.vllm_server import VLLMServerResource
 from sensors import ALL_SENSORS
 
 # Materialised together, one shard at a time (the demo, backfills).
-PER_SHARD_ASSETS = [prompts]
+PER_SHARD_ASSETS = [prompts, raw_responses, validated_traces, hidden_states]
+
+# Unpartitioned, over every shard: materialised after all shards (the demo).
+WHOLE_DATASET_ASSETS = [vocab_mapping, draft_checkpoint, draft_evaluation]
 
 
 def default_resources() -> dict:
     return {
         "prompt_dataset": PromptDataset(source=settings.PROMPTS_SOURCE, shard_size=settings.SHARD_SIZE),
+        # EAGLE3_VLLM_URLS (comma separated), EAGLE3_SERVED_MODEL, VLLM_API_KEY (an EnvVar, only when set)
+        "vllm_server": VLLMServerResource.from_env(),
+        "target_model": TargetModel(path=settings.env_str("EAGLE3_TARGET_MODEL", "demo")),
         "alert_channel": alert_channel_from_env(),
+        "gpu_host": gpu_host_from_env(),
     }
 
 
@@ -27,7 +44,15 @@ def demo_resources(base_url: str, served_model_name: str) -> dict:
     return {
         **default_resources(),
         "prompt_dataset": PromptDataset(source="demo", shard_size=DEMO_SHARD_SIZE),
+        "target_model": TargetModel(path="demo"),  # the demo serves the tiny target, whatever EAGLE3_TARGET_MODEL says
+        "vllm_server": VLLMServerResource(
+            base_urls=[base_url],
+            served_model_name=served_model_name,
+            max_tokens=settings.DEMO_MAX_TOKENS,
+            temperature=settings.DEMO_TEMPERATURE,
+            concurrency=64,  # what the CPU server takes on 2 cores; the production default is 128
+        ),
     }
 
 
-defs = Definitions(assets=PER_SHARD_ASSETS, resources=default_resources(), sensors=ALL_SENSORS)
+defs = Definitions(assets=[*PER_SHARD_ASSETS, *WHOLE_DATASET_ASSETS], resources=default_resources(), sensors=ALL_SENSORS, jobs=[gpu_host_ready_job])

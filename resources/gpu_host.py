@@ -37,7 +37,7 @@ from dagster import (
     PipesMessageReader,
     open_pipes_session,
 )
-from dagster._core.errors import DagsterExecutionInterruptedError, DagsterPipesExecutionError
+from dagster._core.errors import DagsterPipesExecutionError
 from dagster._core.pipes.client import PipesClientCompletedInvocation
 from pydantic import Field
 
@@ -253,8 +253,8 @@ class GPUHost(ConfigurableResource):
             context.log.info(f"stage {stage} started on {label}")
             try:
                 returncode = process.wait()
-            except (DagsterExecutionInterruptedError, KeyboardInterrupt):
-                context.log.warning(f"run terminated: stopping stage {stage} on {label} (its whole process group)")
+            except BaseException:  # terminated run, Ctrl-C, a timeout: never leave the stage running
+                context.log.warning(f"run interrupted: stopping stage {stage} on {label} (its whole process group)")
                 process.terminate(self.termination_grace_s)
                 raise
             if returncode != 0:

@@ -3,5 +3,7 @@
 from sensors.gate_failure import gate_failure_alert
 from sensors.new_shards import new_prompt_shards
 from sensors.run_failure import run_failure_alert
+from sensors.server_health import vllm_server_health
 
-ALL_SENSORS = [gate_failure_alert, run_failure_alert, new_prompt_shards]
+# Alerts run by default; health polling and shard discovery are opt-in (README: Sensors).
+ALL_SENSORS = [gate_failure_alert, run_failure_alert, vllm_server_health, new_prompt_shards]

@@ -7,11 +7,29 @@ from dagster import AssetCheckKey, AssetKey, DynamicPartitionsDefinition
 from eagle3_assets.definitions import defs
 from eagle3_assets.partitions import SAMPLE_SHARDS
 
-PER_SHARD = {"prompts"}
+PER_SHARD = {"prompts", "raw_responses", "validated_traces", "hidden_states"}
 CHECKS = {
+    ("hidden_states", "states_finite"),
+    ("hidden_states", "states_match_traces"),
+    ("hidden_states", "final_state_reproduces_logits"),
+    ("hidden_states", "aux_states_match_layer_ids"),
     ("prompts", "prompts_present"),
     ("prompts", "rejected_rows_rare"),
+    ("raw_responses", "one_row_per_prompt"),
+    ("raw_responses", "errors_rare"),
+    ("validated_traces", "traces_present"),
+    ("validated_traces", "reasoning_present"),
+    ("validated_traces", "responses_accounted"),
+    ("validated_traces", "loss_mask_aligned"),
+    ("validated_traces", "truncation_rate_low"),
+    ("validated_traces", "think_markers_absent"),
+    ("vocab_mapping", "draft_vocab_covers_targets"),
+    ("draft_checkpoint", "config_complete"),
+    ("draft_checkpoint", "loads_in_vllm"),
+    ("draft_checkpoint", "loss_decreased"),
+    ("draft_evaluation", "acceptance_above_floor"),
 }
+WHOLE_DATASET = {"vocab_mapping", "draft_checkpoint", "draft_evaluation"}
 
 
 def test_definitions_load_with_assets_partitions_and_checks():
@@ -24,6 +42,17 @@ def test_definitions_load_with_assets_partitions_and_checks():
     checks = {(k.asset_key.to_user_string(), k.name) for k in graph.asset_check_keys}
     assert CHECKS <= checks
     assert AssetCheckKey(AssetKey("prompts"), "prompts_present") in graph.asset_check_keys
+    assert WHOLE_DATASET <= keys
+    for name in WHOLE_DATASET:
+        assert graph.get(AssetKey(name)).partitions_def is None
+
+
+def test_definitions_are_loadable_with_every_resource_sensors_need():
+    from dagster import Definitions
+
+    Definitions.validate_loadable(defs)
+    sensors = {s.name for s in defs.sensors}
+    assert {"gate_failure_alert", "run_failure_alert", "vllm_server_health", "new_prompt_shards"} <= sensors
 
 
 def test_every_asset_has_a_stage_group_and_description():
@@ -32,3 +61,89 @@ def test_every_asset_has_a_stage_group_and_description():
         node = graph.get(key)
         assert node.group_name in {"generation", "validation", "extraction", "training", "evaluation"}, key
         assert node.description, f"{key} has no description"
+
+
+def test_validation_gates_that_protect_downstream_are_blocking():
+    from eagle3_assets.definitions import default_resources
+
+    assert "target_model" in default_resources()
+    node = defs.resolve_asset_graph().get(AssetKey("validated_traces"))
+    assert node.group_name == "validation"
+    assert {AssetKey("prompts"), AssetKey("raw_responses")} <= set(node.parent_keys)
+    specs = {spec.name: spec for spec in defs.resolve_assets_def(AssetKey("validated_traces")).check_specs}
+    assert {n for n, s in specs.items() if s.blocking} == {"traces_present", "reasoning_present", "responses_accounted", "loss_mask_aligned"}
+
+
+def test_generation_runs_in_its_pool_against_the_servers_named_in_the_environment(monkeypatch):
+    from eagle3_assets.definitions import default_resources
+    from resources.vllm_server import GENERATION_POOL
+
+    monkeypatch.setenv("EAGLE3_VLLM_URLS", "http://gpu-a:8000, http://gpu-b:8000")
+    monkeypatch.setenv("EAGLE3_SERVED_MODEL", "kimi-k2")
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    server = default_resources()["vllm_server"]
+    assert server.base_urls == ["http://gpu-a:8000", "http://gpu-b:8000"] and server.served_model_name == "kimi-k2"
+    assert (server.concurrency, server.max_tokens, server.read_timeout_s, server.api_key) == (128, 8192, 1800.0, None)
+    raw = defs.resolve_assets_def(AssetKey("raw_responses"))
+    assert raw.op.pool == GENERATION_POOL
+    assert {s.name for s in raw.check_specs if s.blocking} == {"one_row_per_prompt"}
+    assert defs.resolve_asset_graph().get(AssetKey("raw_responses")).parent_keys == {AssetKey("prompts")}
+
+
+def test_the_gpu_host_and_its_readiness_job_are_defined():
+    from eagle3_assets.definitions import default_resources
+    from resources.gpu_host import GPUHost
+
+    assert isinstance(default_resources()["gpu_host"], GPUHost)
+    job = defs.resolve_job_def("gpu_host_ready")
+    assert {node.name for node in job.nodes} == {"gpu_host_preflight"}
+
+
+def test_hidden_states_gates_block_training_and_the_stage_runs_in_the_gpu_pool():
+    from resources.gpu_host import GPU_POOL, STAGE_REQUIREMENTS
+
+    graph = defs.resolve_asset_graph()
+    node = graph.get(AssetKey("hidden_states"))
+    assert node.group_name == "extraction" and AssetKey("validated_traces") in node.parent_keys
+    assert AssetKey("hidden_states") in graph.get(AssetKey("draft_checkpoint")).parent_keys
+    assets_def = defs.resolve_assets_def(AssetKey("hidden_states"))
+    assert assets_def.op.pool == GPU_POOL
+    assert {s.name for s in assets_def.check_specs if s.blocking} == {
+        "states_finite",
+        "states_match_traces",
+        "final_state_reproduces_logits",
+        "aux_states_match_layer_ids",
+    }
+    assert "extract_hidden_states" in STAGE_REQUIREMENTS
+
+
+def test_training_assets_cover_every_shard_and_gate_the_export_with_vllm():
+    from eagle3_assets.definitions import WHOLE_DATASET_ASSETS, default_resources
+    from resources.gpu_host import GPU_POOL, STAGE_REQUIREMENTS
+
+    assert {k.to_user_string() for a in WHOLE_DATASET_ASSETS for k in a.keys} == WHOLE_DATASET
+    assert {"target_model", "gpu_host"} <= set(default_resources())
+    graph = defs.resolve_asset_graph()
+    for name in WHOLE_DATASET:
+        node = graph.get(AssetKey(name))
+        assert node.partitions_def is None
+        assert node.group_name == ("evaluation" if name == "draft_evaluation" else "training")
+    assert AssetKey("validated_traces") in graph.get(AssetKey("vocab_mapping")).parent_keys
+    assert graph.get(AssetKey("draft_checkpoint")).parent_keys == {AssetKey("hidden_states"), AssetKey("vocab_mapping")}
+    specs = {s.name: s for s in defs.resolve_assets_def(AssetKey("draft_checkpoint")).check_specs}
+    assert {n for n, s in specs.items() if s.blocking} == {"config_complete", "loads_in_vllm"}
+    assert not any(s.blocking for s in defs.resolve_assets_def(AssetKey("vocab_mapping")).check_specs)
+    assert defs.resolve_assets_def(AssetKey("draft_checkpoint")).op.pool == GPU_POOL
+    assert "train_draft" in STAGE_REQUIREMENTS
+
+
+def test_evaluation_runs_on_the_gpu_host_after_the_draft_and_gates_on_acceptance():
+    from resources.gpu_host import GPU_POOL, STAGE_REQUIREMENTS
+
+    graph = defs.resolve_asset_graph()
+    assert graph.get(AssetKey("draft_evaluation")).parent_keys == {AssetKey("draft_checkpoint")}
+    assets_def = defs.resolve_assets_def(AssetKey("draft_evaluation"))
+    assert assets_def.op.pool == GPU_POOL
+    assert "evaluate_draft" in STAGE_REQUIREMENTS
+    (spec,) = assets_def.check_specs
+    assert spec.name == "acceptance_above_floor" and not spec.blocking  # nothing is downstream; the UI and alerts show it

