@@ -118,3 +118,23 @@ def test_prometheus_parsing_sums_label_sets():
     )
     metrics = parse_prometheus(text)
     assert metrics["vllm:num_requests_running"] == 5.0 and metrics["vllm:num_requests_waiting"] == 7.0
+
+
+def test_a_failed_reasoning_present_alerts_once_with_partition_and_figure(data_dir, tiny_target, receiver):
+    """The story's bug, end to end: empty reasoning on a shard -> the blocking gate fails -> one alert."""
+    from eagle3_assets.validated_traces import validated_traces
+    from tests.test_validation import question, response, run, write_shard
+
+    empty_reasoning = [response(f"p{i}", i, reasoning=None, reasoning_field="none") for i in range(4)]
+    write_shard(data_dir, [(f"p{i}", question(i)) for i in range(4)], empty_reasoning, shard="shard-00007")
+    result, instance = run([validated_traces], tiny_target, shard="shard-00007")
+    assert not result.success  # the blocking gate stops the run
+    channel = AlertChannel(webhook_url=receiver.url)
+    cursor = None
+    for _ in range(4):
+        cursor, _ = tick(gate_failure_alert, instance, cursor, channel)
+    gate_alerts = [t for t in receiver.texts() if "reasoning_present" in t]
+    assert len(gate_alerts) == 1
+    (text,) = gate_alerts
+    assert "[shard-00007]" in text and "ERROR" in text
+    assert "reasoning_share=0" in text and "threshold=0.98" in text
