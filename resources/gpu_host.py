@@ -254,7 +254,7 @@ class GPUHost(ConfigurableResource):
             try:
                 returncode = process.wait()
             except BaseException:  # terminated run, Ctrl-C, a timeout: never leave the stage running
-                context.log.warning(f"run interrupted: stopping stage {stage} on {label} (its whole process group)")
+                context.log.warning(f"run terminated: stopping stage {stage} on {label} (its whole process group)")
                 process.terminate(self.termination_grace_s)
                 raise
             if returncode != 0:
