@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import random
 import time
 import urllib.parse
@@ -46,6 +45,7 @@ import aiohttp
 import polars as pl
 
 from eagle3_assets.core.journal import ShardJournal, parquet_fingerprint
+from eagle3_assets.core.markdown import markdown_histogram
 from eagle3_assets.core.storage import stable_hash
 
 # The contract of ``<data>/raw_responses/<shard>.parquet`` (one row per prompt).
@@ -595,21 +595,12 @@ def shard_summary(frame: pl.DataFrame) -> dict[str, Any]:
 
 
 def completion_length_histogram(lengths: Sequence[int], bins: int = 12, width: int = 30) -> str:
-    """A markdown bar chart of completion lengths (Dagster's UI renders markdown metadata)."""
+    """Completion lengths as a markdown histogram, with the median and maximum under it."""
     values = [v for v in lengths if v is not None]
+    table = markdown_histogram(values, label="completion tokens", empty="_no completions_", bins=bins, bar_width=width)
     if not values:
-        return "_no completions_"
-    low, top = min(values), max(values)
-    step = max(1, math.ceil((top - low + 1) / bins))
-    counts = Counter((v - low) // step for v in values)
-    most = max(counts.values())
-    lines = ["| completion tokens | rows | |", "|---:|---:|:---|"]
-    for b in range(max(counts) + 1):
-        n = counts.get(b, 0)
-        bar = f"`{'█' * max(1, round(width * n / most))}`" if n else ""
-        lines.append(f"| {low + b * step}–{low + (b + 1) * step - 1} | {n} | {bar} |")
-    lines.append(f"\n{len(values)} completions; median {sorted(values)[len(values) // 2]}, max {top} tokens.")
-    return "\n".join(lines)
+        return table
+    return table + f"\n\n{len(values)} completions; median {sorted(values)[len(values) // 2]}, max {max(values)} tokens."
 
 
 # ------------------------------------------------------------------ helpers

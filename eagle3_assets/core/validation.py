@@ -32,6 +32,7 @@ from pathlib import Path
 import polars as pl
 
 from eagle3_assets.core.chat_rendering import ChatRenderer
+from eagle3_assets.core.markdown import markdown_histogram
 from eagle3_assets.core.prompt_loading import MESSAGES_DTYPE
 from eagle3_assets.core.storage import PARTIAL_SUFFIX, atomic_path, write_parquet_atomic
 
@@ -555,18 +556,5 @@ def token_length_stats(lengths: Sequence[int]) -> dict[str, float]:
 
 
 def token_length_histogram_markdown(lengths: Sequence[int], bins: int = 12, bar_width: int = 40) -> str:
-    """A histogram as a markdown table of bars, which the Dagster UI renders as is."""
-    if not lengths:
-        return "_no kept traces_"
-    low, high = min(lengths), max(lengths)
-    width = max(1, -(-(high - low + 1) // bins))  # ceil: equal-width bins covering [low, high]
-    counts = [0] * (((high - low) // width) + 1)
-    for n in lengths:
-        counts[(n - low) // width] += 1
-    peak = max(counts)
-    lines = ["| tokens | rows | |", "| ---: | ---: | :--- |"]
-    for i, count in enumerate(counts):
-        start = low + i * width
-        bar = "█" * round(bar_width * count / peak) if count else ""
-        lines.append(f"| {start}–{start + width - 1} | {count} | {bar} |")
-    return "\n".join(lines)
+    """Token lengths of the kept traces as a markdown histogram."""
+    return markdown_histogram(lengths, label="tokens", empty="_no kept traces_", bins=bins, bar_width=bar_width)
