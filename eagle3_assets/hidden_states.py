@@ -50,7 +50,8 @@ CHECKS = {
     "states_finite": "no NaN or Inf in any stored state",
     "states_match_traces": "exactly the validated traces' ids, each with the same tokens, token count and loss mask",
     "final_state_reproduces_logits": "the target's lm_head on the stored final states (normed when pre-norm) gives the argmax "
-    "of the target's own forward pass on at least min_argmax_agreement of sampled positions",
+    "of the target's own forward pass on at least min_argmax_agreement of sampled positions (a flip between two "
+    "logits closer than the storage dtype can resolve counts as a tie)",
     "aux_states_match_layer_ids": "the sidecar's layer ids are the target's configured ids (vLLM's convention), and the stored "
     "aux states are the states at those ids (checked against a transformers forward where one runs)",
 }

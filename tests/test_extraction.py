@@ -240,6 +240,41 @@ def test_wrong_layer_ids_in_the_sidecar_are_caught(tmp_path, tiny_target, traces
     assert "aux block 0 matches hidden_states[2] best" in outcome.description and "the sidecar says layer 1" in outcome.description
 
 
+class WrongFinalStateBackend_fault(TransformersBackend):
+    """Fault injection: stores one aux block (an inner layer's state) as the final state, labelled post-norm."""
+
+    def capture(self, sequences, dtype):
+        return [(aux, aux[:, HIDDEN : 2 * HIDDEN].clone()) for aux, _final in super().capture(sequences, dtype)]
+
+
+def test_the_logits_gate_passes_bf16_rounding_and_fails_a_wrong_final_state(tmp_path, tiny_target, traces, tf_backend):
+    head = TargetHead.from_checkpoint(tiny_target)
+    bf16 = ExtractionSettings(str(tiny_target), "tiny-target", LAYER_IDS, dtype="bfloat16")
+    extract_shard(traces, tmp_path / "right", bf16, tf_backend)
+    outcome = check_final_state_reproduces_logits(tmp_path / "right", head, tf_backend.reference_argmax, samples=12)
+    assert outcome.passed and outcome.metadata["argmax_agreement"] == 1.0, outcome.description
+
+    wrong = WrongFinalStateBackend_fault(tiny_target, LAYER_IDS, model=tf_backend.model)
+    extract_shard(traces, tmp_path / "wrong", bf16, wrong)
+    outcome = check_final_state_reproduces_logits(tmp_path / "wrong", head, tf_backend.reference_argmax, samples=12)
+    assert not outcome.passed and outcome.metadata["argmax_agreement"] < 0.9, outcome.description
+    assert outcome.metadata["disagreements"] and set(outcome.metadata["offending_ids"]) <= {t.id for t in traces}
+
+
+def test_the_rounding_margin_bounds_what_bf16_storage_does_to_a_logit_gap(tiny_target):
+    """Ties are forgiven only within the margin, so the margin must hold: rounding never moves a gap further."""
+    head = TargetHead.from_checkpoint(tiny_target)
+    generator = torch.Generator().manual_seed(0)
+    states = torch.randn(4096, HIDDEN, generator=generator) * torch.rand(4096, 1, generator=generator) * 40
+    rounded = states.bfloat16().float()
+    first, second = torch.randint(0, 640, (2, 4096), generator=generator)
+    gap = lambda h: ((head.lm_head[first] - head.lm_head[second]) * h).sum(-1)  # noqa: E731
+    moved = (gap(rounded) - gap(states)).abs()
+    margin = head.rounding_margin(states, first, second, "bfloat16")
+    assert bool((moved <= margin).all()) and float(moved.max()) > 0.05 * float(margin.max())
+    assert bool((head.rounding_margin(states, first, second, "float32") <= margin / 1000).all())
+
+
 def test_states_match_traces_catches_missing_and_altered_samples(tmp_path, tiny_target, traces, tf_backend):
     shard = tmp_path / SHARD
     extract_shard(traces, shard, settings_for(tiny_target), tf_backend)

@@ -6,7 +6,9 @@
 - ``final_state_reproduces_logits``: the target's ``lm_head`` applied to the
   stored final states (after the target's final norm when the sidecar says
   ``pre_norm``) gives the argmax of the target's own forward pass on sampled
-  positions;
+  positions; a flip between two tokens whose logits are closer than the
+  storage dtype's rounding can separate is a tie, not a fault (a flat
+  distribution after a sampled token has many of them in bf16);
 - ``aux_states_match_layer_ids``: the sidecar's layer ids are the configured
   ones, and, where a transformers reference is at hand, each stored aux block
   is closest to ``hidden_states[k]`` for exactly the id ``k`` the sidecar
@@ -91,10 +93,26 @@ class TargetHead:
 
         return cls(lm_head=load(head), norm_weight=load(norm), eps=facts.rms_norm_eps)
 
-    def logits(self, final_states: torch.Tensor, final_state: str) -> torch.Tensor:
+    def normed(self, final_states: torch.Tensor, final_state: str) -> torch.Tensor:
+        """What the ``lm_head`` reads: the stored final states, through the final norm when they are pre-norm."""
         states = final_states.to(self.lm_head.device)
-        states = rms_norm(states, self.norm_weight, self.eps) if final_state == "pre_norm" else states.float()
-        return states @ self.lm_head.T
+        return rms_norm(states, self.norm_weight, self.eps) if final_state == "pre_norm" else states.float()
+
+    def logits(self, final_states: torch.Tensor, final_state: str) -> torch.Tensor:
+        return self.normed(final_states, final_state) @ self.lm_head.T
+
+    def rounding_margin(self, normed: torch.Tensor, token_a: torch.Tensor, token_b: torch.Tensor, dtype: str) -> torch.Tensor:
+        """How far apart rounding the states to ``dtype`` can move the logits of ``token_a`` and ``token_b``.
+
+        Each element of a state stored in ``dtype`` is off by at most the unit
+        roundoff ``u`` relative to itself, so the state moves by at most
+        ``u * |h|`` and the gap ``(w_a - w_b) . h`` by at most
+        ``u * |h| * |w_a - w_b|``. Doubled: the final norm and the
+        reference's own forward (bf16 on a GPU) round once more.
+        """
+        unit_roundoff = torch.finfo(getattr(torch, dtype)).eps / 2
+        spread = (self.lm_head[token_a] - self.lm_head[token_b]).norm(dim=-1)
+        return 2 * unit_roundoff * normed.norm(dim=-1) * spread
 
 
 def _pick(names: Sequence[str], predicate: Callable[[str], bool]) -> str | None:
@@ -190,28 +208,33 @@ def check_final_state_reproduces_logits(
     references = dict(zip(sequences, reference_argmax(list(sequences.values()))))  # one call: vLLM batches them
     rng = random.Random(seed + 1)
     per_sample_budget = max(1, max_positions // max(1, len(chosen)))
-    agree = total = 0
+    agree = total = ties = 0
     disagreements: list[dict[str, Any]] = []
     for sample in iter_samples(shard_dir, only=chosen):
         reference = references[sample.id].cpu()
         length = sample.final.shape[0]
         positions = sorted(rng.sample(range(length), min(length, per_sample_budget)))
         index = torch.tensor(positions, dtype=torch.long)
-        logits = head.logits(sample.final[index], sidecar["final_state"]).cpu()
+        normed = head.normed(sample.final[index], sidecar["final_state"])
+        logits = (normed @ head.lm_head.T).cpu()
         stored = logits.argmax(dim=-1)
         expected = reference[index]
-        same = stored == expected
+        gap = logits.gather(1, stored[:, None])[:, 0] - logits.gather(1, expected[:, None])[:, 0]
+        margin = head.rounding_margin(normed, stored, expected, sidecar["dtype"]).cpu()
+        tie = (stored != expected) & (gap <= margin)
+        same = (stored == expected) | tie
         agree += int(same.sum())
+        ties += int(tie.sum())
         total += len(positions)
         for j in (~same).nonzero().flatten().tolist()[:3]:
-            row = logits[j]
             disagreements.append(
                 {
                     "id": sample.id,
                     "position": positions[j],
                     "target_argmax": int(expected[j]),
                     "stored_argmax": int(stored[j]),
-                    "logit_gap": round(float(row[stored[j]] - row[expected[j]]), 6),
+                    "logit_gap": round(float(gap[j]), 6),
+                    "rounding_margin": round(float(margin[j]), 6),
                 }
             )
     agreement = agree / total if total else 0.0
@@ -220,11 +243,13 @@ def check_final_state_reproduces_logits(
         name="final_state_reproduces_logits",
         passed=passed,
         description=f"argmax agreement {agreement:.4%} on {total} sampled positions of {len(chosen)} samples "
-        f"({'>=' if passed else '<'} {min_agreement:.1%}; final state {sidecar['final_state']})",
+        f"({'>=' if passed else '<'} {min_agreement:.1%}; final state {sidecar['final_state']}; "
+        f"{ties} rounding ties)",
         metadata={
             "argmax_agreement": agreement,
             "threshold": min_agreement,
             "positions": total,
+            "rounding_ties": ties,
             "samples": len(chosen),
             "final_state": sidecar["final_state"],
             "disagreements": disagreements[:MAX_EXAMPLES],
