@@ -3,8 +3,9 @@
 One run of the graph serves every assertion here (it takes minutes on 2 cores):
 the trained draft's mean acceptance length at 3 speculative tokens is >= 2.0,
 an untrained draft of the same shape is about 1.0, and the same draft exported
-with deliberately wrong layer ids is caught by the ``config_complete`` rules
-before evaluation would run (the silent mismatch this platform guards against).
+with deliberately wrong layer ids scores clearly below it when served, and is
+caught by the ``config_complete`` rules before evaluation would run (the
+silent mismatch this platform guards against).
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ import shutil
 import pytest
 from dagster import AssetCheckKey, AssetKey, DagsterInstance
 
+from eagle3_assets.core.evaluation import evaluate, load_conversations
 from eagle3_assets.core.export import config_problems
+from eagle3_assets.draft_evaluation import DraftEvaluationConfig, resolve_eval_prompts
 from eagle3_assets.demo.pipeline import run_per_shard, run_whole_dataset
 
 # The whole graph: generation, extraction, training, a vLLM start with the draft, three for evaluation.
@@ -58,22 +61,38 @@ def test_trained_draft_beats_the_floor_and_the_untrained_baseline(demo_graph):
         assert latest_check(instance, asset, check).passed, (asset, check)
 
 
-def test_wrong_layer_ids_are_rejected_before_evaluation(demo_graph, tmp_path):
-    """The export with layer ids off by one ("output of layer" vs vLLM's "entering layer") never reaches vLLM.
+def test_wrong_layer_ids_score_clearly_below_and_are_rejected_before_evaluation(demo_graph, tiny_target, tmp_path):
+    """The demo draft exported with other layer ids: vLLM serves it without a word, it scores clearly lower,
+    and ``config_complete`` rejects the export before evaluation would run.
 
-    Served anyway, such a draft measured 2.69 here against 2.75 for the right
-    ids: on a 7-layer tiny target adjacent layers' states are close, so only
-    the gate, not the score, reliably tells them apart (README, Evaluating).
+    The ids here are the last layers' ([5, 6, 7]) instead of the trained ones:
+    vLLM feeds the draft the wrong states and nothing fails, only acceptance
+    drops (2.89 -> 2.33 measured here). An off-by-one export costs far less
+    on a 7-layer target (2.75 -> 2.69), whose neighbouring layers' states are
+    close, so for that one only the gate tells them apart (README, Evaluating).
+    vLLM treats the ids as a set: the same ids reversed score the same.
     """
-    _, data = demo_graph
+    instance, data = demo_graph
     model_dir = data / "draft_checkpoint" / "model"
     right_ids = json.loads((model_dir / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    wrong_ids = [5, 6, 7]
+    assert right_ids == [2, 3, 4]  # vLLM's defaults for 7 layers, which the demo trains on
     wrong_dir = tmp_path / "wrong_layer_ids"
     shutil.copytree(model_dir, wrong_dir)
     config = json.loads((wrong_dir / "config.json").read_text())
-    config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [i - 1 for i in right_ids]
+    config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = wrong_ids
     (wrong_dir / "config.json").write_text(json.dumps(config))
 
     assert config_problems(model_dir, right_ids) == []
     problems = config_problems(wrong_dir, right_ids)
     assert any("eagle_aux_hidden_state_layer_ids" in p and str(right_ids) in p for p in problems), problems
+
+    # Served anyway, on the same held-out prompts and settings as draft_evaluation's defaults.
+    _, conversations = load_conversations(resolve_eval_prompts(DraftEvaluationConfig().eval_prompts))
+    (wrong,) = evaluate(
+        tiny_target, {"wrong": wrong_dir}, conversations, num_speculative_tokens=3, max_tokens=DraftEvaluationConfig().max_tokens, include_reference=False
+    ).values()
+    report = json.loads((data / "draft_evaluation" / "report.json").read_text())
+    right = report["results"]["trained"]["mean_acceptance_length"]
+    assert wrong.drafts > 0 and wrong.failed == 0
+    assert wrong.mean_acceptance_length <= right - 0.25, (wrong.mean_acceptance_length, right)
