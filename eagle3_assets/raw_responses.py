@@ -11,6 +11,7 @@ shards does not multiply the requests in flight (see the README).
 """
 
 import urllib.parse
+from collections import Counter
 
 import polars as pl
 from dagster import (
@@ -113,6 +114,10 @@ def raw_responses(context: AssetExecutionContext, vllm_server: VLLMServerResourc
             "dagster/row_count": frame.height,
             "model": config.model,
             "servers": MetadataValue.json([_without_credentials(u) for u in config.servers]),
+            # Which server answered how many rows, and what failed over: a dead or flaky server shows here.
+            "rows_by_server": MetadataValue.json(_by_server(Counter(frame["server"].to_list()))),
+            "failed_attempts_by_server": MetadataValue.json(_by_server(outcome.failed_attempts_by_server)),
+            "failovers": outcome.failovers,
             "max_model_len": outcome.preflight.max_model_len,
             "sampling": MetadataValue.json({k: v for k, v in config.identity().items() if k != "model"}),
             "reused_rows": outcome.reused,
@@ -162,6 +167,14 @@ def _prompts_version(context: AssetExecutionContext, key: str, prompts_path) -> 
     materialization = record.asset_materialization if record else None
     tag = materialization.tags.get(DATA_VERSION_TAG) if materialization and materialization.tags else None
     return tag or f"file:{file_hash(prompts_path)}"
+
+
+def _by_server(counts) -> dict[str, int]:
+    """Counts keyed by server URL, without credentials ("" is a row settled without a request)."""
+    named = Counter()
+    for server, n in counts.items():
+        named[_without_credentials(server) if server else ""] += int(n)
+    return dict(sorted(named.items()))
 
 
 def _without_credentials(url: str) -> str:

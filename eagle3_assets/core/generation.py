@@ -69,6 +69,11 @@ _JSON = json.JSONEncoder(ensure_ascii=False)  # one encoder for every request bo
 SAMPLE_ID_HEADER = "X-Eagle3-Sample-Id"  # lets server logs (and the tests' fault proxy) name the sample
 CANARY_ID = "eagle3-canary"
 DEFAULT_CANARY_PROMPT = "What is 17 + 25? Think it through step by step, then give the answer."
+# A server that refused a connection gets no new request for this long while another server is up,
+# then one request at a time until one is answered (a circuit breaker's half-open state). Without it
+# a dead server, having nothing in flight, is the "fewest in flight" choice for every new request:
+# each sample would pay a failed attempt and a backoff before its retry went elsewhere.
+SERVER_DOWN_COOLDOWN_S = 10.0
 
 # Error kinds (the part of ``error`` before the colon).
 PROMPT_TOO_LONG = "prompt_too_long"
@@ -192,13 +197,19 @@ def prompt_tokens_upper_bound(messages: Sequence[Mapping[str, str]]) -> int:
 class GenerationClient:
     """One aiohttp session over every server; ``complete`` never raises for a sample's failure."""
 
-    def __init__(self, config: GenerationConfig):
+    def __init__(self, config: GenerationConfig, log: Callable[[str], None] | None = None):
         self.config = config
+        self.log = log or (lambda line: None)
         self._session: aiohttp.ClientSession | None = None
         self._servers = config.servers
         self._inflight: dict[str, int] = {s: 0 for s in self._servers}
+        self._down_until: dict[str, float] = {}  # servers that refused a connection and have not answered since
         self._turn = 0
         self._fields = config.request_fields()  # built once: this runs per request at thousands/s
+        # What the run's metadata shows of failover: failed attempts per server (connection errors,
+        # retryable statuses) and retries that went to another server than the attempt that failed.
+        self.failed_attempts: Counter[str] = Counter()
+        self.failovers = 0
 
     async def __aenter__(self) -> GenerationClient:
         headers = {"Content-Type": "application/json"}
@@ -224,14 +235,37 @@ class GenerationClient:
         return self._session
 
     def _pick_server(self, avoid: str | None = None) -> str:
-        """The server with the fewest requests in flight (rotating among ties), avoiding the one that just failed."""
+        """The server with the fewest requests in flight (rotating among ties), avoiding the one that just failed
+        and those that recently refused connections (unless no other is left)."""
         servers = self._servers
         if len(servers) == 1:
             return servers[0]
         self._turn = (self._turn + 1) % len(servers)
         order = servers[self._turn :] + servers[: self._turn]
-        candidates = [s for s in order if s != avoid] or list(order)
+        now = time.monotonic()
+        up = [s for s in order if self._usable(s, now)]
+        # Preference: an up server other than the one that just failed, then that one if it is up (it
+        # answered, e.g. 503: alive), then any other, then any.
+        candidates = [s for s in up if s != avoid] or up or [s for s in order if s != avoid] or list(order)
         return min(candidates, key=self._inflight.__getitem__)
+
+    def _usable(self, server: str, now: float) -> bool:
+        """Not known to be down; or down, its cooldown over, and no probe request already in flight to it."""
+        until = self._down_until.get(server)
+        return until is None or (until <= now and self._inflight[server] == 0)
+
+    def _mark_down(self, server: str, exc: BaseException) -> None:
+        """``server`` could not be connected to: keep new requests off it for a while (logged once per outage)."""
+        if len(self._servers) == 1:
+            return  # nowhere else to go: the retries and their backoff decide
+        now = time.monotonic()
+        if server not in self._down_until:
+            others = [s for s in self._servers if s != server]
+            self.log(
+                f"server {server} unreachable ({_describe(exc)}): new requests go to {', '.join(others)} "
+                f"until it answers again (tried every {SERVER_DOWN_COOLDOWN_S:g}s)"
+            )
+        self._down_until[server] = now + SERVER_DOWN_COOLDOWN_S
 
     def _backoff_s(self, attempt: int, retry_after: str | None) -> float:
         """Exponential backoff with jitter (half fixed, half random), or the server's Retry-After if longer."""
@@ -331,7 +365,10 @@ class GenerationClient:
         attempts, chosen = 0, ""
         while True:
             attempts += 1
-            chosen = server or self._pick_server(avoid=chosen or None)
+            failed = chosen
+            chosen = server or self._pick_server(avoid=failed or None)
+            if failed and chosen != failed:
+                self.failovers += 1
             started = time.perf_counter()
             retry_after: str | None = None
             self._inflight[chosen] += 1
@@ -345,10 +382,16 @@ class GenerationClient:
                 detail = f"{READ_TIMEOUT}: no response within {self.config.read_timeout_s:g}s (not retried: a re-sent slow request only adds load)"
                 return self._error_row(sample, detail, chosen, attempts, latency)
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as exc:
+                # Retried (below) on another server when there is one: a reset mid-response (the server
+                # died while generating) loses nothing but the time spent on it.
                 status, payload, error = None, b"", f"{CONNECTION_ERROR}: {_describe(exc)}"
+                if isinstance(exc, (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)):
+                    self._mark_down(chosen, exc)  # nothing listens there (refused, unreachable)
             finally:
                 self._inflight[chosen] -= 1
             latency = time.perf_counter() - started
+            if status is not None and self._down_until.pop(chosen, None) is not None:
+                self.log(f"server {chosen} answers again (HTTP {status}): it gets requests again")
             if status == 200:
                 try:
                     parsed = parse_completion(json.loads(payload))
@@ -359,6 +402,7 @@ class GenerationClient:
                 error = f"{HTTP_ERROR} {status}: {_error_message(payload)}"
                 if not _retryable_status(status):
                     return self._error_row(sample, error, chosen, attempts, latency)
+            self.failed_attempts[chosen] += 1
             if attempts > self.config.max_retries:
                 row = self._error_row(sample, f"{error} (after {attempts} attempts)", chosen, attempts, latency)
                 row["_retries_exhausted"] = True
@@ -403,6 +447,8 @@ class ShardOutcome:
     wall_s: float  # of the generation, pre-flight excluded
     output_tokens: int  # completion tokens generated by this run
     set_aside: Path | None  # a journal of other inputs, moved aside
+    failed_attempts_by_server: dict[str, int] = field(default_factory=dict)  # retryable failures, per server
+    failovers: int = 0  # retries sent to another server than the attempt that failed
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -452,7 +498,7 @@ async def _generate_shard(
     duplicated = [i for i, n in Counter(ids).items() if n > 1]
     if duplicated:
         raise ValueError(f"{len(duplicated)} sample ids occur more than once in the shard (first: {duplicated[:5]}); ids must be unique")
-    async with GenerationClient(config) as client:
+    async with GenerationClient(config, log=log) as client:
         report = await client.preflight(canary_prompt, canary_max_tokens)
         log(
             f"pre-flight ok: {', '.join(report.servers)} serve {config.model!r} (max_model_len {report.max_model_len}); "
@@ -486,7 +532,9 @@ async def _generate_shard(
         log(run.progress(wall_s).line())
 
     frame = journal.finalize(parquet_path, ids, rows, ROW_SCHEMA)
-    return ShardOutcome(frame, report, reused, len(pending), wall_s, run.output_tokens, journal.set_aside)
+    return ShardOutcome(
+        frame, report, reused, len(pending), wall_s, run.output_tokens, journal.set_aside, dict(client.failed_attempts), client.failovers
+    )
 
 
 class _ShardRun:

@@ -602,6 +602,7 @@ class TrainResult:
     aux_layer_ids: list[int]
     checkpoint: str
     tokens_per_s: float
+    world_size: int = 1  # training processes (torchrun's WORLD_SIZE)
 
 
 def train(config: TrainConfig, on_event: OnEvent | None = None) -> TrainResult:
@@ -629,8 +630,11 @@ def train(config: TrainConfig, on_event: OnEvent | None = None) -> TrainResult:
 def _train(config: TrainConfig, emit: OnEvent, device: torch.device, distributed: bool) -> TrainResult:
     rank = dist.get_rank() if distributed else 0
     world = dist.get_world_size() if distributed else 1
+    # Only rank 0 reports progress; every rank reports its own share once at the end (``rank_done``),
+    # so that the run log shows that each process really trained.
+    emit_own = emit
     if rank:
-        emit = lambda event: None  # noqa: E731  only rank 0 reports
+        emit = lambda event: None  # noqa: E731
 
     index = index_hidden_states(config.hidden_state_dirs)
     mapping = load_vocab_mapping(Path(config.vocab_mapping))
@@ -690,6 +694,7 @@ def _train(config: TrainConfig, emit: OnEvent, device: torch.device, distributed
 
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" and config.bf16_autocast else nullcontext()
     started, tokens_seen = time.monotonic(), 0
+    rank_micro_batches = rank_tokens = 0  # this process's share (this run's, not a resumed run's)
     last_checkpoint = str(resume) if resume else ""
     model.train()
     for epoch in range(start_epoch, config.epochs):
@@ -701,6 +706,7 @@ def _train(config: TrainConfig, emit: OnEvent, device: torch.device, distributed
             for i, members in enumerate(mine):
                 batch = load_batch([index.samples[j] for j in members], config.max_seq_len).to(device)
                 tokens += batch.num_tokens
+                rank_micro_batches += 1
                 target_logits, target_top = head(batch.final)
                 last = i == len(mine) - 1
                 sync = model.no_sync() if distributed and not last else nullcontext()
@@ -710,6 +716,7 @@ def _train(config: TrainConfig, emit: OnEvent, device: torch.device, distributed
                     (loss / len(mine)).backward()
                 loss_sum += loss.detach()
                 totals += stats
+            rank_tokens += tokens
             grad_norm = torch.nn.utils.clip_grad_norm_(trainable, config.grad_clip)
             optimizer.step()
             scheduler.step()
@@ -754,6 +761,9 @@ def _train(config: TrainConfig, emit: OnEvent, device: torch.device, distributed
             dist.barrier()
 
     elapsed = time.monotonic() - started
+    if distributed:
+        emit_own({"event": "rank_done", "rank": rank, "world_size": world, "micro_batches": rank_micro_batches, "tokens": rank_tokens})
+        dist.barrier()  # the ranks' lines come before rank 0's "done"
     result = TrainResult(
         fingerprint=fingerprint,
         history=history,
@@ -764,6 +774,7 @@ def _train(config: TrainConfig, emit: OnEvent, device: torch.device, distributed
         aux_layer_ids=index.aux_layer_ids,
         checkpoint=last_checkpoint,
         tokens_per_s=tokens_seen / elapsed if elapsed > 0 and tokens_seen else 0.0,
+        world_size=world,
     )
     if rank == 0:
         write_json_atomic(training_dir / "history.json", {"fingerprint": fingerprint, "history": history})

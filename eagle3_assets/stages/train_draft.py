@@ -7,7 +7,7 @@ Extras:
   hyperparameters, ``init_from`` for fine-tuning);
 - ``nproc_per_node``: processes (GPUs) to train with; above 1 the training
   runs under ``torchrun`` (DDP; gloo on CPU) while this process keeps the one
-  Pipes connection and relays rank 0's progress;
+  Pipes connection and relays rank 0's progress and every rank's final share;
 - ``export_dir``: where the vLLM-native directory goes; ``export_dtype``
   (default: the target's dtype).
 
@@ -41,6 +41,8 @@ def describe(event: dict) -> str | None:
             f"{STAGE}: epoch {event['epoch']} step {event['step']}/{event['total_steps']} loss {event['loss']:.4f} "
             f"lr {event['lr']:.2e} accuracy by position [{accuracy}] ({event['elapsed_s']:.0f}s)"
         )
+    if kind == "rank_done":
+        return f"{STAGE}: rank {event['rank']}/{event['world_size']} done: {event['micro_batches']} micro-batches, {event['tokens']} tokens"
     if kind == "checkpoint":
         return f"{STAGE}: checkpoint of epoch {event['epoch']} at {event['path']}"
     if kind == "done":
@@ -73,6 +75,7 @@ def main() -> None:
                 "init": {"raw_value": result["init"], "type": "json"},
                 "tokens_per_s": round(float(result["tokens_per_s"]), 1),
                 "nproc_per_node": nproc,
+                "world_size": int(result.get("world_size", 1)),
                 "checkpoint": {"raw_value": result["checkpoint"], "type": "path"},
             },
             data_version=result["fingerprint"],
