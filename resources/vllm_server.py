@@ -36,11 +36,22 @@ POOL_LIMIT_ENV = "EAGLE3_GENERATION_POOL_LIMIT"
 DEFAULT_POOL_LIMIT = 1
 
 
+def urls_from_env() -> list[str]:
+    return [u.strip() for u in (os.environ.get(URLS_ENV) or DEFAULT_BASE_URL).split(",") if u.strip()]
+
+
+def served_model_from_env() -> str:
+    return os.environ.get(MODEL_ENV) or DEFAULT_SERVED_NAME
+
+
 class VLLMServerResource(ConfigurableResource):
     """Where and how to generate: servers, model, sampling, timeouts, retries, concurrency."""
 
-    base_urls: list[str] = Field(default=[DEFAULT_BASE_URL], description="base URLs of the servers (no /v1); requests are spread over them")
-    served_model_name: str = Field(default=DEFAULT_SERVED_NAME, description="the model name the server serves (vLLM's --served-model-name)")
+    # The environment's values are also the schema's defaults (read when the code location loads):
+    # run config for this resource replaces the values given in Python as a whole, so a launchpad
+    # override of one field (max_tokens, say) would otherwise send the run to the class defaults.
+    base_urls: list[str] = Field(default=urls_from_env(), description="base URLs of the servers (no /v1); requests are spread over them")
+    served_model_name: str = Field(default=served_model_from_env(), description="the model name the server serves (vLLM's --served-model-name)")
     api_key: str | None = Field(default=None, description=f"bearer token; set it with EnvVar('{API_KEY_ENV}'), never as a literal")
     concurrency: int = Field(default=128, gt=0, description="requests in flight per run (per shard being generated)")
     max_tokens: int = Field(default=8192, gt=0, description="completion token limit per request, reasoning included")
@@ -68,8 +79,7 @@ class VLLMServerResource(ConfigurableResource):
     @classmethod
     def from_env(cls, **overrides: Any) -> VLLMServerResource:
         """The deployment's defaults: ``EAGLE3_VLLM_URLS``, ``EAGLE3_SERVED_MODEL``, ``VLLM_API_KEY``."""
-        urls = [u.strip() for u in (os.environ.get(URLS_ENV) or DEFAULT_BASE_URL).split(",") if u.strip()]
-        fields: dict[str, Any] = {"base_urls": urls, "served_model_name": os.environ.get(MODEL_ENV) or DEFAULT_SERVED_NAME}
+        fields: dict[str, Any] = {"base_urls": urls_from_env(), "served_model_name": served_model_from_env()}
         if os.environ.get(API_KEY_ENV):  # an EnvVar of an unset variable fails the run: only pass it when set
             fields["api_key"] = EnvVar(API_KEY_ENV)
         return cls(**{**fields, **overrides})
@@ -82,7 +92,8 @@ class VLLMServerResource(ConfigurableResource):
         return GenerationConfig(
             base_urls=tuple(self.base_urls),
             model=self.served_model_name,
-            api_key=self.api_key or None,
+            # Unset in run config (a launchpad override of other fields drops it): the run's own environment.
+            api_key=self.api_key or os.environ.get(API_KEY_ENV) or None,
             concurrency=self.concurrency,
             max_tokens=self.max_tokens,
             sampling=self.sampling(),

@@ -147,3 +147,37 @@ def test_evaluation_runs_on_the_gpu_host_after_the_draft_and_gates_on_acceptance
     assert "evaluate_draft" in STAGE_REQUIREMENTS
     (spec,) = assets_def.check_specs
     assert spec.name == "acceptance_above_floor" and not spec.blocking  # nothing is downstream; the UI and alerts show it
+
+
+PARTIAL_OVERRIDE = """
+from dagster import asset, materialize
+from eagle3_assets.definitions import default_resources
+from resources.vllm_server import VLLMServerResource
+
+seen = {}
+
+@asset
+def probe(vllm_server: VLLMServerResource):
+    seen.update(urls=vllm_server.base_urls, model=vllm_server.served_model_name, max_tokens=vllm_server.max_tokens,
+                key=vllm_server.generation_config().api_key)
+
+materialize([probe], resources={"vllm_server": default_resources()["vllm_server"]},
+            run_config={"resources": {"vllm_server": {"config": {"max_tokens": 64}}}})
+print(seen)
+"""
+
+
+def test_a_launchpad_override_of_one_field_keeps_the_servers_and_key_from_the_environment(tmp_path):
+    """Run config replaces the resource's Python values as a whole: the environment must be the schema's default."""
+    import ast
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "EAGLE3_VLLM_URLS": "http://gpu-a:8000,http://gpu-b:8000", "EAGLE3_SERVED_MODEL": "kimi-k2",
+           "VLLM_API_KEY": "sk-test-only", "DAGSTER_HOME": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", PARTIAL_OVERRIDE], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = ast.literal_eval(out.stdout.strip().splitlines()[-1])
+    assert seen == {"urls": ["http://gpu-a:8000", "http://gpu-b:8000"], "model": "kimi-k2", "max_tokens": 64, "key": "sk-test-only"}
+    assert "sk-test-only" not in out.stderr
