@@ -47,6 +47,25 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def stop_process_group(process: subprocess.Popen | None, grace_s: float) -> None:
+    """SIGTERM the group that ``process`` leads (started with ``start_new_session``), SIGKILL what is left
+    after ``grace_s``: children that outlive their leader (vLLM's engine, a daemon's run workers) go too."""
+    if process is None or process.poll() is not None:
+        return
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    except ProcessLookupError:
+        return
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait(timeout=grace_s)
+
+
 class VLLMServer:
     """A vLLM server process on a loopback port; use as a context manager."""
 
@@ -150,21 +169,7 @@ class VLLMServer:
 
     def stop(self, grace_s: float = 20.0) -> None:
         """Stop the whole process group: SIGTERM, then SIGKILL after ``grace_s``."""
-        if self.process is None or self.process.poll() is not None:
-            return
-        pgid = self.process.pid  # start_new_session made it the group leader
-        try:
-            os.killpg(pgid, signal.SIGTERM)
-            self.process.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            pass
-        except ProcessLookupError:
-            return
-        try:
-            os.killpg(pgid, signal.SIGKILL)  # also reaps engine children that outlived the leader
-        except ProcessLookupError:
-            pass
-        self.process.wait(timeout=grace_s)
+        stop_process_group(self.process, grace_s)
 
     def __enter__(self) -> "VLLMServer":
         return self.start()
