@@ -1,0 +1,143 @@
+"""A real ``dagster dev -w workspace.yaml`` (webserver + daemon), or the webserver alone, on a free port.
+
+Shared by the UI test, the scripted-backfill test and ``bench/backfill.py``.
+It runs over a temporary ``DAGSTER_HOME`` (telemetry off) in its own process
+group: stopping it sends the SIGINT ``dagster dev`` shuts down on (it stops
+its webserver and daemon), then kills the group, which also takes the run
+workers the code server spawned.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+_LOCATIONS = """{ workspaceOrError { __typename ... on Workspace { locationEntries {
+  name loadStatus locationOrLoadError { __typename ... on PythonError { message } } } } } }"""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def write_instance_yaml(home: Path) -> Path:
+    home.mkdir(parents=True, exist_ok=True)
+    path = home / "dagster.yaml"
+    if not path.exists():
+        path.write_text("telemetry:\n  enabled: false\n")
+    return path
+
+
+def _sigint_default() -> None:
+    # Started from a background job, this process inherits SIGINT ignored, and so would
+    # `dagster dev`, which then ignores SIGINT and SIGTERM alike: give it the default back.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+class DagsterDev:
+    """``dagster dev`` (``daemon=True``) or ``dagster-webserver`` over ``home``; a context manager."""
+
+    def __init__(self, home: Path, env: dict[str, str], log_path: Path, daemon: bool = True, startup_timeout_s: float = 600.0):
+        self.home = Path(home)
+        self.env = env
+        self.log_path = Path(log_path)
+        self.daemon = daemon
+        self.startup_timeout_s = startup_timeout_s
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> DagsterDev:
+        write_instance_yaml(self.home)
+        serve = ["-w", "workspace.yaml", "-h", "127.0.0.1", "-p", str(self.port)]
+        cmd = [str(BIN / "dagster"), "dev", *serve] if self.daemon else [str(BIN / "dagster-webserver"), *serve]
+        env = {**os.environ, **self.env, "DAGSTER_HOME": str(self.home)}
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_sigint_default
+            )
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_ready(self) -> None:
+        """Until the webserver answers and the code location has loaded (a load error fails at once)."""
+        deadline = time.monotonic() + self.startup_timeout_s
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.describe()} exited with {self.process.returncode}:\n{self.log_tail()}")
+            try:
+                entries = self.graphql(_LOCATIONS)["workspaceOrError"]["locationEntries"]
+                errors = [e for e in entries if (e["locationOrLoadError"] or {}).get("__typename") == "PythonError"]
+                if errors:
+                    raise RuntimeError(f"code location failed to load: {errors[0]['locationOrLoadError']['message']}")
+                if entries and all(e["loadStatus"] == "LOADED" for e in entries):
+                    return
+            except (urllib.error.URLError, OSError, KeyError, TypeError):
+                pass  # not serving yet
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.describe()} not ready after {self.startup_timeout_s:.0f}s:\n{self.log_tail()}")
+            time.sleep(1)
+
+    def graphql(self, query: str, variables: dict | None = None) -> dict:
+        body = json.dumps({"query": query, "variables": variables or {}}).encode()
+        request = urllib.request.Request(f"{self.url}/graphql", data=body, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            payload = json.loads(response.read())
+        if payload.get("errors"):
+            raise RuntimeError(f"GraphQL errors: {payload['errors']}")
+        return payload["data"]
+
+    def instance(self):
+        """A DagsterInstance on the same home: what the webserver and daemon record, read directly."""
+        from dagster import DagsterInstance
+
+        return DagsterInstance.from_config(str(self.home))
+
+    def stop(self, grace_s: float = 30.0) -> None:
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        try:  # whatever is left of the group: run workers, a webserver that did not stop
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait()
+        self.process = None
+
+    def log_tail(self, lines: int = 60) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def describe(self) -> str:
+        return f"{'dagster dev' if self.daemon else 'dagster-webserver'} on {self.url} (log {self.log_path})"
+
+    def __enter__(self) -> DagsterDev:
+        return self.start()
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()

@@ -1,0 +1,111 @@
+"""The scripted backfill, ``python -m eagle3_assets.backfill``, against a real ``dagster dev``.
+
+The command goes through the webserver's GraphQL API; the daemon runs the
+backfill. What the instance records (the backfill's target partitions, the
+runs, the materialisations) is read directly from the same ``DAGSTER_HOME``.
+Only ``prompts`` is backfilled here: it needs no vLLM server, so these tests
+show the mechanism without generation (the UI test backfills generation too).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from dagster import AssetKey, RunsFilter
+from dagster._core.execution.backfill import BulkActionStatus
+
+from eagle3_assets.core.backfill_client import UnknownShardsError, check_shards
+from tests.dagster_dev import REPO, DagsterDev
+
+pytestmark = pytest.mark.timeout(1800)
+
+SHARDS = ["shard-00000", "shard-00003"]
+DEMO_SHARD_SIZE = "64"  # the demo's 320 prompts: 5 shards
+
+
+@pytest.fixture(scope="module")
+def dev(tmp_path_factory):
+    root = tmp_path_factory.mktemp("backfill")
+    data = root / "data"
+    env = {"EAGLE3_DATA_DIR": str(data), "EAGLE3_PROMPTS": "demo", "EAGLE3_SHARD_SIZE": DEMO_SHARD_SIZE}
+    with DagsterDev(root / "dagster_home", env, root / "dagster-dev.log") as dev:
+        from eagle3_assets.partitions import register_shards
+        from resources.prompt_dataset import PromptDataset
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("EAGLE3_DATA_DIR", str(data))  # where the demo prompt set is written
+            keys = PromptDataset(source="demo", shard_size=int(DEMO_SHARD_SIZE)).shard_keys()
+        assert keys == [f"shard-{i:05d}" for i in range(5)]
+        register_shards(dev.instance(), keys)
+        dev.data = data
+        dev.shards = keys
+        yield dev
+
+
+def backfill_command(dev: DagsterDev, *args: str, timeout: float = 1200) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "eagle3_assets.backfill", "--url", dev.url, *args],
+        cwd=REPO, capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def target_partitions(instance, backfill) -> dict[str, set[str]]:
+    from eagle3_assets.definitions import defs
+
+    target = backfill.get_asset_backfill_data(defs.resolve_asset_graph()).target_subset
+    return {key.to_user_string(): set(subset.get_partition_keys()) for key, subset in target.partitions_subsets_by_asset_key.items()}
+
+
+def test_a_backfill_of_two_shards_materialises_exactly_those(dev):
+    done = backfill_command(dev, "--shards", ",".join(SHARDS), "--assets", "prompts", "--wait", "--timeout", "1100")
+    assert done.returncode == 0, f"{done.stdout}\n{done.stderr}\n--- dagster dev log ---\n{dev.log_tail()}"
+    backfill_id = done.stdout.split("launched backfill ", 1)[1].split(":", 1)[0]
+    assert f"/runs/b/{backfill_id}" in done.stdout
+
+    instance = dev.instance()
+    backfill = instance.get_backfill(backfill_id)
+    assert backfill.status == BulkActionStatus.COMPLETED_SUCCESS
+    assert target_partitions(instance, backfill) == {"prompts": set(SHARDS)}
+    runs = instance.get_runs(RunsFilter(tags={"dagster/backfill": backfill_id}))
+    assert sorted(r.tags["dagster/partition"] for r in runs) == SHARDS
+    assert instance.get_materialized_partitions(AssetKey("prompts")) == set(SHARDS)
+    assert {p.name for p in (dev.data / "prompts").glob("shard-*.parquet") if "rejected" not in p.name} == {f"{s}.parquet" for s in SHARDS}
+
+
+def test_an_unknown_shard_is_named_and_nothing_is_launched(dev):
+    before = len(dev.instance().get_backfills())
+    done = backfill_command(dev, "--shards", "shard-00001,shard-99999", "--assets", "prompts")
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "unknown shard(s): shard-99999 " in done.stderr and "shard-00001 " not in done.stderr.split("(")[0]
+    assert "launched" not in done.stdout
+    assert len(dev.instance().get_backfills()) == before
+
+    done = backfill_command(dev, "--shards", "shard-00001", "--assets", "prompts,vocab_mapping")
+    assert done.returncode == 2 and "not partitioned by sample shard: vocab_mapping" in done.stderr, done.stderr
+    done = backfill_command(dev, "--shards", "shard-00001", "--assets", "promts")
+    assert done.returncode == 2 and "unknown asset(s): promts" in done.stderr, done.stderr
+    assert len(dev.instance().get_backfills()) == before
+
+
+def test_all_registered_shards_with_a_run_config(dev, tmp_path):
+    config = tmp_path / "run_config.yaml"
+    config.write_text(f"resources:\n  prompt_dataset:\n    config: {{source: demo, shard_size: {DEMO_SHARD_SIZE}}}\n")
+    done = backfill_command(dev, "--all", "--assets", "prompts", "--run-config", str(config), "--title", "every shard")
+    assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
+    backfill_id = done.stdout.split("launched backfill ", 1)[1].split(":", 1)[0]
+
+    instance = dev.instance()
+    backfill = instance.get_backfill(backfill_id)
+    assert target_partitions(instance, backfill) == {"prompts": set(dev.shards)}
+    assert backfill.run_config == {"resources": {"prompt_dataset": {"config": {"source": "demo", "shard_size": int(DEMO_SHARD_SIZE)}}}}
+    assert backfill.title == "every shard"
+
+
+def test_shard_names_are_checked_before_anything_is_sent():
+    assert check_shards(["shard-00001", " shard-00000", "shard-00001"], ["shard-00000", "shard-00001"]) == ["shard-00001", "shard-00000"]
+    with pytest.raises(UnknownShardsError) as caught:
+        check_shards(["shard-00000", "shard-7", "shard-00009"], ["shard-00000", "shard-00001"])
+    assert caught.value.unknown == ["shard-7", "shard-00009"]
+    assert "unknown shard(s): shard-7, shard-00009 (2 registered: shard-00000 .. shard-00001)" in str(caught.value)
