@@ -34,7 +34,6 @@ from dagster import (
 )
 from pydantic import Field
 
-from eagle3_assets.core.export import check_loads_in_vllm, config_problems
 from eagle3_assets.core.preflight import StageRequirements
 from eagle3_assets.core.storage import asset_dir, stable_hash
 from eagle3_assets.partitions import SAMPLE_SHARDS
@@ -184,9 +183,24 @@ def draft_checkpoint(
     invocation = gpu_host.run_stage(
         context,
         STAGE,
-        {"train": train_settings, "nproc_per_node": config.nproc_per_node, "export_dir": str(model_dir), "export_dtype": config.export_dtype},
+        {
+            "train": train_settings,
+            "nproc_per_node": config.nproc_per_node,
+            "export_dir": str(model_dir),
+            "export_dtype": config.export_dtype,
+            # The gates run in the stage: loads_in_vllm serves the target, which needs the GPU host's GPUs.
+            "gates": {
+                "aux_layer_ids": layer_ids,
+                "target_vocab_size": int(sidecars[0]["vocab_size"]),
+                "num_speculative_tokens": config.vllm_check_num_speculative_tokens,
+                "log_path": str(out / "loads_in_vllm.log"),
+            },
+        },
     )
     reported = invocation.get_materialize_result()
+    stage_metadata = dict(reported.metadata or {})
+    problems = list(stage_metadata.pop("config_problems").value)
+    vllm_report = stage_metadata.pop("loads_in_vllm").value  # tried only when config_complete passed
 
     # -- the training curve
     history = json.loads((training_dir / "history.json").read_text())["history"]
@@ -198,26 +212,16 @@ def draft_checkpoint(
         chain *= a
         expected_accepted += chain
 
-    # -- the gates
-    problems = config_problems(model_dir, layer_ids, target_vocab_size=int(sidecars[0]["vocab_size"]))
+    # -- the gates (computed by the stage, on the GPU host)
     if problems:
-        vllm_report = None
         context.log.error("config_complete failed:\n" + "\n".join(f"- {p}" for p in problems))
     else:
-        context.log.info("loads_in_vllm: starting vLLM with the target and this draft")
-        vllm_report = check_loads_in_vllm(
-            target_model.resolved_path(),
-            model_dir,
-            num_speculative_tokens=config.vllm_check_num_speculative_tokens,
-            python=gpu_host.python if gpu_host.mode == "local" else None,  # vLLM runs here, beside the orchestrator
-            log_path=out / "loads_in_vllm.log",
-        )
-        context.log.info(f"loads_in_vllm: {vllm_report.detail}")
+        context.log.info(f"loads_in_vllm: {vllm_report['detail']}")
     loss_went_down = len(losses) >= 2 and losses[-1] < losses[0]
 
     version = stable_hash(
         {
-            "training": reported.metadata["training_fingerprint"].value if reported.metadata else None,
+            "training": stage_metadata["training_fingerprint"].value,
             "target": target_hash,
             "layer_ids": layer_ids,
             "export_dtype": config.export_dtype,
@@ -226,7 +230,7 @@ def draft_checkpoint(
     return MaterializeResult(
         data_version=DataVersion(version),
         metadata={
-            **(reported.metadata or {}),
+            **stage_metadata,
             "path": MetadataValue.path(str(model_dir)),
             "aux_layer_ids": MetadataValue.json(layer_ids),
             "samples": sum(len(m["sample_ids"]) for m in sidecars),
@@ -255,10 +259,10 @@ def draft_checkpoint(
             ),
             AssetCheckResult(
                 check_name="loads_in_vllm",
-                passed=bool(vllm_report and vllm_report.passed),
+                passed=bool(vllm_report["passed"]),
                 severity=AssetCheckSeverity.ERROR,
-                description=vllm_report.detail if vllm_report else "not tried: config_complete failed",
-                metadata={k: v for k, v in (vllm_report.metadata if vllm_report else {}).items() if v is not None},
+                description=vllm_report["detail"],
+                metadata={k: v for k, v in vllm_report["metadata"].items() if v is not None},
             ),
             AssetCheckResult(
                 check_name="loss_decreased",

@@ -141,6 +141,9 @@ def test_draft_checkpoint_trains_exports_and_passes_its_gates_with_real_vllm(tin
     assert len(metadata["accuracy_by_position"].value) == 3
     assert metadata["last_epoch_loss"].value < metadata["first_epoch_loss"].value
     assert metadata["gpu_host/preflight_ok"].value  # the training really went through the GPU host's stage
+    # The vLLM gate ran inside the stage, where the GPUs are, and its finding came back through Pipes.
+    logs = [e.message for e in instance.all_logs(result.run_id) if e.message]
+    assert any(m.startswith("train_draft: loads_in_vllm: vLLM served the target with this draft") for m in logs), logs[-20:]
 
 
 @pytest.mark.vllm

@@ -9,7 +9,12 @@ Extras:
   runs under ``torchrun`` (DDP; gloo on CPU) while this process keeps the one
   Pipes connection and relays rank 0's progress and every rank's final share;
 - ``export_dir``: where the vLLM-native directory goes; ``export_dtype``
-  (default: the target's dtype).
+  (default: the target's dtype);
+- ``gates``: ``aux_layer_ids``, ``target_vocab_size``, ``num_speculative_tokens``
+  and ``log_path`` for the export's gates, run here because ``loads_in_vllm``
+  serves the target with the draft, which only the GPU host can: the results
+  go back in the materialisation's metadata (``config_problems``,
+  ``loads_in_vllm``).
 
 A run killed at any point is resumed from its last complete epoch checkpoint
 the next time the same configuration is materialised.
@@ -50,6 +55,29 @@ def describe(event: dict) -> str | None:
     return None
 
 
+def run_gates(export_dir: Path, target_path: str, gates: dict, log) -> dict:
+    """``config_complete``'s problems, then (only when there are none) ``loads_in_vllm``: vLLM on this host."""
+    from eagle3_assets.core.export import check_loads_in_vllm, config_problems
+
+    problems = config_problems(export_dir, gates["aux_layer_ids"], target_vocab_size=int(gates["target_vocab_size"]))
+    report = None
+    if not problems:
+        log(f"{STAGE}: loads_in_vllm: starting vLLM with the target and this draft")
+        report = check_loads_in_vllm(
+            Path(target_path),
+            export_dir,
+            num_speculative_tokens=int(gates["num_speculative_tokens"]),
+            log_path=Path(gates["log_path"]) if gates.get("log_path") else None,
+        )
+        log(f"{STAGE}: loads_in_vllm: {report.detail}")
+    loads = (
+        {"tried": True, "passed": report.passed, "detail": report.detail, "metadata": report.metadata}
+        if report
+        else {"tried": False, "passed": False, "detail": "not tried: config_complete failed", "metadata": {}}
+    )
+    return {"config_problems": {"raw_value": problems, "type": "json"}, "loads_in_vllm": {"raw_value": loads, "type": "json"}}
+
+
 def main() -> None:
     from dagster_pipes import open_dagster_pipes
 
@@ -68,8 +96,10 @@ def main() -> None:
         result = run_training(config, nproc=nproc, on_event=on_event)
         export_dir = export_trained_draft(result["checkpoint"], config.target_path, Path(extras["export_dir"]), extras.get("export_dtype"))
         pipes.log.info(f"{STAGE}: exported {export_dir}")
+        gates = run_gates(export_dir, config.target_path, extras["gates"], pipes.log.info) if extras.get("gates") else {}
         pipes.report_asset_materialization(
             metadata={
+                **gates,
                 "training_fingerprint": result["fingerprint"],
                 "resumed_from": result["resumed_from"] or "",
                 "init": {"raw_value": result["init"], "type": "json"},
