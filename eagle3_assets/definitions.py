@@ -28,12 +28,19 @@ PER_SHARD_ASSETS = [prompts, raw_responses, validated_traces, hidden_states]
 WHOLE_DATASET_ASSETS = [vocab_mapping, draft_checkpoint, draft_evaluation]
 
 
+# How the demo's tiny target is sampled: its server's context is 4,096 tokens, so the production
+# max_tokens (8192) would fail the pre-flight, and 64 requests in flight is what 2 CPU cores take.
+DEMO_SAMPLING = {"max_tokens": settings.DEMO_MAX_TOKENS, "temperature": settings.DEMO_TEMPERATURE, "concurrency": 64}
+
+
 def default_resources() -> dict:
+    target = settings.env_str("EAGLE3_TARGET_MODEL", "demo")
     return {
         "prompt_dataset": PromptDataset(source=settings.PROMPTS_SOURCE, shard_size=settings.SHARD_SIZE),
-        # EAGLE3_VLLM_URLS (comma separated), EAGLE3_SERVED_MODEL, VLLM_API_KEY (an EnvVar, only when set)
-        "vllm_server": VLLMServerResource.from_env(),
-        "target_model": TargetModel(path=settings.env_str("EAGLE3_TARGET_MODEL", "demo")),
+        # EAGLE3_VLLM_URLS (comma separated), EAGLE3_SERVED_MODEL, VLLM_API_KEY (an EnvVar, only when set);
+        # with the demo's target (`make dev` beside `make serve-demo`), the demo's sampling.
+        "vllm_server": VLLMServerResource.from_env(**(DEMO_SAMPLING if target == "demo" else {})),
+        "target_model": TargetModel(path=target),
         "alert_channel": alert_channel_from_env(),
         "gpu_host": gpu_host_from_env(),
     }
@@ -45,13 +52,7 @@ def demo_resources(base_url: str, served_model_name: str) -> dict:
         **default_resources(),
         "prompt_dataset": PromptDataset(source="demo", shard_size=DEMO_SHARD_SIZE),
         "target_model": TargetModel(path="demo"),  # the demo serves the tiny target, whatever EAGLE3_TARGET_MODEL says
-        "vllm_server": VLLMServerResource(
-            base_urls=[base_url],
-            served_model_name=served_model_name,
-            max_tokens=settings.DEMO_MAX_TOKENS,
-            temperature=settings.DEMO_TEMPERATURE,
-            concurrency=64,  # what the CPU server takes on 2 cores; the production default is 128
-        ),
+        "vllm_server": VLLMServerResource(base_urls=[base_url], served_model_name=served_model_name, **DEMO_SAMPLING),
     }
 
 

@@ -81,9 +81,14 @@ def test_generation_runs_in_its_pool_against_the_servers_named_in_the_environmen
     monkeypatch.setenv("EAGLE3_VLLM_URLS", "http://gpu-a:8000, http://gpu-b:8000")
     monkeypatch.setenv("EAGLE3_SERVED_MODEL", "kimi-k2")
     monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    monkeypatch.setenv("EAGLE3_TARGET_MODEL", "/models/kimi-k2")
     server = default_resources()["vllm_server"]
     assert server.base_urls == ["http://gpu-a:8000", "http://gpu-b:8000"] and server.served_model_name == "kimi-k2"
     assert (server.concurrency, server.max_tokens, server.read_timeout_s, server.api_key) == (128, 8192, 1800.0, None)
+    # The demo's target (`make dev` beside `make serve-demo`): its sampling, within its 4,096-token context.
+    monkeypatch.setenv("EAGLE3_TARGET_MODEL", "demo")
+    demo = default_resources()["vllm_server"]
+    assert (demo.concurrency, demo.max_tokens, demo.base_urls) == (64, 256, server.base_urls)
     raw = defs.resolve_assets_def(AssetKey("raw_responses"))
     assert raw.op.pool == GENERATION_POOL
     assert {s.name for s in raw.check_specs if s.blocking} == {"one_row_per_prompt"}
