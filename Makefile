@@ -22,7 +22,7 @@ $(VENV)/.installed: pyproject.toml
 
 $(DAGSTER_HOME)/dagster.yaml:
 	mkdir -p $(DAGSTER_HOME)
-	printf 'telemetry:\n  enabled: false\n' > $@
+	cp deploy/dagster-dev.yaml $@
 
 demo: install $(DAGSTER_HOME)/dagster.yaml
 	$(PY) -m eagle3_assets.demo

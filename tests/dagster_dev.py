@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -37,7 +38,7 @@ def write_instance_yaml(home: Path) -> Path:
     home.mkdir(parents=True, exist_ok=True)
     path = home / "dagster.yaml"
     if not path.exists():
-        path.write_text("telemetry:\n  enabled: false\n")
+        shutil.copyfile(REPO / "deploy" / "dagster-dev.yaml", path)  # what `make dev` runs on
     return path
 
 
