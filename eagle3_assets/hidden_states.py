@@ -33,7 +33,7 @@ from dagster import (
 from dagster._core.definitions.data_version import extract_data_version_from_entry
 from pydantic import Field
 
-from eagle3_assets.core.extraction import BACKENDS, DEFAULT_PART_BYTES, STORAGE_DTYPES, bytes_per_token
+from eagle3_assets.core.state_layout import BACKENDS, DEFAULT_PART_BYTES, STORAGE_DTYPE_BYTES, bytes_per_token
 from eagle3_assets.core.preflight import StageRequirements
 from eagle3_assets.core.storage import asset_dir, data_dir, file_hash, stable_hash
 from eagle3_assets.partitions import sample_shards
@@ -61,7 +61,7 @@ class HiddenStatesConfig(Config):
     """How a shard is extracted; every field is editable per run in the launchpad."""
 
     backend: str = Field(default="transformers", description=f"one of {BACKENDS}; 'vllm' for targets too large for transformers")
-    dtype: str = Field(default="bfloat16", description=f"storage dtype of the states, one of {sorted(STORAGE_DTYPES)}")
+    dtype: str = Field(default="bfloat16", description=f"storage dtype of the states, one of {sorted(STORAGE_DTYPE_BYTES)}")
     part_size_bytes: int = Field(default=DEFAULT_PART_BYTES, gt=0, description="a shard's states are split into files of at most this size")
     max_batch_tokens: int = Field(default=16384, gt=0, description="padded tokens per forward batch (transformers) or tokens per request chunk (vLLM)")
     max_batch_size: int = Field(default=64, gt=0, description="samples per forward batch (transformers)")
@@ -124,8 +124,8 @@ def hidden_states(
     key = context.partition_key
     if config.backend not in BACKENDS:
         raise ValueError(f"hidden_states config backend {config.backend!r}: one of {BACKENDS}")
-    if config.dtype not in STORAGE_DTYPES:
-        raise ValueError(f"hidden_states config dtype {config.dtype!r}: one of {sorted(STORAGE_DTYPES)}")
+    if config.dtype not in STORAGE_DTYPE_BYTES:
+        raise ValueError(f"hidden_states config dtype {config.dtype!r}: one of {sorted(STORAGE_DTYPE_BYTES)}")
     traces_file = data_dir() / UPSTREAM / f"{key}.parquet"
     if gpu_host.mode == "local" and not traces_file.is_file():
         raise FileNotFoundError(f"validated_traces for {key}: {traces_file} does not exist (materialise validated_traces for this shard first)")

@@ -24,7 +24,6 @@ from dagster import (
 from pydantic import Field
 
 from eagle3_assets.core.storage import asset_dir, file_hash, stable_hash
-from eagle3_assets.core.vocab import build_vocab_mapping, count_supervised_tokens, coverage, save_vocab_mapping
 from eagle3_assets.partitions import SAMPLE_SHARDS
 from resources.target_model import TargetModel
 
@@ -66,6 +65,9 @@ def shard_files(asset_name: str, keys: list[str], suffix: str) -> dict:
 )
 def vocab_mapping(context: AssetExecutionContext, config: VocabMappingConfig, target_model: TargetModel) -> MaterializeResult:
     """The draft vocabulary (d2t/t2d): the most frequent target tokens of every shard's assistant turns."""
+    # Here, not at the top: core.vocab needs torch, and every run worker loads this module.
+    from eagle3_assets.core.vocab import build_vocab_mapping, count_supervised_tokens, coverage, save_vocab_mapping
+
     keys = sorted(context.instance.get_dynamic_partitions(SAMPLE_SHARDS))
     files = shard_files("validated_traces", keys, ".parquet")
     target_vocab_size = int(target_model.config().get("text_config", target_model.config())["vocab_size"])

@@ -53,16 +53,20 @@ from typing import Any, Protocol
 import torch
 
 from eagle3_assets.core.storage import PARTIAL_SUFFIX, atomic_path, stable_hash, write_json_atomic
+from eagle3_assets.core.state_layout import (  # noqa: F401  re-exported: the stages and tests import them from here
+    BACKENDS,
+    DEFAULT_DTYPE,
+    DEFAULT_PART_BYTES,
+    FINAL_STATES,
+    STORAGE_DTYPE_BYTES,
+    bytes_per_token,
+    state_bytes_per_token,
+)
 
 FORMAT_VERSION = 1
 SIDECAR = "metadata.json"
 PART_PATTERN = "part-{:05d}.safetensors"
-DEFAULT_PART_BYTES = 2 * 1024**3
-DEFAULT_DTYPE = "bfloat16"
-BACKENDS = ("transformers", "vllm")
-FINAL_STATES = ("post_norm", "pre_norm")
-
-STORAGE_DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+STORAGE_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in STORAGE_DTYPE_BYTES}
 _SAFETENSORS_DTYPE = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int64: "I64", torch.int8: "I8"}
 
 # Order of the tensors inside a part file: the int64 ones first so that every
@@ -209,16 +213,6 @@ class ExtractionSettings:
     @property
     def storage_dtype(self) -> torch.dtype:
         return STORAGE_DTYPES[self.dtype]
-
-
-def state_bytes_per_token(hidden_size: int, dtype: str) -> int:
-    """Bytes of the three aux states and the final state of one token: 8·H in bf16."""
-    return 4 * hidden_size * STORAGE_DTYPES[dtype].itemsize
-
-
-def bytes_per_token(hidden_size: int, dtype: str) -> int:
-    """Everything stored per token: the states plus ``input_ids`` (int64) and ``loss_mask`` (int8)."""
-    return state_bytes_per_token(hidden_size, dtype) + 8 + 1
 
 
 @dataclass(frozen=True)
