@@ -16,6 +16,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import polars as pl
 import torch
 from safetensors.torch import save_file
 
@@ -136,3 +137,28 @@ def copy_hidden_states(shard_dirs: list[Path], data_dir: Path) -> list[Path]:
         shutil.copytree(shard, target)
         out.append(target)
     return out
+
+
+def write_validated_traces(target_dir: Path, data_dir: Path, keys: list[str], count: int) -> None:
+    """What validated_traces writes for the shards (the columns vocab_mapping reads), from the same conversations."""
+    out = data_dir / "validated_traces"
+    out.mkdir(parents=True)
+    for seed, key in enumerate(keys):
+        rows = demo_conversations(target_dir, count, seed)
+        pl.DataFrame(
+            {"id": [r[0] for r in rows], "input_ids": [r[1] for r in rows], "loss_mask": [r[2] for r in rows], "num_tokens": [len(r[1]) for r in rows]},
+            schema_overrides={"input_ids": pl.List(pl.Int32), "loss_mask": pl.List(pl.Int8)},
+        ).write_parquet(out / f"{key}.parquet")
+
+
+def training_inputs(target_dir: Path, data_dir: Path, count: int = 24):
+    """Two shards of hidden states and their traces in ``data_dir``, registered in a fresh instance (returned)."""
+    from dagster import DagsterInstance
+
+    from eagle3_assets.partitions import register_shards
+
+    keys = [s.name for s in copy_hidden_states(cached_demo_hidden_states(target_dir, shards=2, count=count), data_dir)]
+    write_validated_traces(target_dir, data_dir, keys, count)
+    instance = DagsterInstance.ephemeral()
+    register_shards(instance, keys)
+    return instance

@@ -15,15 +15,13 @@ import re
 from pathlib import Path
 
 import pytest
-from dagster import AssetKey, DagsterInstance, RunConfig, materialize
+from dagster import AssetKey, RunConfig, materialize
 
 from eagle3_assets.draft_checkpoint import DraftTrainingConfig, draft_checkpoint
-from eagle3_assets.partitions import register_shards
 from eagle3_assets.vocab_mapping import VocabMappingConfig, vocab_mapping
 from resources.gpu_host import GPUHost
 from resources.target_model import TargetModel
-from tests.demo_hidden_states import cached_demo_hidden_states, copy_hidden_states
-from tests.test_export import write_validated_traces
+from tests.demo_hidden_states import training_inputs
 
 REPO = Path(__file__).resolve().parents[1]
 NPROC = 2
@@ -31,12 +29,7 @@ NPROC = 2
 
 @pytest.mark.vllm
 def test_draft_checkpoint_trains_with_two_processes_through_the_gpu_host_stage(tiny_target, data_dir):
-    count = 24
-    shards = copy_hidden_states(cached_demo_hidden_states(tiny_target, shards=2, count=count), data_dir)
-    keys = [s.name for s in shards]
-    write_validated_traces(tiny_target, data_dir, keys, count)
-    instance = DagsterInstance.ephemeral()
-    register_shards(instance, keys)
+    instance = training_inputs(tiny_target, data_dir)
 
     training = DraftTrainingConfig(
         epochs=2, learning_rate=3e-3, warmup_ratio=0.05, ttt_steps=2, batch_tokens=512, max_seq_len=64, nproc_per_node=NPROC

@@ -127,7 +127,7 @@ def test_vocab_mapping_asset_counts_every_shard_and_warns_on_low_coverage(tiny_t
     from eagle3_assets.partitions import register_shards
     from eagle3_assets.vocab_mapping import VocabMappingConfig, vocab_mapping
     from resources.target_model import TargetModel
-    from tests.test_export import write_validated_traces
+    from tests.demo_hidden_states import write_validated_traces
 
     write_validated_traces(tiny_target, data_dir, ["shard-00000", "shard-00001"], count=12)
     instance = DagsterInstance.ephemeral()

@@ -12,20 +12,18 @@ import json
 import shutil
 from pathlib import Path
 
-import polars as pl
 import pytest
 import torch
-from dagster import AssetKey, DagsterInstance, RunConfig, materialize
+from dagster import AssetKey, RunConfig, materialize
 from safetensors.torch import load_file, save_file
 
 from eagle3_assets.core.export import REQUIRED_FIELDS, check_loads_in_vllm, config_problems, export_draft
 from eagle3_assets.core.training import load_target_tensors
 from eagle3_assets.draft_checkpoint import DraftTrainingConfig, render_curve
-from eagle3_assets.partitions import register_shards
 from eagle3_assets.vocab_mapping import VocabMappingConfig, vocab_mapping
 from resources.gpu_host import GPUHost
 from resources.target_model import TargetModel
-from tests.demo_hidden_states import cached_demo_hidden_states, copy_hidden_states, demo_conversations
+from tests.demo_hidden_states import training_inputs
 from tests.test_draft_model import random_draft
 
 
@@ -85,26 +83,9 @@ def test_render_curve_draws_every_value_within_its_range():
     assert "   5.000 |*" in text and "   2.000 |    *" in text
 
 
-def write_validated_traces(target_dir: Path, data_dir: Path, keys: list[str], count: int) -> None:
-    """What validated_traces writes for the shards (the columns vocab_mapping reads), from the same conversations."""
-    out = data_dir / "validated_traces"
-    out.mkdir(parents=True)
-    for seed, key in enumerate(keys):
-        rows = demo_conversations(target_dir, count, seed)
-        pl.DataFrame(
-            {"id": [r[0] for r in rows], "input_ids": [r[1] for r in rows], "loss_mask": [r[2] for r in rows], "num_tokens": [len(r[1]) for r in rows]},
-            schema_overrides={"input_ids": pl.List(pl.Int32), "loss_mask": pl.List(pl.Int8)},
-        ).write_parquet(out / f"{key}.parquet")
-
-
 @pytest.mark.vllm
 def test_draft_checkpoint_trains_exports_and_passes_its_gates_with_real_vllm(tiny_target, data_dir, tmp_path):
-    count = 24
-    shards = copy_hidden_states(cached_demo_hidden_states(tiny_target, shards=2, count=count), data_dir)
-    keys = [s.name for s in shards]
-    write_validated_traces(tiny_target, data_dir, keys, count)
-    instance = DagsterInstance.ephemeral()
-    register_shards(instance, keys)
+    instance = training_inputs(tiny_target, data_dir)
     from eagle3_assets.draft_checkpoint import draft_checkpoint
 
     run_config = RunConfig(
