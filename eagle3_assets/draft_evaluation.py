@@ -16,6 +16,7 @@ from pydantic import Field
 
 from eagle3_assets.core.evaluation import load_conversations
 from eagle3_assets.core.preflight import StageRequirements
+from eagle3_assets.core.shard_files import read_shard_parquet
 from eagle3_assets.core.storage import asset_dir
 from eagle3_assets.draft_checkpoint import draft_checkpoint
 from resources.gpu_host import GPU_POOL, GPUHost, register_stage
@@ -47,7 +48,7 @@ def training_overlap(eval_ids: list[str], eval_conversations: list[list[dict]], 
     shards = sorted(p for p in prompts_dir.glob("shard-*.parquet") if not p.name.endswith(".rejected.parquet"))
     if not shards:
         return []
-    seen = pl.concat([pl.read_parquet(p, columns=["id", "messages"]) for p in shards])
+    seen = pl.concat([read_shard_parquet(p, asset="prompts", columns=["id", "messages"]) for p in shards])
     seen_ids = set(seen["id"].to_list())
     seen_texts = {m[-1]["content"] for m in seen["messages"].to_list() if m}
     return [i for i, conv in zip(eval_ids, eval_conversations) if i in seen_ids or conv[-1]["content"] in seen_texts]

@@ -35,6 +35,7 @@ from pydantic import Field
 
 from eagle3_assets.core.state_layout import BACKENDS, DEFAULT_PART_BYTES, STORAGE_DTYPE_BYTES, bytes_per_token
 from eagle3_assets.core.preflight import StageRequirements
+from eagle3_assets.core.shard_files import read_shard_parquet
 from eagle3_assets.core.storage import asset_dir, data_dir, file_hash, stable_hash
 from eagle3_assets.partitions import sample_shards
 from resources.gpu_host import GPU_POOL, GPUHost, register_stage
@@ -98,9 +99,7 @@ def stored_bytes_estimate(key: str, hidden_size: int, dtype: str) -> int:
     traces = data_dir() / UPSTREAM / f"{key}.parquet"
     if not traces.is_file():
         return 0
-    import polars as pl
-
-    tokens = pl.scan_parquet(traces).select(pl.col("num_tokens").sum()).collect().item() or 0
+    tokens = read_shard_parquet(traces, asset=UPSTREAM, shard=key, columns=["num_tokens"])["num_tokens"].sum() or 0
     return int(tokens) * bytes_per_token(hidden_size, dtype)
 
 

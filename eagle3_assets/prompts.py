@@ -17,6 +17,8 @@ from dagster import (
     asset,
 )
 
+from eagle3_assets.core.shard_files import quarantine_if_corrupt
+from eagle3_assets.core.shard_lease import ShardLease
 from eagle3_assets.core.storage import asset_dir, stable_hash, write_parquet_atomic
 from eagle3_assets.partitions import sample_shards
 from resources.prompt_dataset import PromptDataset
@@ -39,8 +41,11 @@ def prompts(context: AssetExecutionContext, prompt_dataset: PromptDataset) -> Ma
     key = context.partition_key
     shard = prompt_dataset.load_shard(key)
     out = asset_dir("prompts")
-    write_parquet_atomic(out / f"{key}.parquet", shard.accepted)
-    write_parquet_atomic(out / f"{key}.rejected.parquet", shard.rejected)
+    with ShardLease(out, key, asset="prompts", run_id=context.run.run_id, log=context.log.info):
+        for written in (out / f"{key}.parquet", out / f"{key}.rejected.parquet"):
+            quarantine_if_corrupt(written, context.log.warning)  # kept for inspection, not overwritten unseen
+        write_parquet_atomic(out / f"{key}.parquet", shard.accepted)
+        write_parquet_atomic(out / f"{key}.rejected.parquet", shard.rejected)
 
     accepted, rejected = shard.accepted.height, shard.rejected.height
     total = accepted + rejected

@@ -35,6 +35,8 @@ from eagle3_assets.core.generation import (
     generate_shard,
     shard_summary,
 )
+from eagle3_assets.core.shard_files import quarantine_if_corrupt, read_shard_parquet
+from eagle3_assets.core.shard_lease import ShardLease
 from eagle3_assets.core.storage import asset_dir, file_hash, stable_hash
 from eagle3_assets.partitions import sample_shards
 from eagle3_assets.prompts import prompts
@@ -65,15 +67,23 @@ DATA_VERSION_TAG = "dagster/data_version"
 def raw_responses(context: AssetExecutionContext, vllm_server: VLLMServerResource) -> MaterializeResult:
     """The target's reasoning and answer for every prompt of the shard, regenerated through vLLM; resumable after a crash."""
     key = context.partition_key
+    out = asset_dir("raw_responses")
+    # One writer per shard: a second run of this shard fails here, naming the run that holds it, before any request.
+    with ShardLease(out, key, asset="raw_responses", run_id=context.run.run_id, log=context.log.info):
+        return _generate(context, vllm_server, key, out)
+
+
+def _generate(context: AssetExecutionContext, vllm_server: VLLMServerResource, key: str, out) -> MaterializeResult:
     prompts_path = asset_dir("prompts") / f"{key}.parquet"
     if not prompts_path.is_file():
         raise Failure(f"raw_responses {key}: the shard's prompts are missing ({prompts_path}); materialise `prompts` for {key} first")
-    prompt_rows = pl.read_parquet(prompts_path, columns=["id", "messages"])
+    prompt_rows = read_shard_parquet(prompts_path, asset="prompts", shard=key, columns=["id", "messages"])
     samples = [Sample(r["id"], r["messages"]) for r in prompt_rows.iter_rows(named=True)]
     config = vllm_server.generation_config()
 
-    out = asset_dir("raw_responses")
     parquet_path = out / f"{key}.parquet"
+    # A finished Parquet that no longer decodes is moved aside; the journal's rows are kept and the rest is sent again.
+    quarantine_if_corrupt(parquet_path, context.log.warning)
     context.log.info(
         f"{key}: {len(samples)} prompts -> {vllm_server.served_model_name} on {len(config.servers)} server(s), "
         f"{config.concurrency} in flight, max_tokens {config.max_tokens}"

@@ -34,6 +34,8 @@ from dagster import (
 from pydantic import Field
 
 from eagle3_assets.core.chat_rendering import ChatRenderer
+from eagle3_assets.core.shard_files import quarantine_if_corrupt, verify_shard_parquet
+from eagle3_assets.core.shard_lease import ShardLease
 from eagle3_assets.core.storage import asset_dir, data_dir, file_hash, stable_hash
 from eagle3_assets.core.validation import (
     REJECTION_REASONS,
@@ -108,11 +110,22 @@ CHECK_SPECS = [
 def validated_traces(context: AssetExecutionContext, config: ValidationConfig, target_model: TargetModel) -> MaterializeResult:
     """Rows that pass the gates, rendered into the target's chat template with its thinking tokens, with input_ids and loss_mask; rejected rows kept apart with a reason."""
     key = context.partition_key
+    # One writer per shard: a second run of this shard fails at once, naming the run that holds it.
+    with ShardLease(asset_dir(ASSET), key, asset=ASSET, run_id=context.run.run_id, log=context.log.info):
+        return _validate(context, config, target_model, key)
+
+
+def _validate(context: AssetExecutionContext, config: ValidationConfig, target_model: TargetModel, key: str) -> MaterializeResult:
     root = data_dir()
     prompts_path = root / "prompts" / f"{key}.parquet"
     raw_path = root / "raw_responses" / f"{key}.parquet"
     out = asset_dir(ASSET)
     kept_path, rejected_path = out / f"{key}.parquet", out / f"{key}.rejected.parquet"
+    # Inputs are trusted only once they decode; a damaged output of ours is kept aside, not overwritten unseen.
+    verify_shard_parquet(prompts_path, asset="prompts", shard=key)
+    verify_shard_parquet(raw_path, asset="raw_responses", shard=key)
+    for written in (kept_path, rejected_path):
+        quarantine_if_corrupt(written, context.log.warning)
 
     renderer = ChatRenderer(target_model.load_tokenizer(), config.think_open, config.think_close, config.end_of_turn)
     target_config = target_model.config()

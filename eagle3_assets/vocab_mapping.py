@@ -6,7 +6,6 @@ id), and writes ``<data>/vocab_mapping/vocab_mapping.safetensors`` (``d2t``,
 ``t2d``) and ``vocab_mapping.json``. See :mod:`eagle3_assets.core.vocab`.
 """
 
-import polars as pl
 from dagster import (
     AllPartitionMapping,
     AssetCheckResult,
@@ -23,6 +22,7 @@ from dagster import (
 )
 from pydantic import Field
 
+from eagle3_assets.core.shard_files import read_shard_parquet
 from eagle3_assets.core.storage import asset_dir, file_hash, stable_hash
 from eagle3_assets.partitions import SAMPLE_SHARDS
 from resources.target_model import TargetModel
@@ -78,7 +78,7 @@ def vocab_mapping(context: AssetExecutionContext, config: VocabMappingConfig, ta
     counts = None
     samples = 0
     for key, path in files.items():
-        traces = pl.read_parquet(path, columns=["id", "input_ids", "loss_mask"])
+        traces = read_shard_parquet(path, asset="validated_traces", shard=key, columns=["id", "input_ids", "loss_mask"])
         try:
             shard_counts = count_supervised_tokens(traces, target_vocab_size)
         except ValueError as exc:

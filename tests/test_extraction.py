@@ -34,7 +34,7 @@ from eagle3_assets.core.extraction import (
     read_traces,
     rms_norm,
 )
-from eagle3_assets.core.storage import stable_hash
+from eagle3_assets.core.storage import file_hash, stable_hash
 from eagle3_assets.core.hidden_state_checks import (
     TargetHead,
     check_aux_states_match_layer_ids,
@@ -387,14 +387,16 @@ def test_a_planted_nan_fails_states_finite_and_blocks_downstream(data_dir, tiny_
     shard = data_dir / "hidden_states" / SHARD
     assert read_sidecar(shard)["target_config_hash"] == TargetModel(path=str(tiny_target)).config_hash()
 
-    # Corrupt one stored value (a disk or a bf16 overflow would look the same) and run shard and consumer together.
+    # A NaN that the extraction itself wrote (a bf16 overflow in the target, say): planted, and recorded in the
+    # sidecar's checksum as the extraction records what it wrote. (A part damaged after it was written does not
+    # match its checksum and is extracted again: test_a_damaged_part_... below.)
     part = shard / "part-00001.safetensors"
-    raw = part.read_bytes()
-    header_len = int.from_bytes(raw[:8], "little")
-    aux_start = 8 + header_len + json.loads(raw[8 : 8 + header_len])["aux_hidden_states"]["data_offsets"][0]
-    with open(part, "r+b") as fh:
-        fh.seek(aux_start + 4 * 7)  # the 8th float32 of the part's first token
-        fh.write(torch.tensor([float("nan")], dtype=torch.float32).numpy().tobytes())
+    plant_nan(part)
+    sidecar = json.loads((shard / SIDECAR).read_text())
+    for entry in sidecar["files"]:
+        if entry["name"] == part.name:
+            entry["sha256"] = file_hash(part, length=64)
+    (shard / SIDECAR).write_text(json.dumps(sidecar))
 
     second = materialize(
         [hidden_states, reads_hidden_states], partition_key=SHARD, resources=resources, instance=instance, run_config=run_config, raise_on_error=False
@@ -407,3 +409,13 @@ def test_a_planted_nan_fails_states_finite_and_blocks_downstream(data_dir, tiny_
     assert mat.metadata["parts_reused"].value == mat.metadata["parts"].value  # re-checked, not recomputed over
     assert not second.asset_materializations_for_node("reads_hidden_states")
     assert instance.get_latest_materialization_event(AssetKey("reads_hidden_states")) is None
+
+
+def plant_nan(part) -> None:
+    """Overwrite the 8th float32 of the part's first aux state with a NaN, in place."""
+    raw = part.read_bytes()
+    header_len = int.from_bytes(raw[:8], "little")
+    aux_start = 8 + header_len + json.loads(raw[8 : 8 + header_len])["aux_hidden_states"]["data_offsets"][0]
+    with open(part, "r+b") as fh:
+        fh.seek(aux_start + 4 * 7)
+        fh.write(torch.tensor([float("nan")], dtype=torch.float32).numpy().tobytes())

@@ -46,13 +46,15 @@ import struct
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
-from eagle3_assets.core.storage import PARTIAL_SUFFIX, atomic_path, stable_hash, write_json_atomic
+from eagle3_assets.core.shard_files import ShardFileError, quarantine, read_shard_parquet
+from eagle3_assets.core.storage import PARTIAL_SUFFIX, atomic_path, file_hash, stable_hash, write_json_atomic
 from eagle3_assets.core.state_layout import (  # noqa: F401  re-exported: the stages and tests import them from here
     BACKENDS,
     DEFAULT_DTYPE,
@@ -112,9 +114,9 @@ def read_traces(path: Path, vocab_size: int | None = None) -> list[Trace]:
     if not path.is_file():
         raise ExtractionInputError(f"validated_traces {path}: no such file (materialise validated_traces for this shard first)")
     try:
-        frame = pl.read_parquet(path, columns=["id", "input_ids", "loss_mask"])
-    except Exception as exc:  # polars raises several kinds for a bad or incomplete file
-        raise ExtractionInputError(f"validated_traces {path}: cannot read id, input_ids, loss_mask ({exc})") from exc
+        frame = read_shard_parquet(path, asset="validated_traces", columns=["id", "input_ids", "loss_mask"])
+    except ShardFileError as exc:  # truncated or damaged: the message names the file, the shard and the fix
+        raise ExtractionInputError(str(exc)) from exc
     ids = frame["id"].to_list()
     lengths = frame["input_ids"].list.len().fill_null(0).to_list()
     mask_lengths = frame["loss_mask"].list.len().fill_null(-1).to_list()
@@ -510,6 +512,7 @@ class ExtractionReport:
     wall_s: float
     bytes_on_disk: int
     sidecar: dict[str, Any] = field(default_factory=dict)
+    parts_quarantined: int = 0  # damaged parts moved aside (``*.corrupt-<time>``) and extracted again
 
     @property
     def tokens_per_s(self) -> float:
@@ -610,27 +613,46 @@ def extract_shard(
 
     key = extraction_key(settings, backend.name, backend.final_state, traces_digest(traces), facts)
     sidecar_path = shard_dir / SIDECAR
+    recorded: dict[str, str] = {}  # part name -> the sha256 the sidecar of this same extraction recorded
     if sidecar_path.is_file():
         try:
-            previous = json.loads(sidecar_path.read_text()).get("extraction_key")
+            previous = json.loads(sidecar_path.read_text())
         except ValueError:
-            previous = None
-        if previous != key:
+            previous = {}
+        if previous.get("extraction_key") != key:
             sidecar_path.unlink()  # the shard reads as incomplete while it is redone
+        else:
+            recorded = {f["name"]: f["sha256"] for f in previous.get("files", []) if f.get("sha256")}
     plan = plan_parts(traces, facts.hidden_size, settings.dtype, settings.part_bytes)
     total_tokens = sum(t.num_tokens for t in traces)
     emit({"event": "start", "samples": len(traces), "tokens": total_tokens, "parts": len(plan), "key": key})
 
-    written = reused = computed = 0
+    written = reused = computed = quarantined = 0
     compute_s = 0.0
+    checksums: dict[str, str] = {}
+
+    def set_aside(path: Path, why: str) -> None:
+        nonlocal quarantined
+        sidecar_path.unlink(missing_ok=True)  # the shard reads as incomplete until the part is rebuilt
+        quarantine(path, lambda line: emit({"event": "quarantined", "part": path.name, "line": line}), why)
+        quarantined += 1
+
     for part in plan:
         sample_ids = [traces[i].id for i in part.samples]
         metadata = _part_metadata(key, part, sample_ids)
         path = shard_dir / part.name
-        if part_header(path) == metadata:
-            reused += 1
-            emit({"event": "part", "part": part.name, "reused": True, "samples": len(sample_ids)})
-            continue
+        header = part_header(path)
+        if header == metadata:
+            digest = file_hash(path, length=64)
+            expected = recorded.get(part.name)
+            if expected is None or digest == expected:  # no record: a part of an interrupted run, checked by the gates
+                checksums[part.name] = digest
+                reused += 1
+                emit({"event": "part", "part": part.name, "reused": True, "samples": len(sample_ids)})
+                continue
+            set_aside(path, f"its sha256 {digest[:16]}... differs from the {expected[:16]}... {SIDECAR} recorded")
+        elif header is None and path.exists():
+            set_aside(path, "it is not a readable safetensors file (truncated or damaged)")
         part_started = time.monotonic()
 
         def on_batch(tokens: int) -> None:
@@ -639,6 +661,7 @@ def extract_shard(
             emit({"event": "batch", "tokens_done": computed, "elapsed_s": time.monotonic() - started})
 
         _write_part(path, part, traces, backend, settings, facts, metadata, on_batch)
+        checksums[part.name] = file_hash(path, length=64)
         compute_s += time.monotonic() - part_started
         written += 1
         emit({"event": "part", "part": part.name, "reused": False, "samples": len(sample_ids)})
@@ -662,7 +685,11 @@ def extract_shard(
         "dtype": settings.dtype,
         "sample_ids": [traces[i].id for i in order],
         "num_tokens": [traces[i].num_tokens for i in order],
-        "files": [{"name": part.name, "first_sample": part.first_sample, "num_samples": len(part.samples)} for part in plan],
+        # Readers (training) verify each part against its checksum: a damaged part fails naming the file.
+        "files": [
+            {"name": part.name, "first_sample": part.first_sample, "num_samples": len(part.samples), "sha256": checksums[part.name]}
+            for part in plan
+        ],
         "total_tokens": total_tokens,
         "storage_order": "by length, then row of validated_traces",
         "extraction_key": key,
@@ -675,6 +702,7 @@ def extract_shard(
         parts=len(plan),
         parts_written=written,
         parts_reused=reused,
+        parts_quarantined=quarantined,
         tokens_computed=computed,
         compute_s=compute_s,
         wall_s=time.monotonic() - started,
@@ -714,6 +742,51 @@ def read_sidecar(shard_dir: Path, expected_layer_ids: Sequence[int] | None = Non
     return sidecar
 
 
+class HiddenStateFileError(ValueError):
+    """A part file is missing, truncated or not what its shard's sidecar recorded; the message names it and the fix."""
+
+
+def _part_fix(path: Path) -> str:
+    return f"rerun hidden_states for {path.parent.name}: the part will be quarantined and extracted again"
+
+
+_verified_parts: dict[tuple[str, int, int], str] = {}  # (path, size, mtime) -> sha256: each part is hashed once per process
+
+
+def verify_part(path: Path, expected_sha256: str | None) -> None:
+    """Check a part against the checksum its sidecar recorded (sidecars from before checksums record none)."""
+    path = Path(path)
+    try:
+        stat = path.stat()
+    except FileNotFoundError:
+        raise HiddenStateFileError(f"hidden_states {path.parent.name}: part {path} is missing; {_part_fix(path)}") from None
+    if not expected_sha256:
+        return
+    cache_key = (str(path), stat.st_size, stat.st_mtime_ns)
+    digest = _verified_parts.get(cache_key) or file_hash(path, length=64)
+    if digest != expected_sha256:
+        raise HiddenStateFileError(
+            f"hidden_states {path.parent.name}: part {path} has sha256 {digest[:16]}... but {SIDECAR} recorded "
+            f"{expected_sha256[:16]}... (damaged after it was written); {_part_fix(path)}"
+        )
+    _verified_parts[cache_key] = digest
+
+
+@contextmanager
+def open_part(path: Path) -> Iterator[Any]:
+    """``safe_open`` of a part, with an error naming the file when it is truncated or not safetensors at all."""
+    from safetensors import safe_open
+
+    try:
+        handle = safe_open(str(path), framework="pt")
+    except Exception as exc:  # SafetensorError for a truncated file, OSError for a missing one
+        raise HiddenStateFileError(
+            f"hidden_states {Path(path).parent.name}: part {path} cannot be read ({type(exc).__name__}: {exc}); {_part_fix(Path(path))}"
+        ) from exc
+    with handle:
+        yield handle
+
+
 @dataclass
 class StoredSample:
     id: str
@@ -725,13 +798,11 @@ class StoredSample:
 
 def iter_samples(shard_dir: Path, only: set[str] | None = None) -> Iterator[StoredSample]:
     """The stored samples one at a time, in storage order (memory: one sample)."""
-    from safetensors import safe_open
-
     shard_dir = Path(shard_dir)
     sidecar = read_sidecar(shard_dir)
     ids = sidecar["sample_ids"]
     for entry in sidecar["files"]:
-        with safe_open(str(shard_dir / entry["name"]), framework="pt") as handle:
+        with open_part(shard_dir / entry["name"]) as handle:
             offsets = handle.get_tensor("sample_offsets").tolist()
             tensors = {name: handle.get_slice(name) for name in TENSOR_ORDER if name != "sample_offsets"}
             for j in range(entry["num_samples"]):

@@ -425,6 +425,38 @@ def find_partial_files(directories: Sequence[str], suffix: str) -> list[str]:
     return sorted(found)
 
 
+def classify_partial_files(paths: Sequence[str], outputs: Sequence[str]) -> tuple[list[str], list[tuple[str, str]], list[tuple[str, str]]]:
+    """(nobody's, a dead shard writer's, a live shard writer's, each with its holder described): by the shard's lease.
+
+    A shard's files live at ``<output>/<shard>/...`` or ``<output>/.<shard>.<...>.partial``
+    and its lease at ``<output>/<shard>.lease`` (:mod:`eagle3_assets.core.shard_lease`).
+    Without that module (the package does not import here) every file is nobody's, as before leases.
+    """
+    try:  # standard library only, like this file; imported, not copied, so that one module says what a lease is
+        from eagle3_assets.core import shard_lease
+    except Exception:  # noqa: BLE001 - a broken environment still gets its report (the module check names it)
+        return list(paths), [], []
+    nobodys, dead, live = [], [], []
+    for path in paths:
+        owner = None
+        for out in outputs:
+            rel = os.path.relpath(path, out)
+            if rel.startswith(".."):
+                continue
+            parts = rel.split(os.sep)
+            owner = (out, parts[0] if len(parts) > 1 else parts[0][1:].split(".")[0] if parts[0].startswith(".") else None)
+            break
+        record = shard_lease.read_lease(shard_lease.lease_path(owner[0], owner[1])) if owner and owner[1] else None
+        state = shard_lease.lease_state(record)
+        if state in (shard_lease.DEAD, shard_lease.STALE):
+            dead.append((path, shard_lease.describe(record)))
+        elif state in (shard_lease.LIVE, shard_lease.REMOTE):
+            live.append((path, shard_lease.describe(record)))
+        else:
+            nobodys.append(path)
+    return nobodys, dead, live
+
+
 # --------------------------------------------------------------------------- modules
 
 
@@ -549,7 +581,10 @@ def run_preflight(spec: Mapping[str, Any]) -> dict:
                 f"disk: {outputs[0]} has {_human(free)} free (at {where}), "
                 f"stage {stage} estimates {_human(spec['disk_bytes'])}"
             )
-    partial = find_partial_files(outputs, spec["partial_suffix"])
+    found = find_partial_files(outputs, spec["partial_suffix"])
+    partial, of_dead_writers, of_live_writers = classify_partial_files(found, outputs)
+    for path, holder in of_live_writers:
+        failures.append(f"partial file {path}: being written by {holder}; wait for that run or cancel it")
     removed = []
     if partial and spec["remove_partial_files"]:
         for path in partial:
@@ -563,6 +598,10 @@ def run_preflight(spec: Mapping[str, Any]) -> dict:
         "removed": len(removed),
         "examples": partial[:_MAX_LISTED_FILES],
     }
+    if of_dead_writers or of_live_writers:
+        # A dead writer's leftovers are the next lease holder's to clean (it logs each file); a live one's are refused above.
+        report["partial_files"]["of_dead_lease_holders"] = [p for p, _ in of_dead_writers][:_MAX_LISTED_FILES]
+        report["partial_files"]["of_live_lease_holders"] = [p for p, _ in of_live_writers][:_MAX_LISTED_FILES]
     if partial and not spec["remove_partial_files"]:
         failures.append(
             f"partial files: {len(partial)} left by an aborted run under {', '.join(outputs)} "

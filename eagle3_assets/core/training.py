@@ -46,6 +46,7 @@ from torch import nn
 
 from eagle3_assets.core.draft_model import DraftConfig, Eagle3Draft
 from eagle3_assets.core.export import draft_config_from_hf, export_draft, read_draft_dir
+from eagle3_assets.core.extraction import open_part, verify_part
 from eagle3_assets.core.storage import file_hash, fsync_dir, stable_hash, write_json_atomic
 from eagle3_assets.core.vocab import VocabMapping, load_vocab_mapping
 
@@ -163,7 +164,8 @@ def index_hidden_states(shard_dirs: list[str | Path]) -> HiddenStateIndex:
         sidecars.append(meta)
         for entry in meta["files"]:
             path = shard / entry["name"]
-            with safe_open(str(path), framework="pt") as fh:
+            verify_part(path, entry.get("sha256"))  # once, here: a damaged part fails naming the file, not mid-epoch
+            with open_part(path) as fh:
                 offsets = fh.get_tensor("sample_offsets").tolist()
             if len(offsets) != entry["num_samples"] + 1:
                 raise ValueError(f"hidden states {path}: {len(offsets) - 1} samples in sample_offsets, sidecar says {entry['num_samples']}")
@@ -210,7 +212,7 @@ def load_batch(samples: list[Sample], max_seq_len: int) -> Batch:
         by_file.setdefault(s.file, []).append(i)
     loaded: dict[int, tuple] = {}
     for path, members in by_file.items():
-        with safe_open(path, framework="pt") as fh:
+        with open_part(Path(path)) as fh:
             aux, final, ids, mask = (fh.get_slice(n) for n in ("aux_hidden_states", "final_hidden_states", "input_ids", "loss_mask"))
             for i in members:
                 a, b = samples[i].start, samples[i].start + lengths[i]

@@ -64,6 +64,8 @@ class Progress:
         if kind == "start":
             self.total = event["tokens"]
             self.log(f"{STAGE}: {event['samples']} samples, {event['tokens']} tokens in {event['parts']} part(s)")
+        elif kind == "quarantined":
+            self.log(f"{STAGE}: {event['line']}")
         elif kind == "part" and event["reused"]:
             self.log(f"{STAGE}: {event['part']} already durable ({event['samples']} samples), kept")
         elif kind == "batch" and time.monotonic() - self.last >= PROGRESS_EVERY_S:
@@ -109,21 +111,8 @@ def run(extras: dict[str, Any], log=print) -> tuple[dict[str, Any], list]:
     """Extract the shard and compute its gates; (materialisation metadata, check outcomes)."""
     import torch
 
-    from eagle3_assets.core.extraction import (
-        ExtractionSettings,
-        TargetFacts,
-        TransformersBackend,
-        extract_shard,
-        read_traces,
-        state_bytes_per_token,
-    )
-    from eagle3_assets.core.hidden_state_checks import (
-        TargetHead,
-        check_aux_states_match_layer_ids,
-        check_final_state_reproduces_logits,
-        check_states_finite,
-        check_states_match_traces,
-    )
+    from eagle3_assets.core.extraction import TargetFacts, read_traces
+    from eagle3_assets.core.shard_lease import ShardLease
 
     if not torch.cuda.is_available() and os.environ.get("EAGLE3_ALLOW_CPU", "1") != "1":
         raise RuntimeError(f"{STAGE}: no CUDA device on this host and EAGLE3_ALLOW_CPU is not 1: refusing to run on CPU")
@@ -133,6 +122,25 @@ def run(extras: dict[str, Any], log=print) -> tuple[dict[str, Any], list]:
     facts = TargetFacts.from_path(target["path"])
     traces_path, shard_dir = _resolve(extras["traces"]), _resolve(extras["output"])
     traces = read_traces(traces_path, facts.vocab_size)
+    # One writer per shard, taken here on the host (so a remote host works too), beside the shard's directory.
+    # A killed run's lease names a dead pid: it is taken over and its `.partial` files are removed, each logged.
+    with ShardLease(shard_dir.parent, shard_dir.name, asset="hidden_states", run_id=extras.get("run_id"), log=log):
+        return _extract_and_check(extras, log, facts, traces, shard_dir)
+
+
+def _extract_and_check(extras: dict[str, Any], log, facts, traces, shard_dir: Path) -> tuple[dict[str, Any], list]:
+    import torch
+
+    from eagle3_assets.core.extraction import ExtractionSettings, TransformersBackend, extract_shard, state_bytes_per_token
+    from eagle3_assets.core.hidden_state_checks import (
+        TargetHead,
+        check_aux_states_match_layer_ids,
+        check_final_state_reproduces_logits,
+        check_states_finite,
+        check_states_match_traces,
+    )
+
+    target = extras["target"]
     if extras.get("recompute") and shard_dir.is_dir():
         log(f"{STAGE}: recompute requested: discarding {shard_dir}")
         shutil.rmtree(shard_dir)
@@ -204,6 +212,7 @@ def run(extras: dict[str, Any], log=print) -> tuple[dict[str, Any], list]:
         "parts": report.parts,
         "parts_written": report.parts_written,
         "parts_reused": report.parts_reused,
+        "parts_quarantined": report.parts_quarantined,
         "bytes": report.bytes_on_disk,
         "bytes_per_token": round(per_token, 2),
         "bytes_per_token_over_8H": round(per_token / (8 * facts.hidden_size), 5),
@@ -232,7 +241,7 @@ def main() -> None:
     from dagster_pipes import open_dagster_pipes
 
     with open_dagster_pipes() as pipes:
-        extras = dict(pipes.extras or {})
+        extras = {"run_id": pipes.run_id, **dict(pipes.extras or {})}
         metadata, outcomes = run(extras, log=pipes.log.info)
         pipes.report_asset_materialization(metadata=metadata, data_version=extras.get("data_version"))
         for outcome in outcomes:
