@@ -10,8 +10,9 @@ The lease is a JSON record: run id, host, pid, the process's start time (so a
 recycled pid is not mistaken for the holder), when it was taken and a
 heartbeat the holder refreshes. A second writer:
 
-- finds no lease: creates it (exclusive create, under a short ``flock`` on
-  ``<asset dir>/.leases.guard`` so two takers never both win);
+- finds no lease: creates it (written whole, then renamed into place, under a
+  short ``flock`` on ``<data dir>/.locks/<asset>.leases.guard``, so that two
+  takers never both win);
 - finds a live holder on this host: fails at once with a message naming the
   holding run, host and pid (failing at once is honest: a wait would hold a
   pool slot doing nothing);
@@ -49,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 LEASE_SUFFIX = ".lease"
-GUARD_NAME = ".leases.guard"
+GUARD_SUFFIX = ".leases.guard"
 PARTIAL_SUFFIX = ".partial"  # what core.storage.atomic_path names its temporary files
 STALE_AFTER_ENV = "EAGLE3_LEASE_STALE_AFTER_S"
 TAKEOVER_ENV = "EAGLE3_LEASE_TAKEOVER"
@@ -246,7 +247,10 @@ class ShardLease:
         os.replace(tmp, self.path)
 
     def _guard(self):
-        return _Guard(self.asset_dir / GUARD_NAME)
+        # Beside the stage locks (<data dir>/.locks/), not among the shard's files: an asset's directory holds its outputs.
+        locks = self.asset_dir.parent / ".locks"
+        locks.mkdir(parents=True, exist_ok=True)
+        return _Guard(locks / f"{self.asset_dir.name}{GUARD_SUFFIX}")
 
 
 class _Guard:
