@@ -34,6 +34,7 @@ test: install
 dev: install $(DAGSTER_HOME)/dagster.yaml
 	$(PY) -c 'from dagster import DagsterInstance; from resources.vllm_server import ensure_generation_pool_limit as f; f(DagsterInstance.get())'
 	$(PY) -c 'from dagster import DagsterInstance; from resources.gpu_host import ensure_gpu_pool_limit as f; f(DagsterInstance.get())'
+	$(PY) -c 'from dagster import DagsterInstance; from eagle3_assets.local_runs import fail_dead_runs as f; f(DagsterInstance.get())'
 	$(VENV)/bin/dagster dev -w workspace.yaml -h 127.0.0.1 -p 3000
 
 # The demo's vLLM server in the foreground, for materialising from the UI.

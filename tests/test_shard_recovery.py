@@ -18,7 +18,7 @@ from pathlib import Path
 
 import polars as pl
 import pytest
-from dagster import DagsterInstance, RunConfig, materialize
+from dagster import DagsterEventType, DagsterInstance, RunConfig, materialize
 
 from eagle3_assets.core.extraction import SIDECAR, HiddenStateFileError, read_sidecar
 from eagle3_assets.core.shard_lease import ShardBusyError, ShardLease, lease_path
@@ -109,7 +109,7 @@ def test_a_holder_on_another_host_is_refused_until_stale_or_taken_over_by_the_op
 
 WORKER = """
 import sys
-from dagster import DagsterInstance, RunConfig, materialize
+from dagster import DagsterEventType, DagsterInstance, RunConfig, materialize
 from eagle3_assets.hidden_states import HiddenStatesConfig, hidden_states
 from eagle3_assets.partitions import register_shards
 from resources.gpu_host import GPUHost
@@ -201,3 +201,203 @@ def test_a_damaged_part_is_named_by_the_training_reader_and_a_rerun_rebuilds_onl
         assert damaged.read_bytes() == original[damaged.name], "rebuilt exactly"
     index = index_hidden_states([shard])
     assert load_batch(index.samples[:2], 64).num_tokens > 0
+
+
+# -- generation: two runs of one shard, damaged Parquet files, a killed run in the local instance -------------
+
+GENERATION_WORKER = """
+import json, sys
+from dagster import DagsterInstance, materialize
+from eagle3_assets.partitions import register_shards
+from eagle3_assets.raw_responses import raw_responses
+from resources.vllm_server import VLLMServerResource
+instance = DagsterInstance.get() if sys.argv[3] == "home" else DagsterInstance.ephemeral()
+register_shards(instance, [sys.argv[1]])
+server = VLLMServerResource(**json.loads(sys.argv[2]))
+result = materialize([raw_responses], partition_key=sys.argv[1], resources={"vllm_server": server}, instance=instance)
+print("RUN_ID", result.run_id, flush=True)
+"""
+
+
+def generation_fields(vllm_server, proxy, **overrides) -> dict:
+    from tests.test_generation import FAST
+
+    return {"base_urls": [proxy.base_url], "served_model_name": vllm_server.served_model_name, **FAST, "concurrency": 4, **overrides}
+
+
+def start_generation_worker(fields: dict, instance_kind: str, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-c", GENERATION_WORKER, SHARD, json.dumps(fields), instance_kind], cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )  # fmt: skip
+
+
+def wait_for(condition, worker: subprocess.Popen, what: str, timeout_s: float = 180) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if worker.poll() is not None or time.monotonic() > deadline:
+            worker.kill()
+            raise AssertionError(f"{what}: not reached; worker output:\n{worker.stdout.read().decode()[-3000:]}")
+        time.sleep(0.05)
+
+
+def failure_messages(result) -> list[str]:
+    return [event.step_failure_data.error.to_string() for event in result.all_events if event.is_step_failure]
+
+
+def journal_rows(data_dir: Path) -> int:
+    journal = data_dir / "raw_responses" / f"{SHARD}.journal.jsonl"
+    return max(journal.read_bytes().count(b"\n") - 1, 0) if journal.exists() else 0
+
+
+@pytest.mark.vllm
+def test_a_second_run_of_a_shard_fails_at_once_naming_the_first_and_nothing_is_generated_twice(vllm_server, data_dir):
+    from tests.fault_proxy import FaultProxy
+    from tests.test_generation import demo_prompts, materialise, server_at
+    from eagle3_assets.prompts import prompts
+    from eagle3_assets.raw_responses import raw_responses
+
+    materialise({"prompt_dataset": demo_prompts(24)}, assets=[prompts])
+    expected = pl.read_parquet(data_dir / "prompts" / f"{SHARD}.parquet")["id"].to_list()
+    with FaultProxy(vllm_server.base_url, delay_s=0.2) as proxy:  # slow enough for the second run to start during the first
+        first = start_generation_worker(generation_fields(vllm_server, proxy), "ephemeral")
+        wait_for(lambda: journal_rows(data_dir) >= 2, first, "the first run generating")
+        second = materialise({"vllm_server": server_at(proxy.base_url, vllm_server.served_model_name)}, assets=[raw_responses], raise_on_error=False)
+        sent_during_first = sum(proxy.counts()[i] for i in expected)
+        output, _ = first.communicate(timeout=300)
+        counts = proxy.counts()
+
+    assert first.returncode == 0, output.decode()[-3000:]
+    first_run_id = output.decode().split("RUN_ID ")[1].split()[0]
+    assert not second.success
+    (message,) = failure_messages(second)
+    assert f"{SHARD} of raw_responses is being written by run {first_run_id} on host" in message and "wait for it or cancel" in message
+    assert sent_during_first < len(expected), "the second run started while the first was still generating"
+    assert {i: counts[i] for i in expected} == {i: 1 for i in expected}, "each prompt was sent once, by the first run"
+    rows = pl.read_parquet(data_dir / "raw_responses" / f"{SHARD}.parquet")
+    assert sorted(rows["id"].to_list()) == sorted(expected)
+
+
+@pytest.mark.vllm
+def test_truncated_shard_files_are_named_downstream_and_their_writer_quarantines_and_rebuilds_them(vllm_server, tiny_target, data_dir):
+    from eagle3_assets.prompts import prompts
+    from eagle3_assets.raw_responses import raw_responses
+    from eagle3_assets.validated_traces import validated_traces
+    from resources.target_model import TargetModel
+    from tests.fault_proxy import FaultProxy
+    from tests.test_generation import demo_prompts, server_at
+
+    instance = DagsterInstance.ephemeral()
+    register_shards(instance, [SHARD])
+
+    def run(assets, resources):
+        result = materialize(assets, partition_key=SHARD, resources=resources, instance=instance, raise_on_error=False)
+        return result, run_logs(instance, result.run_id)
+
+    prompts_file = data_dir / "prompts" / f"{SHARD}.parquet"
+    raw_file = data_dir / "raw_responses" / f"{SHARD}.parquet"
+    with FaultProxy(vllm_server.base_url) as proxy:
+        generation = {"vllm_server": server_at(proxy.base_url, vllm_server.served_model_name), "prompt_dataset": demo_prompts(16)}
+        assert run([prompts, raw_responses], generation)[0].success
+        expected = pl.read_parquet(prompts_file)["id"].to_list()
+        good_raw = raw_file.read_bytes()
+
+        # A finished raw_responses file cut short: validation names it, the shard and the fix.
+        raw_file.write_bytes(good_raw[: len(good_raw) // 2])
+        validation, _ = run([validated_traces], {"target_model": TargetModel(path=str(tiny_target))})
+        (message,) = failure_messages(validation)
+        assert f"raw_responses {SHARD}: {raw_file} is truncated or corrupt" in message
+        assert f"rerun raw_responses for {SHARD}: the file will be quarantined and rebuilt" in message
+
+        # Its writer, rerun, moves it aside and rebuilds it; only what the damaged file alone held is sent again.
+        before = proxy.counts()
+        rebuilt, logs = run([raw_responses], generation)
+        assert rebuilt.success
+        (aside,) = raw_file.parent.glob(f"{raw_file.name}.corrupt-*")
+        assert aside.read_bytes() == good_raw[: len(good_raw) // 2], "the damaged file is kept as it was"
+        assert any(f"quarantined {raw_file} as {aside.name}" in line for line in logs)
+        rows = pl.read_parquet(raw_file)
+        assert sorted(rows["id"].to_list()) == sorted(expected) and rows["id"].n_unique() == len(expected)
+        after = proxy.counts()
+        assert {i: after[i] - before[i] for i in expected} == {i: 1 for i in expected}  # the journal was gone: all re-sent once
+
+        # A damaged prompts file: generation names it; rerunning prompts rebuilds it; generation then sends nothing.
+        good_prompts = prompts_file.read_bytes()
+        prompts_file.write_bytes(good_prompts[:-200])
+        failed, _ = run([raw_responses], generation)
+        (message,) = failure_messages(failed)
+        assert f"prompts {SHARD}: {prompts_file} is truncated or corrupt" in message and f"rerun prompts for {SHARD}" in message
+        rebuilt_prompts, logs = run([prompts], generation)
+        assert rebuilt_prompts.success and any("quarantined" in line and prompts_file.name in line for line in logs)
+        assert len(list(prompts_file.parent.glob(f"{prompts_file.name}.corrupt-*"))) == 1
+        before = proxy.counts()
+        resumed, _ = run([raw_responses], generation)
+        assert resumed.success and {i: proxy.counts()[i] for i in expected} == {i: before[i] for i in expected}
+    assert run([validated_traces], {"target_model": TargetModel(path=str(tiny_target))})[0].success
+
+
+@pytest.mark.vllm
+def test_a_killed_run_in_the_local_instance_is_marked_failed_and_frees_its_pool_slot(vllm_server, data_dir, tmp_path):
+    from eagle3_assets.local_runs import fail_dead_runs
+    from eagle3_assets.prompts import prompts
+    from eagle3_assets.raw_responses import raw_responses
+    from resources.vllm_server import GENERATION_POOL, ensure_generation_pool_limit
+    from tests.dagster_dev import write_instance_yaml
+    from tests.fault_proxy import FaultProxy
+    from tests.test_generation import demo_prompts, server_at
+
+    home = tmp_path / "dagster_home"
+    write_instance_yaml(home)  # deploy/dagster-dev.yaml, what `make demo` and `make dev` run on
+    instance = DagsterInstance.from_config(str(home))
+    assert ensure_generation_pool_limit(instance) == 1
+    register_shards(instance, [SHARD])
+    assert materialize([prompts], partition_key=SHARD, resources={"prompt_dataset": demo_prompts(24)}, instance=instance).success
+
+    def killed_run(proxy) -> str:
+        worker = start_generation_worker(generation_fields(vllm_server, proxy), "home", env={"DAGSTER_HOME": str(home)})
+        already = journal_rows(data_dir)
+        wait_for(lambda: journal_rows(data_dir) >= already + 4, worker, "the run generating")
+        os.killpg(worker.pid, signal.SIGKILL)
+        worker.wait(30)
+        worker.stdout.close()
+        (run,) = [r for r in instance.get_runs() if r.status.value == "STARTED"]
+        assert instance.event_log_storage.get_concurrency_info(GENERATION_POOL).active_run_ids == {run.run_id}
+        return run.run_id
+
+    with FaultProxy(vllm_server.base_url, delay_s=0.3) as proxy:
+        # The daemon of `make dev`: run monitoring with the local launcher marks it failed and frees the slot.
+        run_id = killed_run(proxy)
+        daemon = subprocess.Popen(
+            [str(Path(sys.executable).parent / "dagster-daemon"), "run", "-w", "workspace.yaml"], cwd=REPO,
+            env={**os.environ, "DAGSTER_HOME": str(home), "PYTHONPATH": str(REPO)},
+            stdout=open(tmp_path / "daemon.log", "wb"), stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+        try:
+            deadline = time.monotonic() + 240
+            while instance.get_run_by_id(run_id).status.value != "FAILURE" or instance.event_log_storage.get_concurrency_info(GENERATION_POOL).active_slot_count:
+                assert daemon.poll() is None and time.monotonic() < deadline, (tmp_path / "daemon.log").read_text()[-3000:]
+                time.sleep(1)
+        finally:
+            os.killpg(daemon.pid, signal.SIGKILL)
+            daemon.wait(30)
+        failures = instance.get_records_for_run(run_id, of_type=DagsterEventType.RUN_FAILURE).records
+        assert any("is gone" in record.event_log_entry.dagster_event.message for record in failures)
+
+        # `make demo` has no daemon: it makes the same check before it starts.
+        run_id = killed_run(proxy)
+        lines: list[str] = []
+        assert fail_dead_runs(instance, log=lines.append) == [run_id]
+        assert instance.get_run_by_id(run_id).status.value == "FAILURE"
+        assert not instance.event_log_storage.get_concurrency_info(GENERATION_POOL).active_slot_count
+        assert any(run_id in line and "freed its pool slots" in line for line in lines)
+
+        # The next run gets the slot at once and resumes the shard.
+        durable = journal_rows(data_dir)
+        result = materialize(
+            [raw_responses], partition_key=SHARD, instance=instance,
+            resources={"vllm_server": server_at(proxy.base_url, vllm_server.served_model_name, concurrency=4)},
+        )  # fmt: skip
+    assert result.success
+    (mat,) = result.asset_materializations_for_node("raw_responses")
+    assert mat.metadata["reused_rows"].value >= durable

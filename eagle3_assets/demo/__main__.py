@@ -22,6 +22,7 @@ from eagle3_assets.core.storage import data_dir
 from eagle3_assets.core.vllm_launcher import VLLMServer
 from eagle3_assets.demo.pipeline import run_per_shard, run_whole_dataset
 from eagle3_assets.demo.stack import demo_eval_prompts_path, demo_prompts_path, tiny_target_dir
+from eagle3_assets.local_runs import fail_dead_runs
 from resources.gpu_host import GPU_POOL, ensure_gpu_pool_limit
 from resources.vllm_server import GENERATION_POOL, ensure_generation_pool_limit
 
@@ -32,6 +33,8 @@ def main() -> int:
     prompts_path, eval_path = demo_prompts_path(), demo_eval_prompts_path()
     print(f"demo: target {target}\ndemo: prompts {prompts_path} (held out: {eval_path})", flush=True)
     instance = DagsterInstance.get()
+    # A demo killed earlier left its run STARTED, holding its pool slot: without this the new one would wait for ever.
+    fail_dead_runs(instance, log=lambda line: print(f"demo: {line}", flush=True))
     pool_limit = ensure_generation_pool_limit(instance)  # one shard generating at a time, unless set otherwise
     print(f"demo: pool {GENERATION_POOL}: {pool_limit} generation step(s) at a time", flush=True)
     gpu_limit = ensure_gpu_pool_limit(instance)  # one GPU stage at a time on the GPU host
