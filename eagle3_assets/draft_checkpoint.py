@@ -152,10 +152,15 @@ def draft_checkpoint(
     keys = sorted(context.instance.get_dynamic_partitions(SAMPLE_SHARDS))
     shard_dirs, sidecars = hidden_state_shards(keys)
     layer_ids = [int(i) for i in sidecars[0]["aux_layer_ids"]]
-    target_hash = target_model.config_hash()
+    identity = target_model.identity()
+    target_hash = identity.config_hash
     stale = [key for key, meta in zip(keys, sidecars) if meta.get("target_config_hash") != target_hash]
     if stale:
-        raise ValueError(f"hidden_states of shards {stale} were extracted from another target than {target_model.resolved_path()}: re-run them")
+        raise ValueError(
+            f"hidden_states of shards {stale} were extracted from another target (config hash "
+            f"{sidecars[keys.index(stale[0])].get('target_config_hash')}) than target_model {identity.path} ({target_hash}): "
+            "set target_model.path to the target they came from, or materialise their hidden_states again"
+        )
 
     out = asset_dir("draft_checkpoint")
     model_dir, training_dir = out / "model", out / "training"
@@ -193,6 +198,7 @@ def draft_checkpoint(
                 "aux_layer_ids": layer_ids,
                 "target_vocab_size": int(sidecars[0]["vocab_size"]),
                 "num_speculative_tokens": config.vllm_check_num_speculative_tokens,
+                "trust_remote_code": target_model.trust_remote_code,
                 "log_path": str(out / "loads_in_vllm.log"),
             },
         },
@@ -233,6 +239,7 @@ def draft_checkpoint(
             **stage_metadata,
             "path": MetadataValue.path(str(model_dir)),
             "aux_layer_ids": MetadataValue.json(layer_ids),
+            "target": MetadataValue.json(identity.as_dict()),
             "samples": sum(len(m["sample_ids"]) for m in sidecars),
             "shards": len(keys),
             "epochs": config.epochs,

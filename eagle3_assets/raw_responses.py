@@ -35,9 +35,11 @@ from eagle3_assets.core.generation import (
     generate_shard,
     shard_summary,
 )
+from eagle3_assets.core.evaluation import EVAL_MAX_TOKENS
 from eagle3_assets.core.storage import asset_dir, file_hash, stable_hash
 from eagle3_assets.partitions import sample_shards
 from eagle3_assets.prompts import prompts
+from resources.target_model import TargetModel
 from resources.vllm_server import GENERATION_POOL, VLLMServerResource
 
 MAX_ERROR_SHARE = 0.02
@@ -62,9 +64,13 @@ DATA_VERSION_TAG = "dagster/data_version"
         ),
     ],
 )  # fmt: skip
-def raw_responses(context: AssetExecutionContext, vllm_server: VLLMServerResource) -> MaterializeResult:
+def raw_responses(context: AssetExecutionContext, vllm_server: VLLMServerResource, target_model: TargetModel) -> MaterializeResult:
     """The target's reasoning and answer for every prompt of the shard, regenerated through vLLM; resumable after a crash."""
     key = context.partition_key
+    # Everything the later stages will ask of the target, checked before hours of generation depend on it.
+    problems = target_model.preflight_problems(max_tokens=vllm_server.max_tokens, eval_max_tokens=EVAL_MAX_TOKENS)
+    if problems:
+        raise Failure(f"raw_responses {key}: the target pre-flight failed, nothing was sent:\n" + "\n".join(f"- {p}" for p in problems))
     prompts_path = asset_dir("prompts") / f"{key}.parquet"
     if not prompts_path.is_file():
         raise Failure(f"raw_responses {key}: the shard's prompts are missing ({prompts_path}); materialise `prompts` for {key} first")

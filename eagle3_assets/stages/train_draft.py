@@ -57,7 +57,8 @@ def describe(event: dict) -> str | None:
 
 def run_gates(export_dir: Path, target_path: str, gates: dict, log) -> dict:
     """``config_complete``'s problems, then (only when there are none) ``loads_in_vllm``: vLLM on this host."""
-    from eagle3_assets.core.export import check_loads_in_vllm, config_problems
+    from eagle3_assets.core.export import LOAD_CHECK_CONTEXT, check_loads_in_vllm, config_problems
+    from eagle3_assets.core.target import vllm_serving
 
     problems = config_problems(export_dir, gates["aux_layer_ids"], target_vocab_size=int(gates["target_vocab_size"]))
     report = None
@@ -68,6 +69,7 @@ def run_gates(export_dir: Path, target_path: str, gates: dict, log) -> dict:
             export_dir,
             num_speculative_tokens=int(gates["num_speculative_tokens"]),
             log_path=Path(gates["log_path"]) if gates.get("log_path") else None,
+            serving=vllm_serving(target_path, bool(gates.get("trust_remote_code")), cap=LOAD_CHECK_CONTEXT),
         )
         log(f"{STAGE}: loads_in_vllm: {report.detail}")
     loads = (
