@@ -38,6 +38,8 @@ def describe(event: dict) -> str | None:
             f"{STAGE}: {event['samples']} samples, {event['tokens']} tokens, {event['total_steps']} steps "
             f"on {event['world_size']} x {event['device']}, {source}{remap}"
         )
+    if kind == "schedule":
+        return f"{STAGE}: schedule: {event['description']}"
     if kind == "resumed":
         return f"{STAGE}: resuming from {event['checkpoint']} (epoch {event['epoch']}, step {event['step']})"
     if kind == "step":
@@ -94,6 +96,8 @@ def main() -> None:
             line = describe(event)
             if line:
                 pipes.log.info(line)
+            for warning in event.get("warnings") or []:  # before training: the data cannot make a useful draft
+                pipes.log.warning(f"{STAGE}: {warning}")
 
         result = run_training(config, nproc=nproc, on_event=on_event)
         export_dir = export_trained_draft(result["checkpoint"], config.target_path, Path(extras["export_dir"]), extras.get("export_dtype"))
@@ -107,6 +111,7 @@ def main() -> None:
                 "init": {"raw_value": result["init"], "type": "json"},
                 "tokens_per_s": round(float(result["tokens_per_s"]), 1),
                 "nproc_per_node": nproc,
+                "schedule": {"raw_value": result.get("schedule"), "type": "json"},
                 "world_size": int(result.get("world_size", 1)),
                 "checkpoint": {"raw_value": result["checkpoint"], "type": "path"},
             },
