@@ -34,13 +34,15 @@ DEMO_SAMPLING = {"max_tokens": settings.DEMO_MAX_TOKENS, "temperature": settings
 
 
 def default_resources() -> dict:
-    target = settings.env_str("EAGLE3_TARGET_MODEL", "demo")
+    target = TargetModel.from_env()  # EAGLE3_TARGET_MODEL, EAGLE3_TRUST_REMOTE_CODE, EAGLE3_AUX_LAYER_IDS
+    demo_prompts = settings.PROMPTS_SOURCE == "demo"
     return {
-        "prompt_dataset": PromptDataset(source=settings.PROMPTS_SOURCE, shard_size=settings.SHARD_SIZE),
+        # The demo's prompts come with their own held-out set: nothing of theirs is held out.
+        "prompt_dataset": PromptDataset(source=settings.PROMPTS_SOURCE, shard_size=settings.SHARD_SIZE, **({"holdout_share": 0.0} if demo_prompts else {})),
         # EAGLE3_VLLM_URLS (comma separated), EAGLE3_SERVED_MODEL, VLLM_API_KEY (an EnvVar, only when set);
         # with the demo's target (`make dev` beside `make serve-demo`), the demo's sampling.
-        "vllm_server": VLLMServerResource.from_env(**(DEMO_SAMPLING if target == "demo" else {})),
-        "target_model": TargetModel(path=target),
+        "vllm_server": VLLMServerResource.from_env(**(DEMO_SAMPLING if target.path == "demo" else {})),
+        "target_model": target,
         "alert_channel": alert_channel_from_env(),
         "gpu_host": gpu_host_from_env(),
     }
@@ -50,7 +52,7 @@ def demo_resources(base_url: str, served_model_name: str) -> dict:
     """The resources of the embedded default, pointed at a demo vLLM server."""
     return {
         **default_resources(),
-        "prompt_dataset": PromptDataset(source="demo", shard_size=DEMO_SHARD_SIZE),
+        "prompt_dataset": PromptDataset(source="demo", shard_size=DEMO_SHARD_SIZE, holdout_share=0.0),
         "target_model": TargetModel(path="demo"),  # the demo serves the tiny target, whatever EAGLE3_TARGET_MODEL says
         "vllm_server": VLLMServerResource(base_urls=[base_url], served_model_name=served_model_name, **DEMO_SAMPLING),
     }

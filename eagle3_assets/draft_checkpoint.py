@@ -49,17 +49,21 @@ TRAIN_DRAFT_REQUIREMENTS = register_stage(
 
 
 class DraftTrainingConfig(Config):
-    """Training knobs (defaults: published EAGLE-3 recipes for large targets)."""
+    """Training knobs: published EAGLE-3 recipes, with the schedule fitted to the data where it is left unset."""
 
-    epochs: int = Field(default=10, description="passes over all samples")
-    learning_rate: float = Field(default=1e-4, description="peak AdamW learning rate")
+    epochs: Optional[int] = Field(default=None, description="passes over all samples; default: 10, more when that is under 400 optimizer steps")
+    learning_rate: Optional[float] = Field(
+        default=None, description="peak AdamW learning rate; default: 1e-4 for a published-size draft, scaled to the draft's width and batch"
+    )
     warmup_ratio: float = Field(default=0.02, description="share of steps with linear warm-up")
     min_lr_ratio: float = Field(default=0.0, description="cosine decay ends at learning_rate * min_lr_ratio")
     weight_decay: float = 0.0
     grad_clip: float = Field(default=0.5, description="gradient norm clip")
     ttt_steps: int = Field(default=7, description="training-time test: draft steps unrolled on the draft's own states")
     step_weight: float = Field(default=0.8, description="loss weight of unrolled step i is step_weight**i")
-    batch_tokens: int = Field(default=16384, description="padded tokens per micro-batch per process")
+    batch_tokens: Optional[int] = Field(
+        default=None, description="padded tokens per micro-batch per process; default: up to 16,384, at least 64 micro-batches an epoch"
+    )
     grad_accumulation: int = Field(default=1, description="micro-batches per process per optimizer step")
     max_seq_len: int = Field(default=4096, description="longer samples are truncated")
     seed: int = 0
@@ -152,10 +156,15 @@ def draft_checkpoint(
     keys = sorted(context.instance.get_dynamic_partitions(SAMPLE_SHARDS))
     shard_dirs, sidecars = hidden_state_shards(keys)
     layer_ids = [int(i) for i in sidecars[0]["aux_layer_ids"]]
-    target_hash = target_model.config_hash()
+    identity = target_model.identity()
+    target_hash = identity.config_hash
     stale = [key for key, meta in zip(keys, sidecars) if meta.get("target_config_hash") != target_hash]
     if stale:
-        raise ValueError(f"hidden_states of shards {stale} were extracted from another target than {target_model.resolved_path()}: re-run them")
+        raise ValueError(
+            f"hidden_states of shards {stale} were extracted from another target (config hash "
+            f"{sidecars[keys.index(stale[0])].get('target_config_hash')}) than target_model {identity.path} ({target_hash}): "
+            "set target_model.path to the target they came from, or materialise their hidden_states again"
+        )
 
     out = asset_dir("draft_checkpoint")
     model_dir, training_dir = out / "model", out / "training"
@@ -193,6 +202,7 @@ def draft_checkpoint(
                 "aux_layer_ids": layer_ids,
                 "target_vocab_size": int(sidecars[0]["vocab_size"]),
                 "num_speculative_tokens": config.vllm_check_num_speculative_tokens,
+                "trust_remote_code": target_model.trust_remote_code,
                 "log_path": str(out / "loads_in_vllm.log"),
             },
         },
@@ -233,9 +243,10 @@ def draft_checkpoint(
             **stage_metadata,
             "path": MetadataValue.path(str(model_dir)),
             "aux_layer_ids": MetadataValue.json(layer_ids),
+            "target": MetadataValue.json(identity.as_dict()),
             "samples": sum(len(m["sample_ids"]) for m in sidecars),
             "shards": len(keys),
-            "epochs": config.epochs,
+            "epochs": (stage_metadata["schedule"].value or {}).get("epochs"),
             "steps": len(history),
             "first_epoch_loss": losses[0] if losses else None,
             "last_epoch_loss": losses[-1] if losses else None,

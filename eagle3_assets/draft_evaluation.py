@@ -3,49 +3,78 @@
 On held-out prompts (never in a training shard), the GPU host serves the target
 alone, with the trained draft, and with a baseline draft (stage
 ``evaluate_draft``), reading vLLM's spec-decode counters around each pass.
-Writes ``<data>/draft_evaluation/report.json``. The gate
+By default the prompts are the user's own: the rows ``prompts`` held out of
+training (``prompt_dataset.holdout_share``), written to
+``<data>/draft_evaluation/eval_prompts.jsonl`` so the report says exactly which.
+The target is served as it is configured (remote code, its dtype, a context it
+has). Writes ``<data>/draft_evaluation/report.json``. The gate
 ``acceptance_above_floor`` is ERROR below the floor and WARN when the trained
 draft does not beat the baseline.
 """
 
+import json
 from pathlib import Path
 
 import polars as pl
 from dagster import AssetCheckSpec, AssetExecutionContext, Config, MaterializeResult, asset
 from pydantic import Field
 
-from eagle3_assets.core.evaluation import load_conversations
+from eagle3_assets.core.evaluation import EVAL_MAX_TOKENS, load_conversations
+from eagle3_assets.core.heldout import HELDOUT_SUFFIX, held_out_prompts
 from eagle3_assets.core.preflight import StageRequirements
 from eagle3_assets.core.shard_files import read_shard_parquet
-from eagle3_assets.core.storage import asset_dir
+from eagle3_assets.core.storage import asset_dir, write_bytes_atomic
 from eagle3_assets.draft_checkpoint import draft_checkpoint
 from resources.gpu_host import GPU_POOL, GPUHost, register_stage
-from resources.target_model import TargetModel
+from resources.target_model import DEMO_TARGET, TargetModel
 
 STAGE = "evaluate_draft"
 register_stage(STAGE, StageRequirements(modules=["vllm", "torch", "aiohttp", "dagster_pipes"], output_dirs=["draft_evaluation"]))
 
 
 class DraftEvaluationConfig(Config):
-    eval_prompts: str = Field(default="demo", description="held-out prompt set (JSONL/Parquet path) or 'demo' for the built-in one")
+    eval_prompts: str = Field(
+        default="",
+        description="held-out prompt set (JSONL/Parquet path), 'demo' for the demo target's built-in one, "
+        "or empty: the rows the prompts asset held out of training (prompt_dataset.holdout_share)",
+    )
+    max_eval_prompts: int = Field(default=64, gt=0, description="at most this many held-out prompts are served")
     num_speculative_tokens: int = Field(default=3, description="draft tokens proposed per step")
-    max_tokens: int = Field(default=128, description="completion tokens per prompt (greedy)")
+    max_tokens: int = Field(default=EVAL_MAX_TOKENS, description="completion tokens per prompt (greedy)")
+    max_model_len: int = Field(default=0, ge=0, description="vLLM's max_model_len for the evaluation servers; 0: the target's context, up to 16,384")
     concurrency: int = Field(default=8, description="requests in flight")
     floor: float = Field(default=2.0, description="acceptance_above_floor fails (ERROR) below this mean acceptance length")
     baseline: str = Field(default="untrained", description="'untrained' (random draft of the same shape) or the checkpoint training started from")
 
 
-def resolve_eval_prompts(source: str) -> str:
-    if source == "demo":
+def resolve_eval_prompts(source: str, target_model: TargetModel, limit: int) -> str:
+    """The path of the evaluation prompt set, writing the held-out rows to a file when ``source`` is empty."""
+    if source == "demo" or (not source and target_model.path == DEMO_TARGET):  # the demo target's held-out set is built in
+        if target_model.path != DEMO_TARGET:
+            raise ValueError(
+                f"draft_evaluation eval_prompts 'demo' is the demo target's built-in set, not prompts for {target_model.path}: "
+                "leave eval_prompts empty (the prompts held out of your dataset) or give a held-out JSONL/Parquet file"
+            )
         from eagle3_assets.demo.stack import demo_eval_prompts_path
 
         return str(demo_eval_prompts_path())
-    return source
+    if source:
+        return source
+    rows = held_out_prompts(asset_dir("prompts"), limit)
+    if rows.is_empty():
+        raise ValueError(
+            "draft_evaluation has no held-out prompts: no materialised prompts shard holds any "
+            "(prompt_dataset.holdout_share is 0, or no prompts shard is materialised); raise holdout_share and "
+            "materialise prompts again, or set draft_evaluation eval_prompts to a held-out JSONL/Parquet file"
+        )
+    path = asset_dir("draft_evaluation") / "eval_prompts.jsonl"
+    write_bytes_atomic(path, "".join(json.dumps({"id": r["id"], "messages": r["messages"]}) + "\n" for r in rows.iter_rows(named=True)).encode())
+    return str(path)
 
 
 def training_overlap(eval_ids: list[str], eval_conversations: list[list[dict]], prompts_dir: Path) -> list[str]:
     """Held-out prompts that also occur (by id or by text) in a training shard."""
-    shards = sorted(p for p in prompts_dir.glob("shard-*.parquet") if not p.name.endswith(".rejected.parquet"))
+    shards = sorted(p for p in prompts_dir.glob("shard-*.parquet") if not p.name.endswith((".rejected.parquet", HELDOUT_SUFFIX)))
     if not shards:
         return []
     seen = pl.concat([read_shard_parquet(p, asset="prompts", columns=["id", "messages"]) for p in shards])
@@ -72,8 +101,9 @@ def draft_evaluation(
     context: AssetExecutionContext, config: DraftEvaluationConfig, target_model: TargetModel, gpu_host: GPUHost
 ) -> MaterializeResult:
     """Mean acceptance length and per-position acceptance of the trained draft and of a baseline, through vLLM."""
-    eval_prompts = resolve_eval_prompts(config.eval_prompts)
+    eval_prompts = resolve_eval_prompts(config.eval_prompts, target_model, config.max_eval_prompts)
     ids, conversations = load_conversations(eval_prompts)
+    context.log.info(f"evaluating on {len(ids)} held-out prompts from {eval_prompts}")
     overlap = training_overlap(ids, conversations, asset_dir("prompts"))
     if overlap:
         raise ValueError(f"evaluation prompts {eval_prompts} are not held out: {len(overlap)} also occur in training shards, e.g. {overlap[:5]}")
@@ -85,6 +115,8 @@ def draft_evaluation(
         STAGE,
         {
             "target_dir": str(target_model.resolved_path()),
+            "target_trust_remote_code": target_model.trust_remote_code,
+            "max_model_len": config.max_model_len,
             "draft_dir": str(draft_dir),
             "baseline": config.baseline,
             "eval_prompts": eval_prompts,

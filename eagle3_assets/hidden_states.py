@@ -48,6 +48,8 @@ STAGE_MODULES = ["torch", "transformers", "safetensors", "polars", "dagster_pipe
 EXTRACTION_REQUIREMENTS = register_stage(STAGE, StageRequirements(modules=STAGE_MODULES, output_dirs=[ASSET]))
 
 CHECKS = {
+    "target_matches_traces": "the model that extracts is the one whose tokenizer and template rendered the traces (same config "
+    "hash); compared before extraction, so a wrong target costs no GPU time",
     "states_finite": "no NaN or Inf in any stored state",
     "states_match_traces": "exactly the validated traces' ids, each with the same tokens, token count and loss mask",
     "final_state_reproduces_logits": "the target's lm_head on the stored final states (normed when pre-norm) gives the argmax "
@@ -144,7 +146,7 @@ def hidden_states(
         "shard": key,
         "traces": f"{UPSTREAM}/{key}.parquet",
         "output": f"{ASSET}/{key}",
-        "target": {"path": str(target_model.resolved_path()), "config_hash": target_hash, "aux_layer_ids": layer_ids},
+        "target": target_model.stage_extras(),
         "backend": config.backend,
         "dtype": config.dtype,
         "part_bytes": config.part_size_bytes,

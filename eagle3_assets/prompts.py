@@ -1,7 +1,9 @@
 """``prompts``: the normalised questions of one sample shard.
 
-Writes ``<data>/prompts/<shard>.parquet`` (``row_index``, ``id``, ``messages``)
-and ``<shard>.rejected.parquet`` (each bad row with its reason). A shard with
+Writes ``<data>/prompts/<shard>.parquet`` (``row_index``, ``id``, ``messages``),
+``<shard>.heldout.parquet`` (the rows kept out of training for
+``draft_evaluation``, see :mod:`eagle3_assets.core.heldout`) and
+``<shard>.rejected.parquet`` (each bad row with its reason). A shard with
 bad rows still materialises; only an unreadable file fails the run.
 """
 
@@ -19,6 +21,7 @@ from dagster import (
 
 from eagle3_assets.core.shard_files import quarantine_if_corrupt
 from eagle3_assets.core.shard_lease import ShardLease
+from eagle3_assets.core.heldout import HELDOUT_SUFFIX, split_held_out
 from eagle3_assets.core.storage import asset_dir, stable_hash, write_parquet_atomic
 from eagle3_assets.partitions import sample_shards
 from resources.prompt_dataset import PromptDataset
@@ -40,20 +43,22 @@ def prompts(context: AssetExecutionContext, prompt_dataset: PromptDataset) -> Ma
     """The questions of one shard, normalised to ``id`` and chat ``messages``; bad rows kept apart with a reason."""
     key = context.partition_key
     shard = prompt_dataset.load_shard(key)
+    training, held_out = split_held_out(shard.accepted, prompt_dataset.holdout_share)
     out = asset_dir("prompts")
     with ShardLease(out, key, asset="prompts", run_id=context.run.run_id, log=context.log.info):
-        for written in (out / f"{key}.parquet", out / f"{key}.rejected.parquet"):
+        for written in (out / f"{key}.parquet", out / f"{key}{HELDOUT_SUFFIX}", out / f"{key}.rejected.parquet"):
             quarantine_if_corrupt(written, context.log.warning)  # kept for inspection, not overwritten unseen
-        write_parquet_atomic(out / f"{key}.parquet", shard.accepted)
+        write_parquet_atomic(out / f"{key}.parquet", training)
+        write_parquet_atomic(out / f"{key}{HELDOUT_SUFFIX}", held_out)
         write_parquet_atomic(out / f"{key}.rejected.parquet", shard.rejected)
 
-    accepted, rejected = shard.accepted.height, shard.rejected.height
-    total = accepted + rejected
+    accepted, rejected = training.height, shard.rejected.height
+    total = accepted + held_out.height + rejected
     reasons = dict(shard.rejected.group_by("reason").len().iter_rows()) if rejected else {}
     rejected_share = rejected / total if total else 0.0
     examples = [f"row {r['row_index']}: {r['reason']} ({r['detail']})" for r in shard.rejected.head(10).iter_rows(named=True)]
-    context.log.info(f"{key}: {accepted} prompts accepted, {rejected} rejected {reasons or ''}")
-    version = stable_hash({"prompts": shard.accepted.to_dicts(), "source": prompt_dataset.resolved_source()})
+    context.log.info(f"{key}: {accepted} prompts accepted, {held_out.height} held out for evaluation, {rejected} rejected {reasons or ''}")
+    version = stable_hash({"prompts": training.to_dicts(), "source": prompt_dataset.resolved_source()})
     return MaterializeResult(
         data_version=DataVersion(version),
         metadata={
@@ -61,6 +66,8 @@ def prompts(context: AssetExecutionContext, prompt_dataset: PromptDataset) -> Ma
             "source": prompt_dataset.resolved_source(),
             "rows": total,
             "accepted": accepted,
+            "held_out": held_out.height,
+            "holdout_share": prompt_dataset.holdout_share,
             "rejected": rejected,
             "rejected_by_reason": MetadataValue.json(reasons),
             "dagster/row_count": accepted,

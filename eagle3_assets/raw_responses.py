@@ -37,9 +37,11 @@ from eagle3_assets.core.generation import (
 )
 from eagle3_assets.core.shard_files import quarantine_if_corrupt, read_shard_parquet
 from eagle3_assets.core.shard_lease import ShardLease
+from eagle3_assets.core.evaluation import EVAL_MAX_TOKENS
 from eagle3_assets.core.storage import asset_dir, file_hash, stable_hash
 from eagle3_assets.partitions import sample_shards
 from eagle3_assets.prompts import prompts
+from resources.target_model import TargetModel
 from resources.vllm_server import GENERATION_POOL, VLLMServerResource
 
 MAX_ERROR_SHARE = 0.02
@@ -64,9 +66,13 @@ DATA_VERSION_TAG = "dagster/data_version"
         ),
     ],
 )  # fmt: skip
-def raw_responses(context: AssetExecutionContext, vllm_server: VLLMServerResource) -> MaterializeResult:
+def raw_responses(context: AssetExecutionContext, vllm_server: VLLMServerResource, target_model: TargetModel) -> MaterializeResult:
     """The target's reasoning and answer for every prompt of the shard, regenerated through vLLM; resumable after a crash."""
     key = context.partition_key
+    # Everything the later stages will ask of the target, checked before hours of generation depend on it.
+    problems = target_model.preflight_problems(max_tokens=vllm_server.max_tokens, eval_max_tokens=EVAL_MAX_TOKENS)
+    if problems:
+        raise Failure(f"raw_responses {key}: the target pre-flight failed, nothing was sent:\n" + "\n".join(f"- {p}" for p in problems))
     out = asset_dir("raw_responses")
     # One writer per shard: a second run of this shard fails here, naming the run that holds it, before any request.
     with ShardLease(out, key, asset="raw_responses", run_id=context.run.run_id, log=context.log.info):

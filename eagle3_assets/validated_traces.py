@@ -33,9 +33,9 @@ from dagster import (
 )
 from pydantic import Field
 
-from eagle3_assets.core.chat_rendering import ChatRenderer
 from eagle3_assets.core.shard_files import quarantine_if_corrupt, verify_shard_parquet
 from eagle3_assets.core.shard_lease import ShardLease
+from eagle3_assets.core.target import parquet_metadata
 from eagle3_assets.core.storage import asset_dir, data_dir, file_hash, stable_hash
 from eagle3_assets.core.validation import (
     REJECTION_REASONS,
@@ -76,11 +76,6 @@ class ValidationConfig(Config):
     )
     max_truncation_rate: float = Field(
         default=DEFAULT_MAX_TRUNCATION_RATE, description="truncation_rate_low warns above this share of truncated generations"
-    )
-    think_open: Optional[str] = Field(default=None, description="start-of-thinking marker; default: found in the target's tokenizer/template")
-    think_close: Optional[str] = Field(default=None, description="end-of-thinking marker; default: found in the target's tokenizer/template")
-    end_of_turn: Optional[str] = Field(
-        default=None, description="token that ends the assistant's turn; default: what the target's template writes after an answer, else eos"
     )
     batch_rows: int = Field(default=128, description="rows rendered and tokenised per batch, and rows per parquet row group (bounds memory)")
 
@@ -127,14 +122,17 @@ def _validate(context: AssetExecutionContext, config: ValidationConfig, target_m
     for written in (kept_path, rejected_path):
         quarantine_if_corrupt(written, context.log.warning)
 
-    renderer = ChatRenderer(target_model.load_tokenizer(), config.think_open, config.think_close, config.end_of_turn)
-    target_config = target_model.config()
-    max_seq_len = config.max_seq_len or int(target_config.get("text_config", target_config).get("max_position_embeddings") or 0)
+    renderer = target_model.renderer()
+    identity = target_model.identity()
+    max_seq_len = config.max_seq_len or target_model.context_length() or 0
     if max_seq_len <= 0:
         raise ValueError(f"target {target_model.path} has no max_position_embeddings: set max_seq_len in the validated_traces config")
     rules = ValidationRules(max_seq_len=max_seq_len, allow_truncated=config.allow_truncated)
 
-    summary = validate_shard(raw_path, prompts_path, renderer, rules, kept_path, rejected_path, batch_rows=config.batch_rows)
+    summary = validate_shard(
+        raw_path, prompts_path, renderer, rules, kept_path, rejected_path, batch_rows=config.batch_rows,
+        file_metadata=parquet_metadata(identity),  # the GPU host compares the model it loads with this one
+    )  # fmt: skip
     rows_checked, misaligned = mask_alignment_problems(kept_path, raw_path, renderer, batch_rows=config.batch_rows)
     lengths = written_token_lengths(kept_path)
     stats = token_length_stats(lengths)
@@ -167,7 +165,7 @@ def _validate(context: AssetExecutionContext, config: ValidationConfig, target_m
         {
             "prompts": file_hash(prompts_path),
             "raw_responses": file_hash(raw_path),
-            "target": target_model.config_hash(),
+            "target": identity.config_hash,
             "rendering": renderer.fingerprint(),
             "rules": {"max_seq_len": max_seq_len, "allow_truncated": config.allow_truncated},
         }
@@ -194,7 +192,7 @@ def _validate(context: AssetExecutionContext, config: ValidationConfig, target_m
             "template_opens_think_block": renderer.template_opens_think_block(),
             "max_seq_len": max_seq_len,
             "allow_truncated": config.allow_truncated,
-            "target_config_hash": target_model.config_hash(),
+            "target": MetadataValue.json(identity.as_dict()),
         },
         check_results=check_results,
     )

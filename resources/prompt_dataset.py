@@ -11,6 +11,8 @@ from eagle3_assets.core.prompt_loading import ShardPrompts, count_rows, load_sha
 from eagle3_assets.core.sharding import DEFAULT_SHARD_SIZE, shard_keys_for
 
 DEMO_SOURCE = "demo"
+# 1 %: 100 evaluation prompts from the story's 10,000, and a draft trained on the other 99 %.
+DEFAULT_HOLDOUT_SHARE = 0.01
 
 
 class PromptDataset(ConfigurableResource):
@@ -21,6 +23,12 @@ class PromptDataset(ConfigurableResource):
         description="JSONL/Parquet path, hub dataset name ('org/name' or 'org/name:split'), or 'demo' for the built-in set",
     )
     shard_size: int = Field(default=DEFAULT_SHARD_SIZE, gt=0, description="rows per sample shard; changing it re-keys every shard")
+    holdout_share: float = Field(
+        default=DEFAULT_HOLDOUT_SHARE,
+        ge=0,
+        lt=1,
+        description="share of prompts kept out of training (chosen by a hash of the id) for draft_evaluation's held-out set",
+    )
 
     def resolved_source(self) -> str:
         if self.source == DEMO_SOURCE:

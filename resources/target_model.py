@@ -1,35 +1,84 @@
-"""The target model: where its weights and tokenizer are, and the facts stages need from it."""
+"""The target model: where its weights and tokenizer are, and the facts stages need from it.
+
+A target is one coherent thing: its path, whether its code may run
+(``trust_remote_code``) and its EAGLE-3 layer ids. The defaults come from the
+environment, like the servers' (:mod:`resources.vllm_server`):
+
+- ``EAGLE3_TARGET_MODEL``: the HF model directory (default ``demo``, the tiny target);
+- ``EAGLE3_TRUST_REMOTE_CODE``: ``1`` to let the target's own code load (Kimi's tokenizer is remote code);
+- ``EAGLE3_AUX_LAYER_IDS``: three comma-separated ids in vLLM's convention.
+
+They are the *schema's* defaults, read when the code location loads: Dagster's
+run config for a resource replaces every field given in Python, so a launchpad
+override of one field (``aux_layer_ids``, say) would otherwise send the run to
+the class defaults, that is to the demo's model, with every gate green.
+"""
 
 from __future__ import annotations
 
-import json
+import os
 from pathlib import Path
 
 from dagster import ConfigurableResource
 from pydantic import Field, PrivateAttr
 
-from eagle3_assets.core.storage import stable_hash
+from eagle3_assets.core import target as core_target
 
 DEMO_TARGET = "demo"
+PATH_ENV = "EAGLE3_TARGET_MODEL"
+TRUST_REMOTE_CODE_ENV = "EAGLE3_TRUST_REMOTE_CODE"
+LAYER_IDS_ENV = "EAGLE3_AUX_LAYER_IDS"
 
 
-def default_aux_layer_ids(num_layers: int) -> list[int]:
-    """vLLM's default EAGLE-3 layer ids: the residual stream *entering* layers 2, L//2 and L-3.
+def path_from_env() -> str:
+    return os.environ.get(PATH_ENV) or DEMO_TARGET
 
-    In transformers' ``output_hidden_states`` these are ``hidden_states[k]``
-    (index 0 is the embeddings).
-    """
-    return [2, num_layers // 2, num_layers - 3]
+
+def trust_remote_code_from_env() -> bool:
+    raw = (os.environ.get(TRUST_REMOTE_CODE_ENV) or "0").strip().lower()
+    if raw not in ("0", "1", "true", "false", "yes", "no", ""):
+        raise ValueError(f"environment variable {TRUST_REMOTE_CODE_ENV}={raw!r}: use 1 or 0")
+    return raw in ("1", "true", "yes")
+
+
+def layer_ids_from_env() -> list[int] | None:
+    raw = os.environ.get(LAYER_IDS_ENV)
+    if not raw:
+        return None
+    try:
+        return [int(part) for part in raw.replace(" ", "").split(",") if part]
+    except ValueError:
+        raise ValueError(f"environment variable {LAYER_IDS_ENV}={raw!r}: three comma-separated integers, e.g. 2,4,5") from None
 
 
 class TargetModel(ConfigurableResource):
     """The target as stages load it: a local HF model directory (or ``demo``, the tiny target)."""
 
-    path: str = Field(default=DEMO_TARGET, description="HF model directory on the host that runs the stage, or 'demo'")
+    path: str = Field(
+        default=path_from_env(),
+        description=f"HF model directory on the hosts that run the stages, or 'demo' (default: ${PATH_ENV})",
+    )
+    trust_remote_code: bool = Field(
+        default=trust_remote_code_from_env(),
+        description="let the target's own Python code (auto_map) run in every tokenizer, config, model and vLLM load; "
+        f"needed for Kimi-K2's tokenizer. Off unless set (default: ${TRUST_REMOTE_CODE_ENV})",
+    )
     aux_layer_ids: list[int] | None = Field(
-        default=None, description="EAGLE-3 auxiliary layer ids in vLLM's convention; default (2, L//2, L-3)"
+        default=layer_ids_from_env(),
+        description=f"three EAGLE-3 auxiliary layer ids in vLLM's convention; default (2, L//2, L-3) when distinct (default: ${LAYER_IDS_ENV})",
+    )
+    think_open: str | None = Field(default=None, description="start-of-thinking marker; default: found in the tokenizer/template")
+    think_close: str | None = Field(default=None, description="end-of-thinking marker; default: found in the tokenizer/template")
+    end_of_turn: str | None = Field(
+        default=None, description="token that ends the assistant's turn; default: what the template writes after an answer, else eos"
     )
     _resolved: Path | None = PrivateAttr(default=None)
+
+    @classmethod
+    def from_env(cls, **overrides) -> TargetModel:
+        """The deployment's target: ``EAGLE3_TARGET_MODEL``, ``EAGLE3_TRUST_REMOTE_CODE``, ``EAGLE3_AUX_LAYER_IDS``, read now."""
+        fields = {"path": path_from_env(), "trust_remote_code": trust_remote_code_from_env(), "aux_layer_ids": layer_ids_from_env()}
+        return cls(**{**fields, **overrides})
 
     def resolved_path(self) -> Path:
         if self._resolved is None:
@@ -42,35 +91,56 @@ class TargetModel(ConfigurableResource):
         return self._resolved
 
     def config(self) -> dict:
-        config_file = self.resolved_path() / "config.json"
-        if not config_file.is_file():
-            raise FileNotFoundError(f"target model {self.resolved_path()}: no config.json")
-        return json.loads(config_file.read_text())
+        return core_target.read_config(self.resolved_path())
+
+    def text_config(self) -> dict:
+        return core_target.text_config(self.config())
 
     def config_hash(self) -> str:
-        """Identifies the target's weights and config for lineage (config + weight file sizes and names)."""
-        root = self.resolved_path()
-        weights = sorted((p.name, p.stat().st_size) for p in root.glob("*.safetensors"))
-        return stable_hash({"config": self.config(), "weights": weights})
+        return core_target.config_hash(self.resolved_path())
+
+    def identity(self) -> core_target.TargetIdentity:
+        return core_target.target_identity(self.resolved_path())
 
     def num_layers(self) -> int:
-        return int(_text_config(self.config())["num_hidden_layers"])
+        return int(self.text_config()["num_hidden_layers"])
 
     def hidden_size(self) -> int:
-        return int(_text_config(self.config())["hidden_size"])
+        return int(self.text_config()["hidden_size"])
+
+    def context_length(self) -> int | None:
+        return core_target.context_length(self.config())
 
     def layer_ids(self) -> list[int]:
-        ids = list(self.aux_layer_ids) if self.aux_layer_ids else default_aux_layer_ids(self.num_layers())
-        if len(ids) != 3 or any(not 0 < i <= self.num_layers() for i in ids):
-            raise ValueError(f"aux_layer_ids {ids} must be three ids in 1..{self.num_layers()} (vLLM's convention)")
-        return ids
+        return core_target.validated_layer_ids(self.aux_layer_ids, self.num_layers())
 
     def load_tokenizer(self):
-        from transformers import AutoTokenizer
+        return core_target.load_tokenizer(self.resolved_path(), self.trust_remote_code)
 
-        return AutoTokenizer.from_pretrained(self.resolved_path())
+    def settings(self) -> core_target.TargetSettings:
+        return core_target.TargetSettings(
+            path=str(self.resolved_path()),
+            trust_remote_code=self.trust_remote_code,
+            aux_layer_ids=tuple(self.aux_layer_ids) if self.aux_layer_ids else None,
+            think_open=self.think_open,
+            think_close=self.think_close,
+            end_of_turn=self.end_of_turn,
+        )
 
+    def renderer(self):
+        """The target's chat template, think markers and end of turn, with its tokenizer."""
+        from eagle3_assets.core.chat_rendering import ChatRenderer
 
-def _text_config(config: dict) -> dict:
-    """Multimodal wrappers (e.g. Kimi-K2.5) nest the language model's config."""
-    return config.get("text_config", config)
+        return ChatRenderer(self.load_tokenizer(), self.think_open, self.think_close, self.end_of_turn)
+
+    def preflight_problems(self, *, max_tokens: int, eval_max_tokens: int) -> list[str]:
+        return core_target.preflight_problems(self.settings(), max_tokens=max_tokens, eval_max_tokens=eval_max_tokens)
+
+    def stage_extras(self) -> dict:
+        """What a GPU stage needs to load this target exactly as configured."""
+        return {
+            "path": str(self.resolved_path()),
+            "trust_remote_code": self.trust_remote_code,
+            "aux_layer_ids": self.layer_ids(),
+            "config_hash": self.config_hash(),
+        }

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import polars as pl
 
-from eagle3_assets.core.storage import write_parquet_atomic
+from eagle3_assets.core.storage import atomic_path
+from eagle3_assets.core.target import parquet_metadata, target_identity
 from eagle3_assets.demo.prompt_set import make_traces
 
 TRACES_SCHEMA = {
@@ -70,5 +71,6 @@ def write_validated_traces(data_dir: Path, shard: str, target_dir: Path, count: 
             }
         )
     path = Path(data_dir) / "validated_traces" / f"{shard}.parquet"
-    write_parquet_atomic(path, pl.DataFrame(rows, schema=TRACES_SCHEMA))
+    with atomic_path(path) as tmp:  # with the identity of the target that rendered them, as validated_traces writes it
+        pl.DataFrame(rows, schema=TRACES_SCHEMA).write_parquet(tmp, metadata=parquet_metadata(target_identity(target_dir)))
     return path

@@ -114,6 +114,7 @@ def test_hidden_states_gates_block_training_and_the_stage_runs_in_the_gpu_pool()
     assets_def = defs.resolve_assets_def(AssetKey("hidden_states"))
     assert assets_def.op.pool == GPU_POOL
     assert {s.name for s in assets_def.check_specs if s.blocking} == {
+        "target_matches_traces",
         "states_finite",
         "states_match_traces",
         "final_state_reproduces_logits",

@@ -20,6 +20,7 @@ from eagle3_assets.core.evaluation import evaluate, load_conversations
 from eagle3_assets.core.export import config_problems
 from eagle3_assets.draft_evaluation import DraftEvaluationConfig, resolve_eval_prompts
 from eagle3_assets.demo.pipeline import run_per_shard, run_whole_dataset
+from resources.target_model import TargetModel
 
 # The whole graph: generation, extraction, training, a vLLM start with the draft, three for evaluation.
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(3600)]
@@ -88,7 +89,7 @@ def test_wrong_layer_ids_score_clearly_below_and_are_rejected_before_evaluation(
     assert any("eagle_aux_hidden_state_layer_ids" in p and str(right_ids) in p for p in problems), problems
 
     # Served anyway, on the same held-out prompts and settings as draft_evaluation's defaults.
-    _, conversations = load_conversations(resolve_eval_prompts(DraftEvaluationConfig().eval_prompts))
+    _, conversations = load_conversations(resolve_eval_prompts("demo", TargetModel(path="demo"), DraftEvaluationConfig().max_eval_prompts))
     (wrong,) = evaluate(
         tiny_target, {"wrong": wrong_dir}, conversations, num_speculative_tokens=3, max_tokens=DraftEvaluationConfig().max_tokens, include_reference=False
     ).values()

@@ -375,6 +375,7 @@ def test_a_planted_nan_fails_states_finite_and_blocks_downstream(data_dir, tiny_
     first = materialize([hidden_states], partition_key=SHARD, resources=resources, instance=instance, run_config=run_config)
     assert first.success
     assert {e.check_name: e.passed for e in first.get_asset_check_evaluations()} == {
+        "target_matches_traces": True,
         "states_finite": True,
         "states_match_traces": True,
         "final_state_reproduces_logits": True,

@@ -21,8 +21,12 @@ from pathlib import Path
 
 import aiohttp
 
+from eagle3_assets.core.target import vllm_serving
 from eagle3_assets.core.vllm_launcher import VLLMServer
 from eagle3_assets.core.vllm_metrics import SpecDecodeCounters, fetch_metrics_text
+
+
+EVAL_MAX_TOKENS = 128  # completion tokens per held-out prompt: enough decode steps to measure acceptance
 
 
 @dataclass(frozen=True)
@@ -100,20 +104,26 @@ def evaluate(
     drafts: dict[str, Path],
     conversations: Sequence[list[dict]],
     num_speculative_tokens: int = 3,
-    max_tokens: int = 128,
+    max_tokens: int = EVAL_MAX_TOKENS,
     concurrency: int = 8,
     include_reference: bool = True,
     server_log_dir: Path | None = None,
     log: Callable[[str], None] = print,
+    serving: dict | None = None,
 ) -> dict[str, PassResult]:
-    """Serve the target alone (``reference``) and with each draft in turn; one pass each."""
+    """Serve the target alone (``reference``) and with each draft in turn; one pass each.
+
+    ``serving``: the target's ``VLLMServer`` options (remote code, dtype, context:
+    :func:`eagle3_assets.core.target.vllm_serving`); by default from its config.
+    """
+    serving = serving or vllm_serving(target_dir)
     results: dict[str, PassResult] = {}
     setups: list[tuple[str, list[str]]] = [("reference", [])] if include_reference else []
     setups += [(label, speculative_args(path, num_speculative_tokens)) for label, path in drafts.items()]
     for label, extra in setups:
         log(f"evaluation: serving the target for '{label}'")
         log_path = (server_log_dir / f"vllm-{label}.log") if server_log_dir else None
-        with VLLMServer(target_dir, extra_args=extra, log_path=log_path) as server:
+        with VLLMServer(target_dir, extra_args=extra, log_path=log_path, **serving) as server:
             results[label] = run_pass(label, server.base_url, server.served_model_name, conversations, max_tokens, concurrency, speculative=bool(extra))
         r = results[label]
         acceptance = f", acceptance length {r.mean_acceptance_length:.2f}" if r.mean_acceptance_length is not None else ""

@@ -253,6 +253,7 @@ class VLLMLoadReport:
     metadata: dict = field(default_factory=dict)
 
 
+LOAD_CHECK_CONTEXT = 2048  # one short chat completion: a longer context only costs start-up memory
 SPEC_COUNTER = re.compile(r"^(vllm:spec_decode_num_(?:drafts|accepted_tokens|draft_tokens)_total)\{[^}]*\}\s+([0-9.eE+-]+)$", re.M)
 
 
@@ -263,7 +264,7 @@ def check_loads_in_vllm(
     num_speculative_tokens: int = 3,
     python: str | None = None,
     log_path: Path | None = None,
-    max_model_len: int = 2048,
+    serving: dict | None = None,
     startup_timeout_s: float = 900.0,
     prompt: str = "What is 12 plus 30?",
 ) -> VLLMLoadReport:
@@ -271,17 +272,19 @@ def check_loads_in_vllm(
 
     Passes when the server comes up, answers, and its ``/metrics`` show that
     the draft proposed tokens (a draft that loads but is never run would not
-    prove anything).
+    prove anything). ``serving``: the target's ``VLLMServer`` options
+    (:func:`eagle3_assets.core.target.vllm_serving`); by default from its config.
     """
     import sys
 
+    from eagle3_assets.core.target import vllm_serving
     from eagle3_assets.core.vllm_launcher import VLLMServer
 
     spec = {"method": "eagle3", "model": str(Path(draft_dir).resolve()), "num_speculative_tokens": num_speculative_tokens}
     server = VLLMServer(
         target_dir,
         reasoning_parser=None,
-        max_model_len=max_model_len,
+        **(serving or vllm_serving(target_dir, cap=LOAD_CHECK_CONTEXT)),
         extra_args=["--speculative-config", json.dumps(spec)],
         python=python or sys.executable,
         log_path=log_path,

@@ -55,6 +55,7 @@ import torch
 
 from eagle3_assets.core.shard_files import ShardFileError, quarantine, read_shard_parquet
 from eagle3_assets.core.storage import PARTIAL_SUFFIX, atomic_path, file_hash, stable_hash, write_json_atomic
+from eagle3_assets.core.target import LAYER_IDS_SETTING, TargetError, layer_id_problem, read_config, text_config
 from eagle3_assets.core.state_layout import (  # noqa: F401  re-exported: the stages and tests import them from here
     BACKENDS,
     DEFAULT_DTYPE,
@@ -169,11 +170,10 @@ class TargetFacts:
 
     @classmethod
     def from_path(cls, target_path: Path | str) -> TargetFacts:
-        config_file = Path(target_path) / "config.json"
-        if not config_file.is_file():
-            raise ExtractionInputError(f"target model {target_path}: no config.json")
-        config = json.loads(config_file.read_text())
-        text = config.get("text_config", config)  # multimodal wrappers nest the language model's config
+        try:
+            text = text_config(read_config(target_path))
+        except TargetError as exc:
+            raise ExtractionInputError(str(exc)) from None
         return cls(
             num_layers=int(text["num_hidden_layers"]),
             hidden_size=int(text["hidden_size"]),
@@ -183,13 +183,10 @@ class TargetFacts:
 
 
 def validate_layer_ids(layer_ids: Sequence[int], num_layers: int) -> tuple[int, ...]:
-    ids = tuple(int(i) for i in layer_ids)
-    if len(ids) != 3 or len(set(ids)) != 3 or any(not 0 < i <= num_layers for i in ids):
-        raise ExtractionInputError(
-            f"aux_layer_ids {list(ids)}: expected three distinct ids in 1..{num_layers} "
-            "(vLLM's convention: id k is the residual stream entering layer k)"
-        )
-    return ids
+    problem = layer_id_problem(layer_ids, num_layers)
+    if problem:
+        raise ExtractionInputError(f"{problem}; set {LAYER_IDS_SETTING}")
+    return tuple(int(i) for i in layer_ids)
 
 
 # -- settings and plan ----------------------------------------------------------
@@ -384,7 +381,7 @@ def _from_pretrained_dtype_kwarg() -> str:
     return "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
 
 
-def load_target(target_path: Path | str, device: str | None = None, dtype: torch.dtype | None = None):
+def load_target(target_path: Path | str, device: str | None = None, dtype: torch.dtype | None = None, trust_remote_code: bool = False):
     """The target as a transformers model: bf16 spread over the GPUs (``device_map="auto"``), or fp32 on the CPU."""
     from transformers import AutoModelForCausalLM
 
@@ -392,7 +389,7 @@ def load_target(target_path: Path | str, device: str | None = None, dtype: torch
     kwargs: dict[str, Any] = {_from_pretrained_dtype_kwarg(): dtype or (torch.bfloat16 if on_gpu else torch.float32)}
     if on_gpu:
         kwargs["device_map"] = "auto" if device in (None, "cuda") else device
-    model = AutoModelForCausalLM.from_pretrained(str(target_path), **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(str(target_path), trust_remote_code=trust_remote_code, **kwargs)
     return model.eval()
 
 
@@ -428,10 +425,11 @@ class TransformersBackend:
         dtype: torch.dtype | None = None,
         max_batch_tokens: int = 16384,
         max_batch_size: int = 64,
+        trust_remote_code: bool = False,
         model=None,
     ):
         self.target_path = Path(target_path)
-        self.model = model if model is not None else load_target(target_path, device, dtype)
+        self.model = model if model is not None else load_target(target_path, device, dtype, trust_remote_code)
         self.decoder, layers, norm = decoder_parts(self.model)
         self.num_layers = len(layers)
         self.aux_layer_ids = validate_layer_ids(aux_layer_ids, self.num_layers)

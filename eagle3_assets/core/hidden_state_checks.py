@@ -1,5 +1,7 @@
 """The gates on a ``hidden_states`` shard, computed where the files are (the GPU host).
 
+- ``target_matches_traces``: the model that extracts is the one that rendered
+  the traces (same config hash), checked before anything is extracted;
 - ``states_finite``: no NaN or Inf anywhere in the stored states;
 - ``states_match_traces``: the shard holds exactly the ids of its
   ``validated_traces`` shard, each with the same tokens and loss mask;
@@ -36,7 +38,10 @@ from eagle3_assets.core.extraction import (
     read_sidecar,
     rms_norm,
 )
+from eagle3_assets.core.target import TargetIdentity
 
+# Every gate of a shard, in the order they are reported; the first is computed before extraction.
+GATES = ("target_matches_traces", "states_finite", "states_match_traces", "final_state_reproduces_logits", "aux_states_match_layer_ids")
 MAX_EXAMPLES = 10
 DEFAULT_MIN_ARGMAX_AGREEMENT = 0.999
 
@@ -326,3 +331,29 @@ def check_aux_states_match_layer_ids(
             "offending_ids": sorted(set(offending))[:MAX_EXAMPLES],
         },
     )
+
+
+def check_target_matches_traces(extracting: TargetIdentity, rendering: dict[str, Any] | None) -> CheckOutcome:
+    """The model whose states were stored is the model whose tokenizer and template rendered the traces.
+
+    Without this gate a target resource that fell back to another model (a
+    launchpad override that lost the path) extracts *that* model's states over
+    the user's traces, and every other gate passes: the states are finite, the
+    tokens match, and that model's own head reproduces its own argmax.
+    """
+    metadata = {"extracting_target": extracting.as_dict(), "rendering_target": rendering}
+    if rendering is None:
+        return CheckOutcome(
+            "target_matches_traces", False,
+            "the traces carry no target identity (written by an older version): materialise validated_traces for this shard again",
+            metadata,
+        )  # fmt: skip
+    mismatch = extracting.mismatch(rendering)
+    if mismatch:
+        return CheckOutcome(
+            "target_matches_traces", False,
+            f"the extracting target {mismatch}, which rendered the traces: set target_model.path to the traces' target "
+            "(or materialise validated_traces again with this one)",
+            metadata,
+        )  # fmt: skip
+    return CheckOutcome("target_matches_traces", True, f"extracted with the target that rendered the traces ({extracting.config_hash})", metadata)

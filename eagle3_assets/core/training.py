@@ -34,7 +34,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
@@ -47,6 +47,7 @@ from torch import nn
 from eagle3_assets.core.draft_model import DraftConfig, Eagle3Draft
 from eagle3_assets.core.export import draft_config_from_hf, export_draft, read_draft_dir
 from eagle3_assets.core.extraction import open_part, verify_part
+from eagle3_assets.core.schedule import Schedule, fit_schedule
 from eagle3_assets.core.storage import file_hash, fsync_dir, stable_hash, write_json_atomic
 from eagle3_assets.core.vocab import VocabMapping, load_vocab_mapping
 
@@ -65,8 +66,9 @@ class TrainConfig:
     target_path: str  # the target's HF directory: its lm_head, final norm and embedding
     training_dir: str  # checkpoints, history.json
     init_from: str | None = None  # an existing EAGLE-3 directory to fine-tune
-    epochs: int = 10
-    learning_rate: float = 1e-4
+    # None: fitted to the data before training (core/schedule.py); the run then records what was used.
+    epochs: int | None = None
+    learning_rate: float | None = None
     min_lr_ratio: float = 0.0  # cosine decays to learning_rate * min_lr_ratio
     warmup_ratio: float = 0.02  # share of all optimizer steps spent warming up linearly
     weight_decay: float = 0.0
@@ -74,7 +76,7 @@ class TrainConfig:
     grad_clip: float = 0.5
     ttt_steps: int = 7
     step_weight: float = 0.8
-    batch_tokens: int = 16384  # padded tokens per micro-batch (per process)
+    batch_tokens: int | None = None  # padded tokens per micro-batch (per process); None: fitted to the data
     grad_accumulation: int = 1  # micro-batches per process per optimizer step
     max_seq_len: int = 4096  # longer samples are truncated
     seed: int = 0
@@ -107,12 +109,14 @@ class TrainConfig:
 
     def validate(self) -> None:
         problems = []
-        if self.epochs < 1:
+        if self.epochs is not None and self.epochs < 1:
             problems.append(f"epochs {self.epochs} < 1")
         if self.ttt_steps < 1:
             problems.append(f"ttt_steps {self.ttt_steps} < 1")
-        if self.batch_tokens < 1:
+        if self.batch_tokens is not None and self.batch_tokens < 1:
             problems.append(f"batch_tokens {self.batch_tokens} < 1")
+        if self.learning_rate is not None and self.learning_rate <= 0:
+            problems.append(f"learning_rate {self.learning_rate} <= 0")
         if self.grad_accumulation < 1:
             problems.append(f"grad_accumulation {self.grad_accumulation} < 1")
         if not self.hidden_state_dirs:
@@ -547,6 +551,36 @@ def latest_checkpoint(checkpoints: Path, fingerprint: str) -> Path | None:
 # --------------------------------------------------------------------------- the loop
 
 
+def supervised_token_count(index: HiddenStateIndex, max_seq_len: int) -> int:
+    """Tokens the draft learns from (loss mask 1, within ``max_seq_len``): one read of each part's mask."""
+    by_file: dict[str, list[Sample]] = {}
+    for sample in index.samples:
+        by_file.setdefault(sample.file, []).append(sample)
+    total = 0
+    for path, samples in by_file.items():
+        with safe_open(path, framework="pt") as fh:
+            mask = fh.get_tensor("loss_mask")
+        total += sum(int(mask[s.start : s.start + min(s.length, max_seq_len)].sum()) for s in samples)
+    return total
+
+
+def resolve_schedule(config: TrainConfig, index: HiddenStateIndex, lengths: list[int], world: int) -> tuple[TrainConfig, Schedule]:
+    """``config`` with every unset schedule setting fitted to the data (the same data always gives the same fit)."""
+    schedule = fit_schedule(
+        total_tokens=sum(lengths),
+        supervised_tokens=supervised_token_count(index, config.max_seq_len),
+        hidden_size=index.hidden_size,
+        steps_per_epoch_for=lambda batch_tokens: len(epoch_steps(lengths, replace(config, batch_tokens=batch_tokens), world, 0)),
+        world_size=world,
+        grad_accumulation=config.grad_accumulation,
+        batch_tokens=config.batch_tokens,
+        epochs=config.epochs,
+        learning_rate=config.learning_rate,
+    )
+    resolved = replace(config, batch_tokens=schedule.batch_tokens, epochs=schedule.epochs, learning_rate=schedule.learning_rate)
+    return resolved, schedule
+
+
 def lr_lambda(total_steps: int, warmup_ratio: float, min_lr_ratio: float) -> Callable[[int], float]:
     warmup = max(1, round(total_steps * warmup_ratio)) if warmup_ratio > 0 else 0
 
@@ -605,6 +639,7 @@ class TrainResult:
     checkpoint: str
     tokens_per_s: float
     world_size: int = 1  # training processes (torchrun's WORLD_SIZE)
+    schedule: dict | None = None  # what was trained with: batch_tokens, epochs, learning_rate, steps, which were fitted
 
 
 def train(config: TrainConfig, on_event: OnEvent | None = None) -> TrainResult:
@@ -655,6 +690,8 @@ def _train(config: TrainConfig, emit: OnEvent, device: torch.device, distributed
         model = nn.parallel.DistributedDataParallel(ttt, device_ids=[device.index] if device.type == "cuda" else None)
 
     lengths = [min(s.length, config.max_seq_len) for s in index.samples]
+    config, schedule = resolve_schedule(config, index, lengths, world)
+    emit({"event": "schedule", "description": schedule.describe(), "warnings": schedule.warnings, **asdict(schedule)})
     plans = [epoch_steps(lengths, config, world, epoch) for epoch in range(config.epochs)]
     total_steps = sum(len(p) for p in plans)
     trainable = [p for p in draft.parameters() if p.requires_grad]
@@ -777,6 +814,7 @@ def _train(config: TrainConfig, emit: OnEvent, device: torch.device, distributed
         checkpoint=last_checkpoint,
         tokens_per_s=tokens_seen / elapsed if elapsed > 0 and tokens_seen else 0.0,
         world_size=world,
+        schedule=asdict(schedule),
     )
     if rank == 0:
         write_json_atomic(training_dir / "history.json", {"fingerprint": fingerprint, "history": history})

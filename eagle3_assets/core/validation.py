@@ -256,8 +256,9 @@ def validate_shard(
     kept_path: Path,
     rejected_path: Path,
     batch_rows: int = 128,
+    file_metadata: dict[str, str] | None = None,
 ) -> ShardValidation:
-    """Write the shard's kept traces and rejected rows; return what the gates need."""
+    """Write the shard's kept traces (with ``file_metadata`` in the Parquet footer) and rejected rows; return what the gates need."""
     raw, prompts = scan_raw_responses(raw_path), scan_prompts(prompts_path)
     markers = (renderer.think_open, renderer.think_close)
     summary = ShardValidation(prompt_ids=prompts.select("id").collect()["id"].to_list())
@@ -290,9 +291,9 @@ def validate_shard(
         with atomic_path(kept_path) as tmp:
             if part_paths:
                 # small row groups: readers (the alignment gate, extraction) can stream the file
-                pl.scan_parquet(part_paths).sink_parquet(tmp, row_group_size=batch_rows, engine="streaming")
+                pl.scan_parquet(part_paths).sink_parquet(tmp, row_group_size=batch_rows, engine="streaming", metadata=file_metadata)
             else:
-                pl.DataFrame(schema=KEPT_SCHEMA).write_parquet(tmp)
+                pl.DataFrame(schema=KEPT_SCHEMA).write_parquet(tmp, metadata=file_metadata)
     finally:
         shutil.rmtree(parts_dir, ignore_errors=True)
 

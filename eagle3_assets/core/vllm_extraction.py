@@ -103,6 +103,7 @@ class VLLMBackend:
         seed: int = 0,
         engine_in_process: bool | None = None,
         engine_kwargs: dict[str, Any] | None = None,
+        trust_remote_code: bool = False,
     ):
         from vllm import LLM
 
@@ -130,6 +131,7 @@ class VLLMBackend:
             "enable_prefix_caching": False,
             "enforce_eager": on_cpu if enforce_eager is None else enforce_eager,
             "skip_tokenizer_init": True,
+            "trust_remote_code": trust_remote_code,
             "seed": seed,
             "speculative_config": {
                 "method": "extract_hidden_states",

@@ -76,6 +76,8 @@ class VLLMServer:
         port: int | None = None,
         reasoning_parser: str | None = "deepseek_r1",
         max_model_len: int = 4096,
+        dtype: str = "float32",
+        trust_remote_code: bool = False,
         extra_args: Sequence[str] = (),
         kv_cache_gib: int = 1,
         python: str = sys.executable,
@@ -88,6 +90,8 @@ class VLLMServer:
         self.port = port or free_port()
         self.reasoning_parser = reasoning_parser
         self.max_model_len = max_model_len
+        self.dtype = dtype
+        self.trust_remote_code = trust_remote_code
         self.extra_args = list(extra_args)
         self.kv_cache_gib = kv_cache_gib
         self.python = python
@@ -110,9 +114,11 @@ class VLLMServer:
             "--host", "127.0.0.1",
             "--port", str(self.port),
             "--max-model-len", str(self.max_model_len),
-            "--dtype", "float32",
+            "--dtype", self.dtype,
             "--seed", "0",
         ]  # fmt: skip
+        if self.trust_remote_code:
+            cmd += ["--trust-remote-code"]
         if self.reasoning_parser:
             cmd += ["--reasoning-parser", self.reasoning_parser]
         if self.fast_start:

@@ -15,8 +15,13 @@ from dagster import DagsterInstance, RunConfig, materialize
 
 from eagle3_assets.definitions import PER_SHARD_ASSETS, WHOLE_DATASET_ASSETS, demo_resources
 from eagle3_assets.draft_checkpoint import DEMO_TRAINING_CONFIG
+from eagle3_assets.draft_evaluation import DraftEvaluationConfig
 from eagle3_assets.partitions import register_shards
 from eagle3_assets.vocab_mapping import DEMO_VOCAB_MAPPING_CONFIG
+
+
+# The demo's prompts come with their own held-out set (demo/prompt_set.py), disjoint from its training prompts.
+DEMO_EVALUATION_CONFIG = DraftEvaluationConfig(eval_prompts="demo")
 
 
 @dataclass
@@ -48,7 +53,9 @@ def run_whole_dataset(instance: DagsterInstance, log: Callable[[str], None] = pr
     generation server should be stopped first on a small machine.
     """
     resources = demo_resources("http://127.0.0.1:0", "unused")  # no generation here
-    run_config = RunConfig(ops={"vocab_mapping": DEMO_VOCAB_MAPPING_CONFIG, "draft_checkpoint": DEMO_TRAINING_CONFIG})
+    run_config = RunConfig(
+        ops={"vocab_mapping": DEMO_VOCAB_MAPPING_CONFIG, "draft_checkpoint": DEMO_TRAINING_CONFIG, "draft_evaluation": DEMO_EVALUATION_CONFIG}
+    )
     result = materialize(WHOLE_DATASET_ASSETS, resources=resources, instance=instance, run_config=run_config, raise_on_error=False)
     log(f"demo: whole-dataset assets: {'ok' if result.success else 'FAILED'} (run {result.run_id})")
     return DemoOutcome(ok=result.success, run_ids={"whole_dataset": result.run_id}, failed=None if result.success else "whole_dataset")

@@ -3,6 +3,7 @@
 Runs on the GPU host, where the target can be served. Extras:
 
 - ``target_dir``, ``draft_dir``: the target and the exported draft;
+- ``target_trust_remote_code``, ``max_model_len`` (0: the target's context): how vLLM serves the target;
 - ``baseline``: ``"untrained"`` (a random draft of the same shape, built here)
   or the directory of the draft training started from;
 - ``eval_prompts``: a held-out prompt set (JSONL/Parquet);
@@ -37,6 +38,7 @@ def main() -> None:
 
     from eagle3_assets.core.evaluation import evaluate, load_conversations, render_positions, untrained_twin
     from eagle3_assets.core.storage import stable_hash, write_json_atomic
+    from eagle3_assets.core.target import vllm_serving
 
     with open_dagster_pipes() as pipes:
         extras = dict(pipes.extras or {})
@@ -60,6 +62,7 @@ def main() -> None:
             concurrency=int(extras["concurrency"]),
             server_log_dir=work,
             log=pipes.log.info,
+            serving=vllm_serving(extras["target_dir"], bool(extras.get("target_trust_remote_code")), int(extras.get("max_model_len") or 0)),
         )
         trained, baseline, reference = results["trained"], results["baseline"], results["reference"]
         speedup = trained.output_tokens_per_s / reference.output_tokens_per_s if reference.output_tokens_per_s else 0.0
@@ -67,6 +70,7 @@ def main() -> None:
             "num_speculative_tokens": int(extras["num_speculative_tokens"]),
             "prompts": len(conversations),
             "prompt_ids": ids,
+            "eval_prompts": extras["eval_prompts"],
             "baseline": baseline_label,
             "results": {label: r.to_dict() for label, r in results.items()},
             "speedup_vs_target_alone": speedup,

@@ -5,7 +5,8 @@ after its pre-flight). Extras (paths relative to ``$EAGLE3_DATA_DIR`` on the
 host, or absolute):
 
 - ``shard``, ``traces`` (the ``validated_traces`` parquet), ``output`` (the shard's directory);
-- ``target``: ``path``, ``config_hash``, ``aux_layer_ids`` (vLLM's convention);
+- ``target``: ``path``, ``trust_remote_code``, ``aux_layer_ids`` (vLLM's convention), ``config_hash``
+  (what the orchestrator saw; the stage records the identity of the model it loads itself);
 - ``backend`` (``transformers`` or ``vllm``), ``dtype`` (storage), ``part_bytes``,
   ``max_batch_tokens``, ``max_batch_size``, ``cpu_threads``, ``recompute`` (discard
   the shard's files first; otherwise durable parts of the same extraction are kept);
@@ -87,6 +88,7 @@ def make_backend(extras: dict[str, Any], traces):
             target["aux_layer_ids"],
             max_batch_tokens=int(extras.get("max_batch_tokens", 16384)),
             max_batch_size=int(extras.get("max_batch_size", 64)),
+            trust_remote_code=bool(target.get("trust_remote_code")),
         )
     if backend == "vllm":
         from eagle3_assets.core.vllm_extraction import VLLMBackend
@@ -103,6 +105,7 @@ def make_backend(extras: dict[str, Any], traces):
             tensor_parallel_size=int(options.get("tensor_parallel_size", 1)),
             gpu_memory_utilization=float(options.get("gpu_memory_utilization", 0.9)),
             enforce_eager=options.get("enforce_eager"),
+            trust_remote_code=bool(target.get("trust_remote_code")),
         )
     raise ValueError(f"backend {backend!r}: one of transformers, vllm")
 
@@ -112,7 +115,9 @@ def run(extras: dict[str, Any], log=print) -> tuple[dict[str, Any], list]:
     import torch
 
     from eagle3_assets.core.extraction import TargetFacts, read_traces
+    from eagle3_assets.core.hidden_state_checks import GATES, CheckOutcome, check_target_matches_traces
     from eagle3_assets.core.shard_lease import ShardLease
+    from eagle3_assets.core.target import identity_in_parquet, target_identity
 
     if not torch.cuda.is_available() and os.environ.get("EAGLE3_ALLOW_CPU", "1") != "1":
         raise RuntimeError(f"{STAGE}: no CUDA device on this host and EAGLE3_ALLOW_CPU is not 1: refusing to run on CPU")
@@ -122,13 +127,21 @@ def run(extras: dict[str, Any], log=print) -> tuple[dict[str, Any], list]:
     facts = TargetFacts.from_path(target["path"])
     traces_path, shard_dir = _resolve(extras["traces"]), _resolve(extras["output"])
     traces = read_traces(traces_path, facts.vocab_size)
+    # The states of another model than the one that rendered the traces pass every other gate; a 1T
+    # target takes hours per shard: compare before anything is loaded, and extract nothing on a mismatch.
+    identity = target_identity(target["path"])
+    target_check = check_target_matches_traces(identity, identity_in_parquet(traces_path))
+    if not target_check.passed:
+        log(f"{STAGE}: {target_check.description}; nothing extracted")
+        not_run = [CheckOutcome(name, False, "not computed: the target does not match the traces (see target_matches_traces)") for name in GATES[1:]]
+        return {"target": {"raw_value": identity.as_dict(), "type": "json"}}, [target_check, *not_run]
     # One writer per shard, taken here on the host (so a remote host works too), beside the shard's directory.
     # A killed run's lease names a dead pid: it is taken over and its `.partial` files are removed, each logged.
     with ShardLease(shard_dir.parent, shard_dir.name, asset="hidden_states", run_id=extras.get("run_id"), log=log):
-        return _extract_and_check(extras, log, facts, traces, shard_dir)
+        return _extract_and_check(extras, log, facts, traces, shard_dir, target_check)
 
 
-def _extract_and_check(extras: dict[str, Any], log, facts, traces, shard_dir: Path) -> tuple[dict[str, Any], list]:
+def _extract_and_check(extras: dict[str, Any], log, facts, traces, shard_dir: Path, target_check) -> tuple[dict[str, Any], list]:
     import torch
 
     from eagle3_assets.core.extraction import ExtractionSettings, TransformersBackend, extract_shard, state_bytes_per_token
@@ -141,12 +154,13 @@ def _extract_and_check(extras: dict[str, Any], log, facts, traces, shard_dir: Pa
     )
 
     target = extras["target"]
+    identity = target_check.metadata["extracting_target"]
     if extras.get("recompute") and shard_dir.is_dir():
         log(f"{STAGE}: recompute requested: discarding {shard_dir}")
         shutil.rmtree(shard_dir)
     settings = ExtractionSettings(
         target_path=str(target["path"]),
-        target_config_hash=str(target["config_hash"]),
+        target_config_hash=identity["config_hash"],
         aux_layer_ids=tuple(target["aux_layer_ids"]),
         dtype=extras.get("dtype", "bfloat16"),
         part_bytes=int(extras.get("part_bytes") or 2 * 1024**3),
@@ -171,7 +185,7 @@ def _extract_and_check(extras: dict[str, Any], log, facts, traces, shard_dir: Pa
             if isinstance(backend, TransformersBackend):
                 reference = backend
             else:
-                reference = TransformersBackend(target["path"], target["aux_layer_ids"])
+                reference = TransformersBackend(target["path"], target["aux_layer_ids"], trust_remote_code=bool(target.get("trust_remote_code")))
                 opened.append(reference)
             reference_states = lambda ids: reference.reference_forward(ids)[1]  # noqa: E731
         else:
@@ -179,6 +193,7 @@ def _extract_and_check(extras: dict[str, Any], log, facts, traces, shard_dir: Pa
         # On the CPU: the GPUs are full of the target (or of vLLM's reservation), and a few thousand positions are cheap.
         head = TargetHead.from_checkpoint(target["path"])
         outcomes = [
+            target_check,
             check_states_finite(shard_dir),
             check_states_match_traces(shard_dir, traces),
             check_final_state_reproduces_logits(
@@ -223,6 +238,7 @@ def _extract_and_check(extras: dict[str, Any], log, facts, traces, shard_dir: Pa
         "dtype": settings.dtype,
         "hidden_size": facts.hidden_size,
         "num_layers": facts.num_layers,
+        "target": {"raw_value": identity, "type": "json"},
         "tokens_per_s": round(report.tokens_per_s, 1),
         "model_load_s": round(load_s, 1),
         **_peak_memory(),

@@ -38,6 +38,8 @@ def describe(event: dict) -> str | None:
             f"{STAGE}: {event['samples']} samples, {event['tokens']} tokens, {event['total_steps']} steps "
             f"on {event['world_size']} x {event['device']}, {source}{remap}"
         )
+    if kind == "schedule":
+        return f"{STAGE}: schedule: {event['description']}"
     if kind == "resumed":
         return f"{STAGE}: resuming from {event['checkpoint']} (epoch {event['epoch']}, step {event['step']})"
     if kind == "step":
@@ -57,7 +59,8 @@ def describe(event: dict) -> str | None:
 
 def run_gates(export_dir: Path, target_path: str, gates: dict, log) -> dict:
     """``config_complete``'s problems, then (only when there are none) ``loads_in_vllm``: vLLM on this host."""
-    from eagle3_assets.core.export import check_loads_in_vllm, config_problems
+    from eagle3_assets.core.export import LOAD_CHECK_CONTEXT, check_loads_in_vllm, config_problems
+    from eagle3_assets.core.target import vllm_serving
 
     problems = config_problems(export_dir, gates["aux_layer_ids"], target_vocab_size=int(gates["target_vocab_size"]))
     report = None
@@ -68,6 +71,7 @@ def run_gates(export_dir: Path, target_path: str, gates: dict, log) -> dict:
             export_dir,
             num_speculative_tokens=int(gates["num_speculative_tokens"]),
             log_path=Path(gates["log_path"]) if gates.get("log_path") else None,
+            serving=vllm_serving(target_path, bool(gates.get("trust_remote_code")), cap=LOAD_CHECK_CONTEXT),
         )
         log(f"{STAGE}: loads_in_vllm: {report.detail}")
     loads = (
@@ -92,6 +96,8 @@ def main() -> None:
             line = describe(event)
             if line:
                 pipes.log.info(line)
+            for warning in event.get("warnings") or []:  # before training: the data cannot make a useful draft
+                pipes.log.warning(f"{STAGE}: {warning}")
 
         result = run_training(config, nproc=nproc, on_event=on_event)
         export_dir = export_trained_draft(result["checkpoint"], config.target_path, Path(extras["export_dir"]), extras.get("export_dtype"))
@@ -105,6 +111,7 @@ def main() -> None:
                 "init": {"raw_value": result["init"], "type": "json"},
                 "tokens_per_s": round(float(result["tokens_per_s"]), 1),
                 "nproc_per_node": nproc,
+                "schedule": {"raw_value": result.get("schedule"), "type": "json"},
                 "world_size": int(result.get("world_size", 1)),
                 "checkpoint": {"raw_value": result["checkpoint"], "type": "path"},
             },

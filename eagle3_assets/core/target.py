@@ -1,0 +1,258 @@
+"""The target model as every stage sees it: its config facts, its identity, its tokenizer.
+
+One place for what the stages must agree on about the target, so that the
+orchestrator (rendering the traces), the GPU host (extracting, training,
+evaluating) and the pre-flight read the same facts the same way:
+
+- multimodal wrappers (Kimi-K2.5) nest the language model's config under
+  ``text_config``: :func:`text_config` is the one lookup;
+- the *identity* of a target is its path plus a hash of its config and weight
+  files (:func:`target_identity`): a stage records the identity of the model it
+  actually loaded, and the gates compare identities, never paths alone (a GPU
+  host may mount the same model elsewhere);
+- remote-code tokenizers and models (Kimi's tokenizer is one) load only when
+  the user opts in with ``trust_remote_code``; :func:`load_tokenizer` says
+  which setting to change when that is what is missing;
+- the EAGLE-3 auxiliary layer ids, in vLLM's convention (id k is the residual
+  stream *entering* layer k, ``hidden_states[k]`` of transformers).
+
+Nothing here imports Dagster or torch.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from eagle3_assets.core.storage import stable_hash
+
+# The settings a user changes, named once for the messages (launchpad field / environment variable).
+TRUST_REMOTE_CODE_SETTING = "target_model.trust_remote_code (environment: EAGLE3_TRUST_REMOTE_CODE=1)"
+LAYER_IDS_SETTING = "target_model.aux_layer_ids (environment: EAGLE3_AUX_LAYER_IDS, e.g. 2,4,5)"
+
+
+class TargetError(ValueError):
+    """The target cannot be used as configured; the message names the setting to change."""
+
+
+def read_config(path: Path | str) -> dict[str, Any]:
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        raise TargetError(f"target model {path}: no config.json (is target_model.path / EAGLE3_TARGET_MODEL an HF model directory?)")
+    return json.loads(config_file.read_text())
+
+
+def text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The language model's config: nested under ``text_config`` in multimodal wrappers (Kimi-K2.5), else the config."""
+    nested = config.get("text_config")
+    return nested if isinstance(nested, dict) else config
+
+
+def context_length(config: dict[str, Any]) -> int | None:
+    """The longest sequence the target takes (``max_position_embeddings``), or None when its config does not say."""
+    value = text_config(config).get("max_position_embeddings")
+    return int(value) if value else None
+
+
+def config_hash(path: Path | str) -> str:
+    """Identifies a target's config and weights: its config.json and the names and sizes of its weight files.
+
+    Names and sizes, not contents: hashing a 600 GB checkpoint per run is not an
+    option, and a changed checkpoint is a new file set or a new config.
+    """
+    root = Path(path)
+    weights = sorted((p.name, p.stat().st_size) for p in root.glob("*.safetensors"))
+    return stable_hash({"config": read_config(root), "weights": weights})
+
+
+@dataclass(frozen=True)
+class TargetIdentity:
+    path: str
+    config_hash: str
+
+    def as_dict(self) -> dict[str, str]:
+        return {"path": self.path, "config_hash": self.config_hash}
+
+    def mismatch(self, other: TargetIdentity | dict[str, Any] | None) -> str | None:
+        """Why ``other`` is another model than this one (None when they are the same model)."""
+        if other is None:
+            return None
+        other = other if isinstance(other, TargetIdentity) else TargetIdentity(str(other.get("path")), str(other.get("config_hash")))
+        if other.config_hash == self.config_hash:
+            return None
+        return f"{self.path} (config hash {self.config_hash}) is not {other.path} (config hash {other.config_hash})"
+
+
+def target_identity(path: Path | str) -> TargetIdentity:
+    return TargetIdentity(str(Path(path)), config_hash(path))
+
+
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    """vLLM's default EAGLE-3 layer ids, ``(2, L//2, L-3)``, when they are distinct; else three spread ids.
+
+    vLLM de-duplicates repeated ids silently and then feeds the draft fewer states
+    than it was trained on; on a shallow target (6 layers: 2, 3, 3) its default
+    repeats. The ids are always written into the exported draft's config, so a
+    deviation from vLLM's default is safe; a repeated id never is.
+    """
+    ids = [2, num_layers // 2, num_layers - 3]
+    if len(set(ids)) == 3 and all(0 < i <= num_layers for i in ids):
+        return ids
+    spread = sorted({max(1, min(num_layers, round(num_layers * k / 4))) for k in (1, 2, 3)})
+    if len(spread) == 3:
+        return spread
+    return [1, 2, 3] if num_layers >= 3 else ids  # under 3 layers there are no three ids: the pre-flight says so
+
+
+def layer_id_problem(layer_ids: Sequence[int], num_layers: int) -> str | None:
+    """Why ``layer_ids`` cannot feed an EAGLE-3 draft of this target (None when they can)."""
+    ids = [int(i) for i in layer_ids]
+    if len(ids) != 3:
+        return f"aux_layer_ids {ids}: EAGLE-3 takes exactly three ids"
+    if len(set(ids)) != 3:
+        return f"aux_layer_ids {ids}: repeated id (vLLM de-duplicates them silently and feeds the draft fewer states)"
+    if any(not 0 < i <= num_layers for i in ids):
+        return f"aux_layer_ids {ids}: each must be in 1..{num_layers} for this {num_layers}-layer target (vLLM's convention)"
+    return None
+
+
+def validated_layer_ids(layer_ids: Sequence[int] | None, num_layers: int) -> list[int]:
+    """The configured ids (or the default), or TargetError naming the setting."""
+    ids = list(layer_ids) if layer_ids else default_aux_layer_ids(num_layers)
+    problem = layer_id_problem(ids, num_layers)
+    if problem:
+        raise TargetError(f"{problem}; set {LAYER_IDS_SETTING} to three distinct ids, e.g. {default_aux_layer_ids(num_layers)}")
+    return ids
+
+
+def load_tokenizer(path: Path | str, trust_remote_code: bool = False):
+    """The target's tokenizer; a remote-code tokenizer without the opt-in is an error naming the setting."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    except ValueError as exc:
+        if not trust_remote_code and "trust_remote_code" in str(exc):
+            raise TargetError(
+                f"target model {path}: its tokenizer is remote code (auto_map in tokenizer_config.json) and loads only "
+                f"with trust_remote_code; review the code in that directory, then set {TRUST_REMOTE_CODE_SETTING}"
+            ) from None
+        raise
+
+
+# The identity of the target that rendered a shard's traces travels with the file, in its Parquet metadata,
+# so that the GPU host can compare it with the model it loads without asking the orchestrator.
+PARQUET_METADATA_KEY = "eagle3.target"
+
+
+def parquet_metadata(identity: TargetIdentity) -> dict[str, str]:
+    return {PARQUET_METADATA_KEY: json.dumps(identity.as_dict(), sort_keys=True)}
+
+
+def identity_in_parquet(path: Path | str) -> dict[str, str] | None:
+    """The target identity a Parquet file was written with, or None (written before identities were recorded)."""
+    import polars as pl
+
+    raw = pl.read_parquet_metadata(path).get(PARQUET_METADATA_KEY)
+    return json.loads(raw) if raw else None
+
+
+# -- the target pre-flight ---------------------------------------------------------------
+
+# Room a prompt needs beside the completion in the target's context (a chat template adds tokens too).
+MIN_PROMPT_ROOM = 256
+
+
+@dataclass(frozen=True)
+class TargetSettings:
+    """Everything the stages will ask of the target, as configured (the resource builds one)."""
+
+    path: str
+    trust_remote_code: bool = False
+    aux_layer_ids: tuple[int, ...] | None = None
+    think_open: str | None = None
+    think_close: str | None = None
+    end_of_turn: str | None = None
+
+
+def preflight_problems(settings: TargetSettings, *, max_tokens: int, eval_max_tokens: int) -> list[str]:
+    """What stops this target from going through the whole graph, each with the setting to change; [] when fit.
+
+    Run before generation, so that a setting only a later stage reads (the layer
+    ids, the think markers, remote code) fails in seconds, not after hours of
+    generation and validation.
+    """
+    from eagle3_assets.core.chat_rendering import ChatRenderer, RenderingError
+
+    problems: list[str] = []
+    try:
+        config = read_config(settings.path)
+    except TargetError as exc:
+        return [str(exc)]
+    text = text_config(config)
+    num_layers = int(text.get("num_hidden_layers") or 0)
+    ids = list(settings.aux_layer_ids) if settings.aux_layer_ids else default_aux_layer_ids(num_layers)
+    problem = layer_id_problem(ids, num_layers)
+    if problem:
+        problems.append(f"{problem}; set {LAYER_IDS_SETTING} to three distinct ids, e.g. {default_aux_layer_ids(num_layers)}")
+    context = context_length(config)
+    if context is not None and max_tokens + MIN_PROMPT_ROOM > context:
+        problems.append(
+            f"vllm_server.max_tokens={max_tokens} leaves under {MIN_PROMPT_ROOM} tokens for the prompt in the target's "
+            f"{context}-token context (max_position_embeddings): lower vllm_server.max_tokens"
+        )
+    if context is not None and eval_max_tokens + MIN_PROMPT_ROOM > context:
+        problems.append(
+            f"draft_evaluation max_tokens={eval_max_tokens} leaves under {MIN_PROMPT_ROOM} tokens for the prompt in the "
+            f"target's {context}-token context: lower draft_evaluation's max_tokens"
+        )
+    try:
+        tokenizer = load_tokenizer(settings.path, settings.trust_remote_code)
+    except TargetError as exc:
+        return problems + [str(exc)]
+    except Exception as exc:  # noqa: BLE001  any failure to load is the finding itself
+        return problems + [f"target model {settings.path}: the tokenizer does not load: {type(exc).__name__}: {exc}"]
+    try:
+        renderer = ChatRenderer(tokenizer, settings.think_open, settings.think_close, settings.end_of_turn)
+        messages, reasoning, answer = [{"role": "user", "content": "What is 2 + 2?"}], "Two and two make four.", "4"
+        trace = renderer.render(messages, reasoning, answer)
+        mask_problem = renderer.supervised_text_problem(trace.input_ids, trace.loss_mask, messages, reasoning, answer)
+    except RenderingError as exc:
+        problems.append(f"target model {settings.path}: {exc} (target_model.think_open / think_close / end_of_turn)")
+    except Exception as exc:  # noqa: BLE001  a template that raises is the finding
+        problems.append(f"target model {settings.path}: its chat template does not render a reasoning trace: {type(exc).__name__}: {exc}")
+    else:
+        if mask_problem:
+            problems.append(f"target model {settings.path}: a rendered reasoning trace does not tokenise back to itself: {mask_problem}")
+    return problems
+
+
+# -- serving the target with vLLM (evaluation, the export's load gate) --------------------
+
+# Evaluation prompts are short questions: a context longer than this only costs KV-cache memory.
+SERVING_CONTEXT_CAP = 16384
+
+
+def vllm_serving(path: Path | str, trust_remote_code: bool = False, max_model_len: int = 0, cap: int = SERVING_CONTEXT_CAP) -> dict[str, Any]:
+    """The ``VLLMServer`` options that serve this target as it is: its dtype, remote code, and a context it has.
+
+    - ``max_model_len``: the setting, else the target's own context capped at
+      ``cap``; never more than the target takes, which vLLM refuses;
+    - ``dtype``: float32 for a target whose weights are float32 (vLLM's ``auto``
+      would serve them in half precision), else ``auto`` (bf16, or the checkpoint's
+      quantisation: an INT4 Kimi-K2 must not be cast).
+    """
+    config = read_config(path)
+    context = context_length(config)
+    if max_model_len and context and max_model_len > context:
+        raise TargetError(f"max_model_len {max_model_len} exceeds the target's {context}-token context (max_position_embeddings)")
+    length = max_model_len or min(context or cap, cap)
+    weights_dtype = next((c[k] for c in (text_config(config), config) for k in ("dtype", "torch_dtype") if c.get(k)), None)
+    return {
+        "max_model_len": int(length),
+        "dtype": "float32" if weights_dtype == "float32" else "auto",
+        "trust_remote_code": bool(trust_remote_code),
+    }

@@ -1,0 +1,200 @@
+"""The target as one coherent thing: overrides keep it, the pre-flight judges it, every stage checks it is the same.
+
+The tiny demo target stands for the user's own; variants of it (a copy with a
+remote-code tokenizer, a copy whose config differs, a copy with a 2,048-token
+context) are the other models a user may point the platform at.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import polars as pl
+import pytest
+from dagster import DagsterInstance, RunConfig, materialize
+
+from eagle3_assets.core import target as core_target
+from eagle3_assets.core.target import TargetError, TargetSettings, default_aux_layer_ids, preflight_problems, vllm_serving
+from eagle3_assets.partitions import register_shards
+from resources.target_model import TargetModel
+
+SHARD = "shard-00000"
+
+
+def variant(tiny_target: Path, where: Path, **config_changes) -> Path:
+    """A copy of the tiny target with ``config_changes`` in its config.json (another model, as far as identity goes)."""
+    shutil.copytree(tiny_target, where)
+    config = json.loads((where / "config.json").read_text())
+    config.update(config_changes)
+    (where / "config.json").write_text(json.dumps(config, indent=2))
+    return where
+
+
+def with_remote_code_tokenizer(tiny_target: Path, where: Path) -> Path:
+    """A copy whose tokenizer class lives in the model directory (``auto_map``), as Kimi-K2's does."""
+    variant(tiny_target, where)
+    (where / "tokenization_remote.py").write_text(
+        "from transformers import PreTrainedTokenizerFast\n\n\nclass RemoteTokenizer(PreTrainedTokenizerFast):\n    pass\n"
+    )
+    config = json.loads((where / "tokenizer_config.json").read_text())
+    config.update(tokenizer_class="RemoteTokenizer", auto_map={"AutoTokenizer": [None, "tokenization_remote.RemoteTokenizer"]})
+    (where / "tokenizer_config.json").write_text(json.dumps(config))
+    return where
+
+
+OVERRIDE_ONE_FIELD = """
+from dagster import asset, materialize
+from eagle3_assets.definitions import default_resources
+from resources.target_model import TargetModel
+
+seen = {}
+
+@asset
+def probe(target_model: TargetModel):
+    seen.update(path=target_model.path, trust_remote_code=target_model.trust_remote_code, ids=target_model.aux_layer_ids)
+
+materialize([probe], resources={"target_model": default_resources()["target_model"]},
+            run_config={"resources": {"target_model": {"config": {"aux_layer_ids": [1, 3, 5]}}}})
+print(seen)
+"""
+
+
+def test_a_launchpad_override_of_one_field_keeps_the_target_from_the_environment(tmp_path):
+    """The story's silent swap: overriding aux_layer_ids used to reset the path to the demo's model."""
+    env = {**os.environ, "EAGLE3_TARGET_MODEL": "/models/kimi-k2.5", "EAGLE3_TRUST_REMOTE_CODE": "1", "DAGSTER_HOME": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", OVERRIDE_ONE_FIELD], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = ast.literal_eval(out.stdout.strip().splitlines()[-1])
+    assert seen == {"path": "/models/kimi-k2.5", "trust_remote_code": True, "ids": [1, 3, 5]}
+
+
+def test_default_layer_ids_are_vllms_when_distinct_and_never_repeat():
+    assert default_aux_layer_ids(61) == [2, 30, 58]  # Kimi-K2 / DeepSeek-V3: vLLM's own default
+    assert default_aux_layer_ids(7) == [2, 3, 4]
+    for layers in range(3, 64):
+        ids = default_aux_layer_ids(layers)
+        assert len(set(ids)) == 3 and all(0 < i <= layers for i in ids), (layers, ids)
+
+
+def test_the_preflight_passes_the_demo_target(tiny_target):
+    assert preflight_problems(TargetSettings(str(tiny_target)), max_tokens=256, eval_max_tokens=128) == []
+
+
+def test_the_preflight_refuses_repeated_ids_a_short_context_and_remote_code_without_opt_in(tiny_target, tmp_path):
+    repeated = preflight_problems(TargetSettings(str(tiny_target), aux_layer_ids=(2, 3, 3)), max_tokens=256, eval_max_tokens=128)
+    assert len(repeated) == 1 and "repeated id" in repeated[0] and "target_model.aux_layer_ids" in repeated[0]
+
+    short = preflight_problems(TargetSettings(str(tiny_target)), max_tokens=8192, eval_max_tokens=128)
+    assert len(short) == 1 and "vllm_server.max_tokens=8192" in short[0] and "4096-token context" in short[0]
+
+    remote = with_remote_code_tokenizer(tiny_target, tmp_path / "remote")
+    refused = preflight_problems(TargetSettings(str(remote)), max_tokens=256, eval_max_tokens=128)
+    assert len(refused) == 1 and "remote code" in refused[0] and "target_model.trust_remote_code" in refused[0]
+    with pytest.raises(TargetError, match="EAGLE3_TRUST_REMOTE_CODE"):
+        core_target.load_tokenizer(remote)
+    assert preflight_problems(TargetSettings(str(remote), trust_remote_code=True), max_tokens=256, eval_max_tokens=128) == []
+
+
+def test_the_target_preflight_stops_generation_before_any_request(tiny_target, tmp_path, data_dir):
+    """Repeated ids used to be refused only at extraction, after generation and validation; now nothing is sent."""
+    from eagle3_assets.prompts import prompts
+    from eagle3_assets.raw_responses import raw_responses
+    from resources.prompt_dataset import PromptDataset
+    from resources.vllm_server import VLLMServerResource
+
+    source = tmp_path / "prompts.jsonl"
+    source.write_text("".join(json.dumps({"id": f"q{i}", "question": f"What is {i} + {i}?"}) + "\n" for i in range(4)))
+    instance = DagsterInstance.ephemeral()
+    register_shards(instance, [SHARD])
+    resources = {
+        "prompt_dataset": PromptDataset(source=str(source), shard_size=4, holdout_share=0.0),
+        # Nothing listens there: the pre-flight must fail before the client is even opened.
+        "vllm_server": VLLMServerResource(base_urls=["http://127.0.0.1:9"], served_model_name="m", max_tokens=256),
+        "target_model": TargetModel(path=str(tiny_target), aux_layer_ids=[2, 3, 3]),
+    }
+    result = materialize([prompts, raw_responses], partition_key=SHARD, resources=resources, instance=instance, raise_on_error=False)
+    assert not result.success
+    (failure,) = [e for e in result.all_events if e.is_step_failure]
+    text = failure.step_failure_data.error.to_string()
+    assert "target pre-flight failed, nothing was sent" in text and "repeated id" in text and "EAGLE3_AUX_LAYER_IDS" in text
+    assert not (data_dir / "raw_responses" / f"{SHARD}.journal.jsonl").exists()
+
+
+def test_hidden_states_refuses_another_model_than_the_one_that_rendered_the_traces(tiny_target, tmp_path, data_dir):
+    from eagle3_assets.hidden_states import HiddenStatesConfig, hidden_states
+    from resources.gpu_host import GPUHost
+    from tests.extraction_helpers import write_validated_traces
+
+    write_validated_traces(data_dir, SHARD, tiny_target, count=6)  # rendered by the tiny target
+    other = variant(tiny_target, tmp_path / "other", rms_norm_eps=1e-6)
+    instance = DagsterInstance.ephemeral()
+    register_shards(instance, [SHARD])
+    result = materialize(
+        [hidden_states],
+        partition_key=SHARD,
+        resources={"target_model": TargetModel(path=str(other)), "gpu_host": GPUHost()},
+        instance=instance,
+        run_config=RunConfig(ops={"hidden_states": HiddenStatesConfig(dtype="float32", cpu_threads=1)}),
+        raise_on_error=False,
+    )
+    assert not result.success
+    checks = {e.check_name: e for e in result.get_asset_check_evaluations()}
+    assert not checks["target_matches_traces"].passed
+    description = checks["target_matches_traces"].description
+    assert str(other) in description and core_target.config_hash(tiny_target) in description
+    assert not list((data_dir / "hidden_states" / SHARD).glob("part-*.safetensors"))  # no GPU time spent on the wrong model
+
+
+def test_serving_follows_the_target(tiny_target, tmp_path):
+    assert vllm_serving(tiny_target) == {"max_model_len": 4096, "dtype": "float32", "trust_remote_code": False}
+    short = variant(tiny_target, tmp_path / "short", max_position_embeddings=2048)
+    assert vllm_serving(short, trust_remote_code=True)["max_model_len"] == 2048
+    with pytest.raises(TargetError, match="exceeds the target's 2048-token context"):
+        vllm_serving(short, max_model_len=4096)
+    bf16 = variant(tiny_target, tmp_path / "bf16", dtype="bfloat16")
+    assert vllm_serving(bf16)["dtype"] == "auto"  # never cast a half-precision or quantised checkpoint
+
+
+def test_held_out_prompts_come_from_the_users_dataset_and_never_reach_training(tmp_path, data_dir):
+    from eagle3_assets.draft_evaluation import resolve_eval_prompts, training_overlap
+    from eagle3_assets.prompts import prompts
+    from resources.prompt_dataset import PromptDataset
+
+    source = tmp_path / "prompts.jsonl"
+    source.write_text("".join(json.dumps({"id": f"q{i}", "question": f"Question number {i}?"}) + "\n" for i in range(200)))
+    dataset = PromptDataset(source=str(source), shard_size=100, holdout_share=0.1)
+    instance = DagsterInstance.ephemeral()
+    register_shards(instance, dataset.shard_keys())
+    for key in dataset.shard_keys():
+        assert materialize([prompts], partition_key=key, resources={"prompt_dataset": dataset}, instance=instance).success
+    training = pl.concat([pl.read_parquet(data_dir / "prompts" / f"{k}.parquet") for k in dataset.shard_keys()])
+    held = pl.concat([pl.read_parquet(data_dir / "prompts" / f"{k}.heldout.parquet") for k in dataset.shard_keys()])
+    assert 5 <= held.height <= 40 and training.height + held.height == 200
+    assert not set(held["id"]) & set(training["id"])
+
+    user_target = TargetModel(path=str(tmp_path / "my-target"))
+    path = resolve_eval_prompts("", user_target, limit=8)
+    lines = [json.loads(line) for line in Path(path).read_text().splitlines()]
+    assert [r["id"] for r in lines] == held["id"].head(8).to_list()
+    assert training_overlap([r["id"] for r in lines], [r["messages"] for r in lines], data_dir / "prompts") == []
+    with pytest.raises(ValueError, match="demo target's built-in set"):
+        resolve_eval_prompts("demo", user_target, limit=8)
+
+
+@pytest.mark.vllm
+def test_evaluation_runs_on_a_target_with_a_2048_token_context(tiny_target, tmp_path):
+    """The launcher's old 4,096 default made vLLM refuse such a target; the context now comes from the target."""
+    from eagle3_assets.core.evaluation import evaluate
+    from tests.test_export import exported_random_draft
+
+    short = variant(tiny_target, tmp_path / "short", max_position_embeddings=2048)
+    draft = exported_random_draft(short, tmp_path / "draft")
+    questions = [[{"role": "user", "content": f"What is {i} plus {i + 3}?"}] for i in range(4)]
+    (result,) = evaluate(short, {"untrained": draft}, questions, max_tokens=32, include_reference=False, server_log_dir=tmp_path).values()
+    assert result.failed == 0 and result.drafts and result.mean_acceptance_length >= 1.0
