@@ -229,6 +229,24 @@ def test_the_indexes_are_built_once_extended_on_append_and_rebuilt_on_rewrite(tm
     assert count_rows(str(path)) == 12
 
 
+def test_a_line_caught_half_written_is_read_whole_once_the_writer_finishes_it(tmp_path):
+    path = tmp_path / "d.jsonl"
+    rows = [json.dumps({"id": f"q{i}", "question": f"question {i}?"}) for i in range(6)]
+    path.write_text("\n".join(rows[:5]) + "\n" + rows[5][:15])  # a writer is in the middle of row 5
+    assert count_rows(str(path)) == 6
+    shard = load_shard(str(path), "shard-00001", 4)
+    assert shard.accepted["id"].to_list() == ["q4"]
+    assert shard.rejected.select("row_index", "reason").rows() == [(5, "invalid_json")]
+
+    with open(path, "a") as fh:  # the writer finishes row 5 and adds row 6, which repeats an id
+        fh.write(rows[5][15:] + "\n" + json.dumps({"id": "q5", "question": "again?"}) + "\n")
+    shard = load_shard(str(path), "shard-00001", 4)
+    assert shard.indexes == {"line_index": "extended", "id_index": "extended"}
+    assert shard.accepted["id"].to_list() == ["q4", "q5"]
+    assert shard.rejected.select("row_index", "reason").rows() == [(6, "duplicate_id")]
+    assert count_rows(str(path)) == 7
+
+
 def test_an_index_that_cannot_be_written_beside_the_dataset_goes_to_the_data_dir(tmp_path, data_dir):
     shared = tmp_path / "shared"
     shared.mkdir()

@@ -140,41 +140,24 @@ class LineIndex:
     file: Path
     stamp: FileStamp
     complete_rows: int  # rows that end with a newline
+    complete_end: int  # the byte just past them
     data_offset: int  # where the offsets start in ``file``
     how: str  # "reused", "extended" or "built": what obtaining it cost
 
     @property
     def rows(self) -> int:
         """Every row, the last one counted even without a final newline (as iterating the file does)."""
-        return self.complete_rows + (1 if self.stamp.size > self.end_of(self.complete_rows) else 0)
+        return self.complete_rows + (1 if self.stamp.size > self.complete_end else 0)
 
     def end_of(self, rows: int) -> int:
         """Byte offset just past row ``rows - 1`` (0 for no rows)."""
         if rows <= 0:
             return 0
-        if rows > self.complete_rows:
-            return self.stamp.size
+        if rows >= self.complete_rows:
+            return self.complete_end if rows == self.complete_rows else self.stamp.size
         with open(self.file, "rb") as fh:
             fh.seek(self.data_offset + (rows - 1) * _OFFSET.size)
             return _OFFSET.unpack(fh.read(_OFFSET.size))[0]
-
-    def row_bounds(self, start: int, stop: int) -> list[int]:
-        """Byte offsets ``b`` with row ``start + k`` at ``[b[k], b[k + 1])``, for the rows in ``[start, stop)``."""
-        stop = min(stop, self.rows)
-        if start >= stop:
-            return []
-        first, last = max(start - 1, 0), min(stop, self.complete_rows)
-        ends = array("q")
-        if last > first:
-            with open(self.file, "rb") as fh:
-                fh.seek(self.data_offset + first * _OFFSET.size)
-                ends.frombytes(fh.read((last - first) * _OFFSET.size))
-            if sys.byteorder == "big":
-                ends.byteswap()
-        bounds = ([0] if start == 0 else []) + ends.tolist()
-        if stop > self.complete_rows:
-            bounds.append(self.stamp.size)  # the last row, without a final newline
-        return bounds
 
 
 def line_index(dataset: Path) -> LineIndex:
@@ -206,7 +189,7 @@ def line_index(dataset: Path) -> LineIndex:
                 ends.tofile(fh)
 
         file = _publish(dataset, LINE_INDEX_SUFFIX, write)
-        return LineIndex(file, stamp, len(ends), len(payload), how)
+        return LineIndex(file, stamp, len(ends), prefix.end, len(payload), how)
 
 
 def _scan_newlines(path: Path, start: int, stop: int, ends: array) -> None:
@@ -247,7 +230,7 @@ def _valid_line_index(dataset: Path, stamp: FileStamp) -> LineIndex | None:
     for file in index_locations(dataset, LINE_INDEX_SUFFIX):
         read = _read_line_header(file)
         if read and read[0]["stamp"] == asdict(stamp):
-            return LineIndex(file, stamp, read[0]["rows"], read[1], "reused")
+            return LineIndex(file, stamp, read[0]["rows"], read[0]["prefix"]["end"], read[1], "reused")
     return None
 
 
@@ -273,55 +256,64 @@ def _newest_line_index(dataset: Path) -> tuple[array, Prefix] | None:
 # ---------------------------------------------------------------- id index
 
 
-@dataclass(frozen=True)
 class IdIndex:
-    file: Path
-    rows: int  # rows covered: [0, rows)
-    how: str  # "reused", "extended" or "built"
+    """An open, read-only id index; close it (or use it in a ``with``) after the lookups."""
+
+    def __init__(self, file: Path, db: sqlite3.Connection, rows: int, how: str):
+        self.file = file
+        self.rows = rows  # rows covered: [0, rows)
+        self.how = how  # "reused", "extended" or "built"
+        self._db = db
 
     def first_rows(self, ids: Iterable[str]) -> dict[str, int]:
         """For each of ``ids`` that some usable row carries, the first such row."""
         wanted = list(dict.fromkeys(ids))
         found: dict[str, int] = {}
-        with _open_readonly(self.file) as db:
-            for i in range(0, len(wanted), 500):  # below SQLite's limit on bound parameters
-                chunk = wanted[i : i + 500]
-                query = f"SELECT id, first_row FROM ids WHERE id IN ({','.join('?' * len(chunk))})"
-                found.update(db.execute(query, chunk).fetchall())
+        for i in range(0, len(wanted), 500):  # below SQLite's limit on bound parameters
+            chunk = wanted[i : i + 500]
+            query = f"SELECT id, first_row FROM ids WHERE id IN ({','.join('?' * len(chunk))})"
+            found.update(self._db.execute(query, chunk).fetchall())
         return found
 
+    def close(self) -> None:
+        self._db.close()
 
-@contextmanager
-def _open_readonly(file: Path) -> Iterator[sqlite3.Connection]:
-    db = sqlite3.connect(f"{file.resolve().as_uri()}?mode=ro&immutable=1", uri=True)
-    try:
-        yield db
-    finally:
-        db.close()
+    def __enter__(self) -> IdIndex:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _open_readonly(file: Path) -> sqlite3.Connection:
+    # immutable: a published index is never written again, so no locking (safe on NFS) and no journal lookups
+    return sqlite3.connect(f"{file.resolve().as_uri()}?mode=ro&immutable=1", uri=True)
 
 
 def id_index(
     dataset: Path,
     stamp: FileStamp,
-    rows: int,
-    prefix: Prefix | None,
+    needed: int,
+    extent: Callable[[], tuple[int, Prefix | None]],
     rules: str,
     usable_ids: Callable[[int, int], Iterable[tuple[int, str]]],
 ) -> IdIndex:
-    """The first usable row of every sample id in rows ``[0, rows)`` of ``dataset``.
+    """An index of the first usable row of every sample id, covering at least rows ``[0, needed)``.
 
-    ``usable_ids(a, b)`` yields ``(row, id)`` for the rows of ``[a, b)`` that normalise;
-    ``rules`` names the normalisation, so a change of it rebuilds the index;
-    ``prefix`` (the bytes those rows span) allows extending it after an append.
+    A new index covers ``extent()``: ``(rows, prefix)``, every row the file holds
+    for good and the bytes they span (``prefix`` None: never extend, rebuild on
+    change). ``usable_ids(a, b)`` yields ``(row, id)`` for the rows of ``[a, b)``
+    that normalise; ``rules`` names the normalisation, so a change of it rebuilds.
     """
     wanted = {"stamp": asdict(stamp), "rules": rules}
-    found = _valid_id_index(dataset, wanted, rows)
+    found = _valid_id_index(dataset, wanted, needed)
     if found:
         return found
     with _build_lock(dataset, ID_INDEX_SUFFIX):
-        found = _valid_id_index(dataset, wanted, rows)
+        found = _valid_id_index(dataset, wanted, needed)
         if found:
             return found
+        rows, prefix = extent()
         previous = _extendable_id_index(dataset, stamp, rules, rows)
         meta = {**wanted, "rows": rows, "prefix": asdict(prefix) if prefix else None}
 
@@ -343,32 +335,44 @@ def id_index(
                 db.close()
 
         file = _publish(dataset, ID_INDEX_SUFFIX, write)
-        return IdIndex(file, rows, "extended" if previous is not None else "built")
+        return IdIndex(file, _open_readonly(file), rows, "extended" if previous is not None else "built")
 
 
-def _id_meta(file: Path) -> dict | None:
+def _id_meta(file: Path, keep_open: bool = False) -> tuple[dict, sqlite3.Connection | None] | None:
     if not file.is_file():
         return None
+    db = None
     try:
-        with _open_readonly(file) as db:
-            (raw,) = db.execute("SELECT json FROM meta").fetchone()
-        return json.loads(raw)
+        db = _open_readonly(file)
+        (raw,) = db.execute("SELECT json FROM meta").fetchone()
+        meta = json.loads(raw)
     except (sqlite3.Error, TypeError, ValueError):
-        return None  # damaged or from an interrupted writer that predates atomic renames: rebuilt
+        if db is not None:
+            db.close()
+        return None  # damaged: rebuilt
+    if not keep_open:
+        db.close()
+        db = None
+    return meta, db
 
 
 def _valid_id_index(dataset: Path, wanted: dict, rows: int) -> IdIndex | None:
     for file in index_locations(dataset, ID_INDEX_SUFFIX):
-        meta = _id_meta(file)
-        if meta and {k: meta.get(k) for k in wanted} == wanted and meta["rows"] >= rows:
-            return IdIndex(file, meta["rows"], "reused")
+        found = _id_meta(file, keep_open=True)
+        if found is None:
+            continue
+        meta, db = found
+        if {k: meta.get(k) for k in wanted} == wanted and meta["rows"] >= rows:
+            return IdIndex(file, db, meta["rows"], "reused")
+        db.close()
     return None
 
 
 def _extendable_id_index(dataset: Path, stamp: FileStamp, rules: str, rows: int) -> tuple[Path, int] | None:
     """An index of an earlier version of the file whose rows are all still there unchanged."""
     for file in index_locations(dataset, ID_INDEX_SUFFIX):
-        meta = _id_meta(file)
+        found = _id_meta(file)
+        meta = found[0] if found else None
         if not meta or meta.get("rules") != rules or not meta.get("prefix") or meta["rows"] > rows:
             continue
         if Prefix(**meta["prefix"]).still_in(Path(stamp.path), stamp):

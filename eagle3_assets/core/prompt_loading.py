@@ -135,37 +135,40 @@ class JsonlSource(PromptSource):
         return self._line_index().rows
 
     def rows(self, start: int, stop: int | None) -> Iterator[DatasetRow]:
-        if start == 0 and stop is None:  # the whole file: one sequential read, no index needed
-            yield from self._stream()
-            return
-        index = self._line_index()
-        bounds = index.row_bounds(start, index.rows if stop is None else stop)
-        if not bounds:
-            return
-        with open(index.stamp.path, "rb") as fh:
-            fh.seek(bounds[0])
-            block = fh.read(bounds[-1] - bounds[0])
-        for k in range(len(bounds) - 1):
-            line = block[bounds[k] - bounds[0] : bounds[k + 1] - bounds[0]]
-            yield _parse_line(line, start + k, bounds[k])
-
-    def _stream(self) -> Iterator[DatasetRow]:
-        if not self.path.is_file():
-            raise DatasetReadError(f"prompt dataset {self.path}: no such file")
+        # From row 0 no index is needed; otherwise one seek to the row's offset. Then
+        # line by line, so memory stays one line whatever the range.
         offset = 0
+        if start > 0:
+            lines = self._line_index()
+            stop = lines.rows if stop is None else min(stop, lines.rows)  # the rows of the version indexed
+            if start >= stop:
+                return
+            offset = lines.end_of(start)
+        elif not self.path.is_file():
+            raise DatasetReadError(f"prompt dataset {self.path}: no such file")
         with open(self.path, "rb") as fh:
-            for index, raw in enumerate(fh):
-                yield _parse_line(raw, index, offset)
+            fh.seek(offset)
+            row_index = start
+            while stop is None or row_index < stop:
+                raw = fh.readline()
+                if not raw:
+                    return
+                yield _parse_line(raw, row_index, offset)
                 offset += len(raw)
+                row_index += 1
 
     def ids_before(self, ids: set[str], start: int) -> tuple[set[str], dict[str, str]]:
         if start == 0 or not ids:
             return set(), {}
         lines = self._line_index()
-        covered = min(start, lines.complete_rows)  # rows before a shard's start all end with a newline
-        prefix = Prefix.of(Path(lines.stamp.path), lines.stamp, lines.end_of(covered))
-        ids_index = id_index(self.path, lines.stamp, covered, prefix, ID_RULES, self._usable_ids)
-        first = ids_index.first_rows(ids)
+
+        def extent() -> tuple[int, Prefix]:
+            # every row that ends with a newline; a last line without one may still be being written
+            return lines.complete_rows, Prefix.of(Path(lines.stamp.path), lines.stamp, lines.complete_end)
+
+        # rows before a shard's start all end with a newline, so `start` rows are always coverable
+        with id_index(self.path, lines.stamp, min(start, lines.complete_rows), extent, ID_RULES, self._usable_ids) as ids_index:
+            first = ids_index.first_rows(ids)
         return {i for i, row in first.items() if row < start}, {"line_index": lines.how, "id_index": ids_index.how}
 
     def _usable_ids(self, start: int, stop: int) -> Iterator[tuple[int, str]]:
@@ -221,8 +224,8 @@ class ParquetSource(PromptSource):
             return set(), {}
         stamp = FileStamp.of(self.path)
         # a Parquet file is rewritten, never appended to: the index covers all of it and is rebuilt on change
-        ids_index = id_index(self.path, stamp, self.count(), None, ID_RULES, self._usable_ids)
-        first = ids_index.first_rows(ids)
+        with id_index(self.path, stamp, start, lambda: (self.count(), None), ID_RULES, self._usable_ids) as ids_index:
+            first = ids_index.first_rows(ids)
         return {i for i, row in first.items() if row < start}, {"id_index": ids_index.how}
 
     def _usable_ids(self, start: int, stop: int) -> Iterator[tuple[int, str]]:
