@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import shutil
 import subprocess
+from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 
 import polars as pl
@@ -245,6 +247,36 @@ def test_a_line_caught_half_written_is_read_whole_once_the_writer_finishes_it(tm
     assert shard.accepted["id"].to_list() == ["q4", "q5"]
     assert shard.rejected.select("row_index", "reason").rows() == [(6, "duplicate_id")]
     assert count_rows(str(path)) == 7
+
+
+def test_damaged_indexes_are_rebuilt_not_trusted(tmp_path):
+    path = tmp_path / "d.jsonl"
+    write_lines(path, [json.dumps({"id": f"q{i}", "question": f"question {i}?"}) for i in range(9)] + [json.dumps({"id": "q0", "question": "dup?"})])
+    expected = load_shard(str(path), "shard-00002", 4)
+    lines, ids = tmp_path / ".d.jsonl.lines", tmp_path / ".d.jsonl.ids.sqlite"
+    lines.write_bytes(lines.read_bytes()[:-5])  # a torn copy
+    ids.write_bytes(b"SQLite format 3\x00" + b"\x00" * 100)  # not a database any more
+    again = load_shard(str(path), "shard-00002", 4)
+    assert again.indexes == {"line_index": "built", "id_index": "built"}
+    assert again.accepted.equals(expected.accepted) and again.rejected.equals(expected.rejected)
+    assert again.rejected["reason"].to_list() == ["duplicate_id"]
+
+
+def _load_in_another_process(source, key):
+    shard = load_shard(source, key, 100)
+    return shard.indexes, shard.accepted.height
+
+
+def test_shard_runs_starting_together_build_each_index_once(tmp_path):
+    """A backfill starts many shard runs at once on a fresh file: one builds, the others wait and reuse."""
+    path = tmp_path / "d.jsonl"
+    write_lines(path, [json.dumps({"id": f"q{i}", "question": f"question {i}?"}) for i in range(30_000)])
+    keys = ["shard-00297", "shard-00298", "shard-00299"]
+    with ProcessPoolExecutor(len(keys), mp_context=multiprocessing.get_context("spawn")) as pool:
+        results = list(pool.map(_load_in_another_process, [str(path)] * len(keys), keys))
+    assert [height for _, height in results] == [100, 100, 100]
+    for name in ("line_index", "id_index"):
+        assert sorted(indexes[name] for indexes, _ in results) == ["built", "reused", "reused"], results
 
 
 def test_an_index_that_cannot_be_written_beside_the_dataset_goes_to_the_data_dir(tmp_path, data_dir):
