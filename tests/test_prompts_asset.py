@@ -93,3 +93,23 @@ def test_a_late_shard_reads_its_rows_through_indexes_built_once(tmp_path, data_d
     }
     rejected = pl.read_parquet(data_dir / "prompts" / "shard-00005.rejected.parquet")
     assert rejected.select("row_index", "id", "reason").rows() == [(42, "q3", "duplicate_id")]
+
+
+def test_invisible_questions_and_unusable_ids_are_counted_apart(tmp_path, data_dir):
+    source = tmp_path / "d.jsonl"
+    rows = [{"id": f"q{i}", "question": f"q {i}?"} for i in range(4)]
+    rows += [{"id": "zw", "question": "\u200b\u2060\ufeff"}, {"id": ["x", "y"], "question": "list id?"}, {"id": {"n": 1}, "question": "dict id?"}]
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    dataset = PromptDataset(source=str(source), shard_size=8)
+    instance = DagsterInstance.ephemeral()
+    register_shards(instance, dataset.shard_keys())
+    result = materialize([prompts], partition_key="shard-00000", resources={"prompt_dataset": dataset}, instance=instance)
+    assert result.success
+    (mat,) = result.asset_materializations_for_node("prompts")
+    assert mat.metadata["rejected_by_reason"].value == {"empty_question": 1, "bad_id": 2}
+    rejected = pl.read_parquet(data_dir / "prompts" / "shard-00000.rejected.parquet").sort("row_index")
+    assert rejected["detail"].to_list()[1:] == [
+        "id is a list (['x', 'y']); use a string or an integer",
+        "id is a dict ({'n': 1}); use a string or an integer",
+    ]
+    assert pl.read_parquet(data_dir / "prompts" / "shard-00000.parquet")["id"].to_list() == ["q0", "q1", "q2", "q3"]
