@@ -216,12 +216,13 @@ def _read_line_header(file: Path) -> tuple[dict, int] | None:
                 return None
             (length,) = _HEADER_LEN.unpack(head[len(_MAGIC) :])
             header = json.loads(fh.read(length))
+            size = os.fstat(fh.fileno()).st_size
     except (OSError, ValueError):
         return None  # missing or damaged: rebuilt
-    if header.get("format") != _FORMAT:
+    if not isinstance(header, dict) or header.get("format") != _FORMAT:
         return None
     data_offset = len(_MAGIC) + _HEADER_LEN.size + length
-    if file.stat().st_size != data_offset + header["rows"] * _OFFSET.size:
+    if size != data_offset + header["rows"] * _OFFSET.size:
         return None  # truncated
     return header, data_offset
 
