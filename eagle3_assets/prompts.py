@@ -58,6 +58,8 @@ def prompts(context: AssetExecutionContext, prompt_dataset: PromptDataset) -> Ma
     rejected_share = rejected / total if total else 0.0
     examples = [f"row {r['row_index']}: {r['reason']} ({r['detail']})" for r in shard.rejected.head(10).iter_rows(named=True)]
     context.log.info(f"{key}: {accepted} prompts accepted, {held_out.height} held out for evaluation, {rejected} rejected {reasons or ''}")
+    if "built" in shard.indexes.values() or "extended" in shard.indexes.values():
+        context.log.info(f"{key}: dataset indexes {shard.indexes} (later shards of this file version reuse them)")
     version = stable_hash({"prompts": training.to_dicts(), "source": prompt_dataset.resolved_source()})
     return MaterializeResult(
         data_version=DataVersion(version),
@@ -70,6 +72,8 @@ def prompts(context: AssetExecutionContext, prompt_dataset: PromptDataset) -> Ma
             "holdout_share": prompt_dataset.holdout_share,
             "rejected": rejected,
             "rejected_by_reason": MetadataValue.json(reasons),
+            # what reading this shard cost: a "built" index is the one-off pass over the dataset
+            "dataset_indexes": MetadataValue.json(shard.indexes),
             "dagster/row_count": accepted,
         },
         check_results=[

@@ -37,6 +37,17 @@ class PromptDataset(ConfigurableResource):
             return str(demo_prompts_path())
         return str(Path(self.source).expanduser()) if Path(self.source).expanduser().exists() else self.source
 
+    def file_version(self) -> dict | None:
+        """Size and mtime of the dataset file, read without opening it; None for a hub dataset.
+
+        What the new-shards sensor compares between ticks before it parses anything.
+        """
+        path = Path(self.resolved_source())
+        if not path.is_file():
+            return None
+        st = path.stat()
+        return {"path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
     def shard_keys(self) -> list[str]:
         return shard_keys_for(count_rows(self.resolved_source()), self.shard_size)
 

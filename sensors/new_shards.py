@@ -4,8 +4,14 @@ Shard keys never change meaning when rows are appended, so the sensor only adds
 keys. With ``EAGLE3_AUTO_GENERATE=1`` it also requests a generation run
 (``prompts`` and ``raw_responses``) for each new shard; off by default, since
 generation occupies the vLLM server.
+
+A tick on an unchanged file costs one ``stat``: the cursor keeps the file's size
+and mtime (and the shard size) from the last tick that looked inside, and the
+sensor reads nothing while they match. A hub dataset has no such stamp and is
+counted every tick, as before.
 """
 
+import json
 import os
 
 from dagster import AssetSelection, DefaultSensorStatus, RunRequest, SensorEvaluationContext, SensorResult, SkipReason, sensor
@@ -24,12 +30,19 @@ AUTO_GENERATE_ENV = "EAGLE3_AUTO_GENERATE"
     description="Adds the partition keys of new prompt shards; optionally requests their generation runs.",
 )
 def new_prompt_shards(context: SensorEvaluationContext, prompt_dataset: PromptDataset):
+    version = prompt_dataset.file_version()
+    seen = {**version, "shard_size": prompt_dataset.shard_size} if version else None
+    if seen is not None and context.cursor and json.loads(context.cursor) == seen:
+        return SkipReason(
+            f"{seen['path']} unchanged since the last look ({seen['size']} bytes, mtime_ns {seen['mtime_ns']}): nothing read"
+        )
+    cursor = json.dumps(seen, sort_keys=True) if seen else context.cursor
     known = set(context.instance.get_dynamic_partitions(SAMPLE_SHARDS))
     new = [key for key in prompt_dataset.shard_keys() if key not in known]
     if not new:
-        return SkipReason(f"no new shards ({len(known)} known)")
+        return SensorResult(skip_reason=SkipReason(f"no new shards ({len(known)} known)"), cursor=cursor)
     runs = []
     if os.environ.get(AUTO_GENERATE_ENV) == "1":
         runs = [RunRequest(run_key=f"generate-{key}", partition_key=key) for key in new]
     context.log.info(f"adding {len(new)} shard(s): {new[0]} .. {new[-1]}")
-    return SensorResult(run_requests=runs, dynamic_partitions_requests=[sample_shards.build_add_request(new)])
+    return SensorResult(run_requests=runs, dynamic_partitions_requests=[sample_shards.build_add_request(new)], cursor=cursor)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from dagster import DagsterInstance, build_run_status_sensor_context, build_sensor_context, materialize, DagsterEventType
+from dagster import DagsterEventType, DagsterInstance, SkipReason, build_run_status_sensor_context, build_sensor_context, materialize
 
 from eagle3_assets.core.vllm_metrics import parse_prometheus
 from eagle3_assets.partitions import SAMPLE_SHARDS, register_shards
@@ -77,6 +77,43 @@ def test_appending_prompts_adds_new_partition_keys_and_keeps_old_ones(tmp_path):
     assert result.run_requests == []  # generation is requested only when EAGLE3_AUTO_GENERATE=1
     instance.add_dynamic_partitions(SAMPLE_SHARDS, list(request.partition_keys))
     assert instance.get_dynamic_partitions(SAMPLE_SHARDS) == ["shard-00000", "shard-00001", "shard-00002", "shard-00003"]
+
+
+def test_an_unchanged_dataset_is_not_read_again_and_a_grown_one_adds_its_shards(tmp_path):
+    instance = DagsterInstance.ephemeral()
+    path = write_dataset(tmp_path / "d.jsonl", 5)
+    dataset = PromptDataset(source=str(path), shard_size=4)
+    line_index = tmp_path / ".d.jsonl.lines"
+
+    def tick(cursor):
+        result = new_prompt_shards(build_sensor_context(instance=instance, cursor=cursor, resources={"prompt_dataset": dataset}))
+        for request in getattr(result, "dynamic_partitions_requests", None) or []:
+            instance.add_dynamic_partitions(SAMPLE_SHARDS, list(request.partition_keys))
+        return result
+
+    first = tick(None)
+    assert instance.get_dynamic_partitions(SAMPLE_SHARDS) == ["shard-00000", "shard-00001"]
+    assert line_index.is_file()  # counting the rows built the dataset's line index
+
+    line_index.unlink()  # if the next tick read the file at all, the index would come back
+    second = tick(first.cursor)
+    assert isinstance(second, SkipReason)
+    assert second.skip_message == f"{path} unchanged since the last look ({path.stat().st_size} bytes, mtime_ns {path.stat().st_mtime_ns}): nothing read"
+    assert not line_index.exists()
+
+    with open(path, "a") as fh:  # the dataset grows by appending, as a collection job does
+        fh.write("".join(json.dumps({"id": f"q{i}", "question": f"question {i}?"}) + "\n" for i in range(5, 14)))
+    third = tick(first.cursor)
+    assert [list(r.partition_keys) for r in third.dynamic_partitions_requests] == [["shard-00002", "shard-00003"]]
+    assert instance.get_dynamic_partitions(SAMPLE_SHARDS) == [f"shard-0000{i}" for i in range(4)]
+    assert line_index.is_file()
+    fourth = tick(third.cursor)
+    assert isinstance(fourth, SkipReason) and "unchanged since the last look" in fourth.skip_message
+
+    # a new shard size re-keys everything: the same file is looked at again
+    dataset = PromptDataset(source=str(path), shard_size=2)
+    fifth = tick(third.cursor)
+    assert [list(r.partition_keys) for r in fifth.dynamic_partitions_requests] == [["shard-00004", "shard-00005", "shard-00006"]]
 
 
 def test_auto_generate_requests_one_run_per_new_shard(tmp_path, monkeypatch):

@@ -17,7 +17,6 @@ import json
 import os
 import re
 import shutil
-import tempfile
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from eagle3_assets.core.draft_model import DraftConfig, Eagle3Draft, rope_theta_of
+from eagle3_assets.core.storage import staging_dir
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -140,7 +140,7 @@ def export_draft(model: Eagle3Draft, out_dir: Path, *, dtype: str = "bfloat16", 
 
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent))
+    staging = staging_dir(out_dir)
     try:
         save_file(tensors, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
         (staging / CONFIG_FILE).write_text(json.dumps(draft_hf_config(config, dtype), indent=2) + "\n")

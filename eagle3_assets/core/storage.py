@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
+import secrets
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -34,14 +34,44 @@ def asset_dir(asset_name: str, root: Path | None = None) -> Path:
     return path
 
 
-@contextmanager
-def atomic_path(final: Path) -> Iterator[Path]:
-    """Yield a temporary path beside ``final``; rename it into place only on success."""
+def _create_unique(parent: Path, prefix: str, suffix: str, create) -> Path:
+    """Create a new entry under a fresh random name with ``create(path)``; retry on a name clash."""
+    for _ in range(100):
+        path = parent / f"{prefix}{secrets.token_hex(6)}{suffix}"
+        try:
+            create(path)
+        except FileExistsError:
+            continue
+        return path
+    raise FileExistsError(f"no free temporary name in {parent} for {prefix}*{suffix}")
+
+
+def _new_file(path: Path) -> None:
+    # Mode 0o666 lets the kernel apply the process's umask (and any default ACL),
+    # as a plain open() would: tempfile.mkstemp's 0600 would survive the rename and
+    # hide every output from the group that serves or trains on it.
+    os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
+
+
+def staging_dir(final: Path, suffix: str = PARTIAL_SUFFIX) -> Path:
+    """A new empty directory beside ``final``, to be filled and renamed onto it.
+
+    Created with mode 0o777 less the umask (tempfile.mkdtemp's 0700 would survive the rename).
+    """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{final.name}.", suffix=PARTIAL_SUFFIX, dir=final.parent)
-    os.close(fd)
-    tmp = Path(tmp_name)
+    return _create_unique(final.parent, f".{final.name}.", suffix, lambda p: os.mkdir(p, 0o777))
+
+
+@contextmanager
+def atomic_path(final: Path) -> Iterator[Path]:
+    """Yield a temporary path beside ``final``; rename it into place only on success.
+
+    The file gets the mode a plain ``open()`` would give (0o666 less the umask).
+    """
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _create_unique(final.parent, f".{final.name}.", PARTIAL_SUFFIX, _new_file)
     try:
         yield tmp
         with open(tmp, "rb+") as fh:

@@ -30,7 +30,6 @@ import random
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -48,7 +47,7 @@ from eagle3_assets.core.draft_model import DraftConfig, Eagle3Draft
 from eagle3_assets.core.export import draft_config_from_hf, export_draft, read_draft_dir
 from eagle3_assets.core.extraction import open_part, verify_part
 from eagle3_assets.core.schedule import Schedule, fit_schedule
-from eagle3_assets.core.storage import file_hash, fsync_dir, stable_hash, write_json_atomic
+from eagle3_assets.core.storage import file_hash, fsync_dir, stable_hash, staging_dir, write_json_atomic
 from eagle3_assets.core.vocab import VocabMapping, load_vocab_mapping
 
 EVENT_PREFIX = "EAGLE3_TRAIN_EVENT "
@@ -499,7 +498,7 @@ def save_checkpoint(checkpoints: Path, epoch: int, model: Eagle3Draft, optimizer
     """
     checkpoints.mkdir(parents=True, exist_ok=True)
     final = checkpoints / f"epoch-{epoch:04d}"
-    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".partial", dir=checkpoints))
+    staging = staging_dir(final)
     try:
         weights = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items() if k != "embed_tokens.weight"}
         save_file(weights, str(staging / "model.safetensors"))

@@ -18,12 +18,11 @@ import dataclasses
 import json
 import os
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagle3_assets.core.storage import stable_hash
+from eagle3_assets.core.storage import stable_hash, staging_dir
 from eagle3_assets.demo.prompt_set import training_traces
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -166,7 +165,7 @@ def build_tiny_target(out_dir: Path, spec: TinyTargetSpec = TinyTargetSpec(), lo
 
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    staging = staging_dir(out_dir)
     try:
         model.save_pretrained(staging, safe_serialization=True)
         tokenizer.save_pretrained(staging)
