@@ -885,11 +885,15 @@ def run_training(config: TrainConfig, nproc: int = 1, on_event: OnEvent | None =
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     tail: list[str] = []
     assert process.stdout is not None
+    decoder = json.JSONDecoder()
     for line in process.stdout:
-        if EVENT_PREFIX in line:
-            on_event(json.loads(line.split(EVENT_PREFIX, 1)[1]))
-        else:
+        if EVENT_PREFIX not in line:
             tail = (tail + [line.rstrip()])[-40:]
+            continue
+        # Every rank writes to this one pipe: two ranks' writes can land on one line, so each event is
+        # decoded where its prefix starts, and whatever follows it on the line is not taken for JSON.
+        for chunk in line.split(EVENT_PREFIX)[1:]:
+            on_event(decoder.raw_decode(chunk.strip())[0])
     if process.wait() != 0:
         raise RuntimeError(f"torchrun training exited with {process.returncode}:\n" + "\n".join(tail))
     return json.loads((training_dir / "result.json").read_text())
