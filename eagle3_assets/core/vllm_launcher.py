@@ -206,12 +206,12 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         model = str(tiny_target_dir())
     elif model == "kimi":
-        from eagle3_assets.demo.kimi_target import KIMI_SERVING
+        from eagle3_assets.demo.kimi_target import kimi_serving
         from eagle3_assets.demo.stack import kimi_target_dir
 
-        model, serving = str(kimi_target_dir()), KIMI_SERVING
-    extra = [a for a in args.extra if a != "--"]
-    server = VLLMServer(model, args.served_model_name, port=args.port, max_model_len=args.max_model_len, extra_args=extra, **serving)
+        model, serving = str(kimi_target_dir()), kimi_serving()
+    serving["extra_args"] = [*serving.get("extra_args", []), *(a for a in args.extra if a != "--")]
+    server = VLLMServer(model, args.served_model_name, port=args.port, max_model_len=args.max_model_len, **serving)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # turn SIGTERM into the cleanup path
     with server:
         print(json.dumps({"base_url": server.base_url, "model": args.served_model_name, "log": str(server.log_path)}), flush=True)
