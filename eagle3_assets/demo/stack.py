@@ -3,7 +3,8 @@
 Everything is derived from seeds and cached under the data directory, so a
 fresh machine builds it once (about a minute) and later runs reuse it.
 ``EAGLE3_TINY_TARGET_DIR`` points several data directories (the tests') at one
-cached target.
+cached target; ``EAGLE3_KIMI_TARGET_DIR`` does the same for the second built-in
+target, of the DeepSeek-V3 / Kimi-K2 family (about two minutes to build).
 """
 
 from __future__ import annotations
@@ -12,17 +13,22 @@ import os
 from pathlib import Path
 
 from eagle3_assets.core.storage import data_dir
+from eagle3_assets.demo.kimi_target import KimiTargetSpec, ensure_kimi_target
 from eagle3_assets.demo.prompt_set import demo_prompts, eval_prompts, write_jsonl
 from eagle3_assets.demo.tiny_target import TinyTargetSpec, ensure_tiny_target
 from eagle3_assets.settings import DEMO_SHARD_SIZE
 
-__all__ = ["DEMO_SHARD_SIZE", "demo_eval_prompts_path", "demo_prompts_path", "tiny_target_dir"]
-
+__all__ = ["DEMO_SHARD_SIZE", "demo_eval_prompts_path", "demo_prompts_path", "kimi_target_dir", "tiny_target_dir"]
 
 
 def tiny_target_dir(spec: TinyTargetSpec = TinyTargetSpec(), log=print) -> Path:
     override = os.environ.get("EAGLE3_TINY_TARGET_DIR")
     return ensure_tiny_target(Path(override) if override else data_dir() / "demo" / "tiny_target", spec, log=log)
+
+
+def kimi_target_dir(spec: KimiTargetSpec = KimiTargetSpec(), log=print) -> Path:
+    override = os.environ.get("EAGLE3_KIMI_TARGET_DIR")
+    return ensure_kimi_target(Path(override) if override else data_dir() / "demo" / "kimi_target", spec, log=log)
 
 
 def demo_prompts_path() -> Path:

@@ -15,15 +15,19 @@ Head size is 64: vLLM's CPU attention backend crashes with 16.
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagle3_assets.core.storage import stable_hash, staging_dir
+from eagle3_assets.core.storage import stable_hash
 from eagle3_assets.demo.prompt_set import training_traces
+from eagle3_assets.demo.target_building import (
+    cached_build,
+    conversation_batches,
+    train_byte_level_bpe,
+    train_on_completions,
+    write_model_dir,
+)
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 BOS, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
@@ -68,24 +72,13 @@ def response_text(reasoning: str, answer: str) -> str:
 
 
 def build_tokenizer(spec: TinyTargetSpec):
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     corpus = []
     for question, reasoning, answer in training_traces(spec.seed):
         corpus.append(f"{IM_START}user\n{question}{IM_END}\n{IM_START}assistant\n")
         corpus.append(response_text(reasoning, answer))
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=spec.vocab_size - 2,  # the two think markers are added below
-        special_tokens=[BOS, IM_START, IM_END],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(corpus, trainer)
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in (THINK_OPEN, THINK_CLOSE)])
+    tok = train_byte_level_bpe(corpus, spec.vocab_size, special_tokens=[BOS, IM_START, IM_END], plain_added_tokens=[THINK_OPEN, THINK_CLOSE])
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=BOS,
@@ -96,23 +89,15 @@ def build_tokenizer(spec: TinyTargetSpec):
     )
 
 
-def _training_batches(tokenizer, spec: TinyTargetSpec):
-    """Token ids of whole conversations, with a mask over the assistant's own tokens."""
-    import torch
-
-    rows = []
-    for question, reasoning, answer in training_traces(spec.seed):
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False)
-        prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        answer_ids = tokenizer(response_text(reasoning, answer), add_special_tokens=False)["input_ids"]
-        rows.append((prompt_ids + answer_ids, [0] * len(prompt_ids) + [1] * len(answer_ids)))
-    width = max(len(ids) for ids, _ in rows)
-    ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, (row_ids, row_mask) in enumerate(rows):
-        ids[i, : len(row_ids)] = torch.tensor(row_ids)
-        mask[i, : len(row_mask)] = torch.tensor(row_mask)
-    return ids, mask
+def _training_conversations(tokenizer, spec: TinyTargetSpec) -> list[tuple[str, str]]:
+    """(prompt, completion) texts: the chat template's prompt for each question and what the target should write."""
+    return [
+        (
+            tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False),
+            response_text(reasoning, answer),
+        )
+        for question, reasoning, answer in training_traces(spec.seed)
+    ]
 
 
 def build_tiny_target(out_dir: Path, spec: TinyTargetSpec = TinyTargetSpec(), log=print) -> Path:
@@ -141,49 +126,22 @@ def build_tiny_target(out_dir: Path, spec: TinyTargetSpec = TinyTargetSpec(), lo
         torch_dtype="float32",
     )
     model = LlamaForCausalLM(config)
-    ids, mask = _training_batches(tokenizer, spec)
-    generator = torch.Generator().manual_seed(spec.seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.learning_rate, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=spec.learning_rate, total_steps=spec.train_steps, pct_start=0.1)
-    model.train()
-    for step in range(spec.train_steps):
-        pick = torch.randint(0, ids.shape[0], (spec.batch_size,), generator=generator)
-        batch_ids, batch_mask = ids[pick], mask[pick]
-        width = int(batch_mask.nonzero()[:, 1].max()) + 1
-        batch_ids, batch_mask = batch_ids[:, :width], batch_mask[:, :width]
-        logits = model(input_ids=batch_ids).logits[:, :-1]
-        labels = batch_ids[:, 1:].masked_fill(batch_mask[:, 1:] == 0, -100)
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        if step % 100 == 0 or step == spec.train_steps - 1:
-            log(f"tiny target: step {step + 1}/{spec.train_steps} loss {loss.item():.3f} ({time.monotonic() - started:.0f}s)")
-    model.eval()
+    ids, mask = conversation_batches(tokenizer, _training_conversations(tokenizer, spec))
+    final_loss = train_on_completions(
+        model, ids, mask,
+        seed=spec.seed, steps=spec.train_steps, batch_size=spec.batch_size, learning_rate=spec.learning_rate,
+        label="tiny target", log=log,
+    )  # fmt: skip
 
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = staging_dir(out_dir)
-    try:
+    def write(staging: Path) -> None:
         model.save_pretrained(staging, safe_serialization=True)
         tokenizer.save_pretrained(staging)
-        (staging / "build_info.json").write_text(
-            json.dumps({"fingerprint": spec.fingerprint, "spec": dataclasses.asdict(spec), "final_loss": loss.item()}, indent=2)
-        )
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(staging, out_dir)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+
+    write_model_dir(out_dir, write, {"fingerprint": spec.fingerprint, "spec": dataclasses.asdict(spec), "final_loss": final_loss})
     log(f"tiny target: built in {time.monotonic() - started:.0f}s at {out_dir}")
-    return out_dir
+    return Path(out_dir)
 
 
 def ensure_tiny_target(out_dir: Path, spec: TinyTargetSpec = TinyTargetSpec(), log=print) -> Path:
     """The cached target at ``out_dir``, rebuilt only when missing or built from another spec."""
-    info = Path(out_dir) / "build_info.json"
-    if info.is_file() and json.loads(info.read_text()).get("fingerprint") == spec.fingerprint:
-        return Path(out_dir)
-    return build_tiny_target(Path(out_dir), spec, log=log)
+    return cached_build(Path(out_dir), spec.fingerprint, lambda path: build_tiny_target(path, spec, log=log))
