@@ -152,7 +152,7 @@ def test_hidden_states_refuses_another_model_than_the_one_that_rendered_the_trac
 
 
 def test_serving_follows_the_target(tiny_target, tmp_path):
-    assert vllm_serving(tiny_target) == {"max_model_len": 4096, "dtype": "float32", "trust_remote_code": False}
+    assert vllm_serving(tiny_target) == {"max_model_len": 4096, "dtype": "float32", "trust_remote_code": False, "extra_args": []}
     short = variant(tiny_target, tmp_path / "short", max_position_embeddings=2048)
     assert vllm_serving(short, trust_remote_code=True)["max_model_len"] == 2048
     with pytest.raises(TargetError, match="exceeds the target's 2048-token context"):

@@ -116,14 +116,15 @@ def evaluate(
     ``serving``: the target's ``VLLMServer`` options (remote code, dtype, context:
     :func:`eagle3_assets.core.target.vllm_serving`); by default from its config.
     """
-    serving = serving or vllm_serving(target_dir)
+    serving = dict(serving or vllm_serving(target_dir))
+    target_args = serving.pop("extra_args", [])
     results: dict[str, PassResult] = {}
     setups: list[tuple[str, list[str]]] = [("reference", [])] if include_reference else []
     setups += [(label, speculative_args(path, num_speculative_tokens)) for label, path in drafts.items()]
     for label, extra in setups:
         log(f"evaluation: serving the target for '{label}'")
         log_path = (server_log_dir / f"vllm-{label}.log") if server_log_dir else None
-        with VLLMServer(target_dir, extra_args=extra, log_path=log_path, **serving) as server:
+        with VLLMServer(target_dir, extra_args=[*target_args, *extra], log_path=log_path, **serving) as server:
             results[label] = run_pass(label, server.base_url, server.served_model_name, conversations, max_tokens, concurrency, speculative=bool(extra))
         r = results[label]
         acceptance = f", acceptance length {r.mean_acceptance_length:.2f}" if r.mean_acceptance_length is not None else ""

@@ -281,11 +281,13 @@ def check_loads_in_vllm(
     from eagle3_assets.core.vllm_launcher import VLLMServer
 
     spec = {"method": "eagle3", "model": str(Path(draft_dir).resolve()), "num_speculative_tokens": num_speculative_tokens}
+    serving = dict(serving or vllm_serving(target_dir, cap=LOAD_CHECK_CONTEXT))
+    target_args = serving.pop("extra_args", [])
     server = VLLMServer(
         target_dir,
         reasoning_parser=None,
-        **(serving or vllm_serving(target_dir, cap=LOAD_CHECK_CONTEXT)),
-        extra_args=["--speculative-config", json.dumps(spec)],
+        **serving,
+        extra_args=[*target_args, "--speculative-config", json.dumps(spec)],
         python=python or sys.executable,
         log_path=log_path,
         startup_timeout_s=startup_timeout_s,

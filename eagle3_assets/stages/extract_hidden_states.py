@@ -91,6 +91,7 @@ def make_backend(extras: dict[str, Any], traces):
             trust_remote_code=bool(target.get("trust_remote_code")),
         )
     if backend == "vllm":
+        from eagle3_assets.core.target import vllm_engine_overrides
         from eagle3_assets.core.vllm_extraction import VLLMBackend
 
         options = dict(extras.get("vllm") or {})
@@ -106,6 +107,7 @@ def make_backend(extras: dict[str, Any], traces):
             gpu_memory_utilization=float(options.get("gpu_memory_utilization", 0.9)),
             enforce_eager=options.get("enforce_eager"),
             trust_remote_code=bool(target.get("trust_remote_code")),
+            engine_kwargs=vllm_engine_overrides(target["path"]),
         )
     raise ValueError(f"backend {backend!r}: one of transformers, vllm")
 
