@@ -86,6 +86,9 @@ class VLLMServerResource(ConfigurableResource):
     )
     connect_timeout_s: float = Field(default=10.0, gt=0, description="to open a connection; failures are retried")
     read_timeout_s: float = Field(default=1800.0, gt=0, description="for one whole generation; a read timeout is not retried")
+    tokenize_timeout_s: float = Field(
+        default=30.0, gt=0, description="for one /tokenize call (exact count of a prompt that may not fit); on a timeout the server judges the prompt"
+    )
     max_retries: int = Field(default=5, ge=0, description="retries on connection errors, 408, 429 and 5xx (never on other 4xx)")
     retry_backoff_s: float = Field(default=1.0, ge=0, description="first backoff; doubles per retry, with jitter")
     retry_backoff_max_s: float = Field(default=60.0, ge=0)
@@ -137,6 +140,7 @@ class VLLMServerResource(ConfigurableResource):
             extra_body=dict(self.extra_body),
             connect_timeout_s=self.connect_timeout_s,
             read_timeout_s=self.read_timeout_s,
+            tokenize_timeout_s=self.tokenize_timeout_s,
             max_retries=self.max_retries,
             backoff_initial_s=self.retry_backoff_s,
             backoff_max_s=self.retry_backoff_max_s,

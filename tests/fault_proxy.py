@@ -44,6 +44,7 @@ class FaultProxy:
         fault_kinds: Iterable[str] = FAULT_KINDS,
         slow_s: float = 1.0,
         delay_s: float = 0.0,
+        tokenize_delay_s: float = 0.0,
         rename_reasoning: bool = False,
         drop_reasoning: bool = False,
         spare_canary: bool = False,
@@ -57,6 +58,7 @@ class FaultProxy:
         self.fault_kinds = tuple(fault_kinds)
         self.slow_s = slow_s
         self.delay_s = delay_s
+        self.tokenize_delay_s = tokenize_delay_s  # a /tokenize that hangs
         self.rename_reasoning = rename_reasoning
         self.drop_reasoning = drop_reasoning
         self.spare_canary = spare_canary  # the canary's response passes untouched: the fault hits the samples only
@@ -146,6 +148,9 @@ class FaultProxy:
         if request.path == "/tokenize":
             with self._lock:
                 self._tokenize_counts[sample_id] += 1
+            if self.tokenize_delay_s:
+                self._inject("tokenize_slow", None)
+                await asyncio.sleep(self.tokenize_delay_s)
         if request.path != "/v1/chat/completions":
             return await self._forward(request, body)
 

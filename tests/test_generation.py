@@ -93,6 +93,33 @@ def test_credentials_in_server_urls_are_redacted_everywhere_they_could_be_shown(
     assert config.shown_servers == ("http://gpu-a:8000", "http://gpu-b:8000")  # what anything shows
 
 
+def test_a_rerun_sends_errors_and_fixable_responses_until_the_sample_used_its_attempts():
+    from eagle3_assets.core.generation import GenerationConfig, Sample, _plan_resend
+
+    def row(sample_id, attempts, **overrides):
+        good = {"id": sample_id, "reasoning": "think", "content": "42", "finish_reason": "stop", "attempts": attempts, "error": None}
+        return {**good, **overrides}
+
+    samples = [Sample(i, [{"role": "user", "content": i}]) for i in ("new", "good", "failed", "empty", "cut", "cut-out", "too-long")]
+    rows = {
+        "good": row("good", 1),
+        "failed": row("failed", 6, reasoning=None, content=None, finish_reason=None, error="http 503: busy (after 6 attempts)"),
+        "empty": row("empty", 1, reasoning=""),
+        "cut": row("cut", 2, finish_reason="length"),
+        "cut-out": row("cut-out", 3, finish_reason="length"),  # its third request: kept as it is
+        "too-long": row("too-long", 0, reasoning=None, content=None, finish_reason=None, error="prompt_too_long: 5000 >= 4096; not sent"),
+    }
+    config = GenerationConfig(base_urls=("http://gpu-a:8000",), model="m", max_attempts_per_sample=3)
+    plan = _plan_resend(samples, rows, config)
+    assert [s.id for s in plan.pending] == ["new", "failed", "empty", "cut", "too-long"]
+    assert plan.reused == 1 and plan.exhausted == ["cut-out"]
+    assert plan.reasons == {"error: http 503": 1, "error: prompt_too_long": 1, "empty_reasoning": 1, "truncated": 1}
+    assert "raise vllm_server.max_attempts_per_sample" in plan.line(len(samples), 3)
+    # With truncation allowed, a cut generation is usable: not sent again.
+    allowed = _plan_resend(samples, rows, GenerationConfig(base_urls=("http://gpu-a:8000",), model="m", allow_truncated=True))
+    assert [s.id for s in allowed.pending] == ["new", "failed", "empty", "too-long"] and allowed.exhausted == []
+
+
 @pytest.mark.vllm
 def test_shard_materialises_with_reasoning_in_every_row_and_the_key_stays_secret(vllm_server, data_dir, monkeypatch):
     secret = "sk-eagle3-test-secret-4711"

@@ -223,3 +223,23 @@ def test_credentials_in_a_server_url_are_used_and_found_nowhere(vllm_server, tin
     assert list(home.rglob("compute_logs/*")), "the instance kept no compute logs: the scan below would prove nothing"
     assert files_holding(f"127.0.0.1:{proxy.port}", [home]), "the scan must find the server's address where the URL is recorded"
     assert files_holding(canary, [home, data_dir]) == []
+
+
+def test_a_hanging_tokenize_gives_up_after_its_own_timeout_and_the_server_judges_the_prompt(vllm_server, data_dir, tmp_path):
+    """/tokenize has its own short timeout, not the 1,800 s of a generation.
+
+    The proxy holds /tokenize 5 s; with a 0.5 s tokenize timeout the client stops
+    waiting and sends the prompt, which the server refuses (HTTP 400). Had the
+    client waited, the count would have settled the prompt without a request.
+    """
+    rows = demo_prompt_rows(2) + [{"id": "too-long", "question": "count the apples " * 3000}]
+    dataset = PromptDataset(source=str(write_jsonl(tmp_path / "prompts.jsonl", rows)), shard_size=64)
+    with FaultProxy(vllm_server.base_url, tokenize_delay_s=5.0) as proxy:
+        server = server_at(proxy.base_url, vllm_server.served_model_name, tokenize_timeout_s=0.5)
+        result = materialise({"prompt_dataset": dataset, "vllm_server": server}, raise_on_error=False)
+        sent, tokenized = proxy.counts(), proxy.tokenize_counts()
+    assert result.success
+    written = {r["id"]: r for r in shard_rows(data_dir).iter_rows(named=True)}
+    assert (tokenized["too-long"], sent["too-long"]) == (1, 1)  # asked, gave up, sent
+    assert written["too-long"]["error"].startswith("http 400:"), written["too-long"]["error"]
+    assert all(written[r["id"]]["error"] is None for r in rows[:2])

@@ -91,9 +91,6 @@ DEFAULT_CANARY_PROMPT = "What is 17 + 25? Think it through step by step, then gi
 # a dead server, having nothing in flight, is the "fewest in flight" choice for every new request:
 # each sample would pay a failed attempt and a backoff before its retry went elsewhere.
 SERVER_DOWN_COOLDOWN_S = 10.0
-# /tokenize answers in milliseconds; it must not inherit the 1,800 s read timeout of a generation, or one
-# stuck call would hold a worker for half an hour. On a timeout the server judges the prompt itself.
-TOKENIZE_TIMEOUT_S = 30.0
 
 # Error kinds (the part of ``error`` before the colon); PROMPT_TOO_LONG comes from response_rules.
 HTTP_ERROR = "http"
@@ -115,6 +112,9 @@ class GenerationConfig:
     extra_body: Mapping[str, Any] = field(default_factory=dict)
     connect_timeout_s: float = 10.0
     read_timeout_s: float = 1800.0
+    # /tokenize answers in milliseconds; it must not inherit the read timeout of a whole generation, or one stuck
+    # call would hold a worker for half an hour. On a timeout the server judges the prompt itself.
+    tokenize_timeout_s: float = 30.0
     max_retries: int = 5
     backoff_initial_s: float = 1.0
     backoff_max_s: float = 60.0
@@ -375,11 +375,11 @@ class GenerationClient:
             raise PreflightError(f"vLLM server {self._shown[server]}: {path} did not answer: {_describe(exc)}") from None
 
     async def prompt_tokens(self, messages: Sequence[Mapping[str, str]], sample_id: str) -> int | None:
-        """The prompt's exact token count from vLLM's ``/tokenize`` (None when the server has no such endpoint)."""
+        """The prompt's exact token count from vLLM's ``/tokenize`` (None: no such endpoint, or no answer within ``tokenize_timeout_s``)."""
         server = self._pick_server()
         body = {"model": self.config.model, "messages": list(messages), "add_generation_prompt": True}
         body.update({k: v for k, v in self.config.extra_body.items() if k == "chat_template_kwargs"})
-        timeout = aiohttp.ClientTimeout(total=TOKENIZE_TIMEOUT_S, sock_connect=self.config.connect_timeout_s)
+        timeout = aiohttp.ClientTimeout(total=self.config.tokenize_timeout_s, sock_connect=self.config.connect_timeout_s)
         try:
             async with self.session.post(
                 server + "/tokenize", json=body, headers={SAMPLE_ID_HEADER: _header_value(sample_id)}, timeout=timeout
