@@ -43,7 +43,7 @@ from eagle3_assets.core.generation import (
     shard_summary,
 )
 from eagle3_assets.core.journal import SUPERSEDED_DIR
-from eagle3_assets.core.redaction import redact_url
+from eagle3_assets.core.redaction import redact_credentials, redact_url
 from eagle3_assets.core.response_rules import DEFAULT_MIN_REASONING_SHARE
 from eagle3_assets.core.storage import asset_dir, file_hash, stable_hash
 from eagle3_assets.core.validation import check_reasoning_present
@@ -115,6 +115,12 @@ def raw_responses(context: AssetExecutionContext, vllm_server: VLLMServerResourc
         raise Failure(f"raw_responses {key}: pre-flight failed, nothing was sent: {exc}") from None
     except ServerUnavailableError as exc:
         raise Failure(f"raw_responses {key}: stopped: {exc}") from None
+    except Exception as exc:
+        if redact_credentials(str(exc)) == str(exc):
+            raise
+        # An unexpected error quoting a server URL with its credentials: Dagster would store the text (and the
+        # chained traceback) in the event log, so only the redacted text goes on.
+        raise Failure(f"raw_responses {key}: {type(exc).__name__}: {redact_credentials(str(exc))}") from None
 
     frame, summary = outcome.frame, shard_summary(outcome.frame)
     sent_requests = frame.height - summary["prompts_too_long"]
