@@ -4,13 +4,20 @@ Reads ``<data>/prompts/<shard>.parquet``, sends each prompt to the vLLM server
 (``vllm_server`` resource) and writes ``<data>/raw_responses/<shard>.parquet``
 with exactly one row per prompt (the response, or the error it ended in). While
 it runs, finished rows go to ``<shard>.journal.jsonl``: a rerun after a crash
-sends only what is not durable yet, plus the rows that ended in an error.
+sends only what is not durable yet, plus the rows that ended in an error and
+the rows whose response validation would reject for a reason a new generation
+can fix (up to ``vllm_server.max_attempts_per_sample`` requests per sample). A
+finished shard made with other settings is kept under ``superseded/``, never
+overwritten.
+
+Its blocking ``reasoning_present`` check stops the run before validation when
+the answered rows lack reasoning (the story's failure), with the canary's
+diagnosis; after the server is fixed, one run of the shard sends those rows again.
 
 The step runs in the Dagster pool ``vllm_generation`` so that a backfill of many
 shards does not multiply the requests in flight (see the README).
 """
 
-import urllib.parse
 from collections import Counter
 
 import polars as pl
@@ -35,10 +42,14 @@ from eagle3_assets.core.generation import (
     generate_shard,
     shard_summary,
 )
+from eagle3_assets.core.evaluation import EVAL_MAX_TOKENS
+from eagle3_assets.core.journal import SUPERSEDED_DIR
+from eagle3_assets.core.redaction import redact_credentials, redact_url
+from eagle3_assets.core.response_rules import DEFAULT_MIN_REASONING_SHARE
 from eagle3_assets.core.shard_files import quarantine_if_corrupt, read_shard_parquet
 from eagle3_assets.core.shard_lease import ShardLease
-from eagle3_assets.core.evaluation import EVAL_MAX_TOKENS
 from eagle3_assets.core.storage import asset_dir, file_hash, stable_hash
+from eagle3_assets.core.validation import check_reasoning_present
 from eagle3_assets.partitions import sample_shards
 from eagle3_assets.prompts import prompts
 from resources.target_model import TargetModel
@@ -62,7 +73,13 @@ DATA_VERSION_TAG = "dagster/data_version"
         ),
         AssetCheckSpec(
             "errors_rare", asset="raw_responses",
-            description=f"at most {MAX_ERROR_SHARE:.0%} of the rows ended in an error (a rerun of the shard retries them)",
+            description=f"at most {MAX_ERROR_SHARE:.0%} of the requests ended in an error (a rerun of the shard retries them); "
+            "prompts too long for the server are not requests",
+        ),
+        AssetCheckSpec(
+            "reasoning_present", asset="raw_responses", blocking=True,
+            description=f"at least {DEFAULT_MIN_REASONING_SHARE:.0%} of the rows that got a response carry reasoning; "
+            "otherwise the server lost its reasoning parser (fix it and materialise the shard again: those rows are re-sent)",
         ),
     ],
 )  # fmt: skip
@@ -86,6 +103,11 @@ def _generate(context: AssetExecutionContext, vllm_server: VLLMServerResource, k
     prompt_rows = read_shard_parquet(prompts_path, asset="prompts", shard=key, columns=["id", "messages"])
     samples = [Sample(r["id"], r["messages"]) for r in prompt_rows.iter_rows(named=True)]
     config = vllm_server.generation_config()
+    if vllm_server.credentials_in_config():
+        context.log.warning(
+            "vllm_server.base_urls carries credentials in run config, which Dagster stores with the run; "
+            "put the URL with its credentials in EAGLE3_VLLM_URLS and the URL without them in the config"
+        )
 
     parquet_path = out / f"{key}.parquet"
     # A finished Parquet that no longer decodes is moved aside; the journal's rows are kept and the rest is sent again.
@@ -109,9 +131,20 @@ def _generate(context: AssetExecutionContext, vllm_server: VLLMServerResource, k
         raise Failure(f"raw_responses {key}: pre-flight failed, nothing was sent: {exc}") from None
     except ServerUnavailableError as exc:
         raise Failure(f"raw_responses {key}: stopped: {exc}") from None
+    except Exception as exc:
+        if redact_credentials(str(exc)) == str(exc):
+            raise
+        # An unexpected error quoting a server URL with its credentials: Dagster would store the text (and the
+        # chained traceback) in the event log, so only the redacted text goes on.
+        raise Failure(f"raw_responses {key}: {type(exc).__name__}: {redact_credentials(str(exc))}") from None
 
     frame, summary = outcome.frame, shard_summary(outcome.frame)
-    error_share = summary["errors"] / frame.height if frame.height else 0.0
+    sent_requests = frame.height - summary["prompts_too_long"]
+    error_share = summary["request_errors"] / sent_requests if sent_requests else 0.0
+    reasoning = check_reasoning_present(
+        summary["answered_rows"], summary["rows_without_reasoning_ids"], DEFAULT_MIN_REASONING_SHARE, summary["reasoning_fields"]
+    )
+    kept_generations = sorted(p.name for p in (out / SUPERSEDED_DIR).glob(f"{key}.*.parquet")) if (out / SUPERSEDED_DIR).is_dir() else []
     written_ids = pl.read_parquet(parquet_path, columns=["id"])["id"]
     expected_ids = prompt_rows["id"]
     duplicated = written_ids.filter(written_ids.is_duplicated()).unique().to_list()
@@ -129,7 +162,7 @@ def _generate(context: AssetExecutionContext, vllm_server: VLLMServerResource, k
             "path": MetadataValue.path(str(parquet_path)),
             "dagster/row_count": frame.height,
             "model": config.model,
-            "servers": MetadataValue.json([_without_credentials(u) for u in config.servers]),
+            "servers": MetadataValue.json(list(config.shown_servers)),
             # Which server answered how many rows, and what failed over: a dead or flaky server shows here.
             "rows_by_server": MetadataValue.json(_by_server(Counter(frame["server"].to_list()))),
             "failed_attempts_by_server": MetadataValue.json(_by_server(outcome.failed_attempts_by_server)),
@@ -138,7 +171,16 @@ def _generate(context: AssetExecutionContext, vllm_server: VLLMServerResource, k
             "sampling": MetadataValue.json({k: v for k, v in config.identity().items() if k != "model"}),
             "reused_rows": outcome.reused,
             "sent_rows": outcome.sent,
+            # Durable rows this run sent again, by why ("error: <kind>", or what validation would reject them for).
+            "resent_rows": MetadataValue.json(outcome.resent),
+            "attempts_exhausted": len(outcome.attempts_exhausted),
+            "max_attempts_per_sample": config.max_attempts_per_sample,
+            "allow_truncated": config.allow_truncated,
+            # Finished generations of this shard made with other settings: kept, never deleted.
+            "superseded_this_run": str(outcome.superseded) if outcome.superseded else "",
+            "kept_generations": MetadataValue.json([f"{SUPERSEDED_DIR}/{name}" for name in kept_generations]),
             "errors": summary["errors"],
+            "prompts_too_long": summary["prompts_too_long"],
             "errors_by_kind": MetadataValue.json(summary["errors_by_kind"]),
             "rows_without_reasoning": summary["rows_without_reasoning"],
             "finish_reasons": MetadataValue.json(summary["finish_reasons"]),
@@ -169,8 +211,23 @@ def _generate(context: AssetExecutionContext, vllm_server: VLLMServerResource, k
                 metadata={
                     "error_share": error_share,
                     "threshold": MAX_ERROR_SHARE,
+                    "request_errors": summary["request_errors"],
+                    "prompts_too_long": summary["prompts_too_long"],
                     "errors_by_kind": MetadataValue.json(summary["errors_by_kind"]),
                     "examples": MetadataValue.json(summary["error_examples"]),
+                },
+            ),
+            AssetCheckResult(
+                check_name="reasoning_present",
+                passed=reasoning.passed,
+                severity=AssetCheckSeverity.ERROR,
+                description=reasoning.description,
+                metadata={
+                    reasoning.figure_name: reasoning.figure,
+                    "threshold": reasoning.threshold,
+                    "offending_ids": MetadataValue.json(reasoning.offending_ids),
+                    "reasoning_fields": MetadataValue.json(summary["reasoning_fields"]),
+                    **reasoning.counts,
                 },
             ),
         ],
@@ -189,11 +246,5 @@ def _by_server(counts) -> dict[str, int]:
     """Counts keyed by server URL, without credentials ("" is a row settled without a request)."""
     named = Counter()
     for server, n in counts.items():
-        named[_without_credentials(server) if server else ""] += int(n)
+        named[redact_url(server) if server else ""] += int(n)
     return dict(sorted(named.items()))
-
-
-def _without_credentials(url: str) -> str:
-    parts = urllib.parse.urlsplit(url)
-    host = parts.netloc.rsplit("@", 1)[-1]
-    return urllib.parse.urlunsplit((parts.scheme, host, parts.path, parts.query, parts.fragment))

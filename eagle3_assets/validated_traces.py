@@ -33,6 +33,8 @@ from dagster import (
 )
 from pydantic import Field
 
+from eagle3_assets.core.journal import parquet_generation
+from eagle3_assets.core.response_rules import DEFAULT_MIN_REASONING_SHARE
 from eagle3_assets.core.shard_files import quarantine_if_corrupt, verify_shard_parquet
 from eagle3_assets.core.shard_lease import ShardLease
 from eagle3_assets.core.target import parquet_metadata
@@ -42,7 +44,9 @@ from eagle3_assets.core.validation import (
     CheckOutcome,
     ValidationRules,
     check_loss_mask_aligned,
+    check_prompts_fit_context,
     check_reasoning_present,
+    check_request_errors_rare,
     check_responses_accounted,
     check_think_markers_absent,
     check_traces_present,
@@ -58,8 +62,8 @@ from eagle3_assets.partitions import sample_shards
 from resources.target_model import TargetModel
 
 ASSET = "validated_traces"
-DEFAULT_MIN_REASONING_SHARE = 0.98
 DEFAULT_MAX_TRUNCATION_RATE = 0.05
+DEFAULT_MAX_REQUEST_ERROR_SHARE = 0.05
 
 
 class ValidationConfig(Config):
@@ -68,11 +72,19 @@ class ValidationConfig(Config):
     max_seq_len: Optional[int] = Field(
         default=None, description="longest rendered trace kept, in tokens; default: the target's max_position_embeddings"
     )
-    allow_truncated: bool = Field(
-        default=False, description="keep rows whose generation hit max_tokens (finish_reason 'length'); they get no end-of-turn token"
+    allow_truncated: Optional[bool] = Field(
+        default=None,
+        description="keep rows whose generation hit max_tokens (finish_reason 'length'); they get no end-of-turn token. "
+        "Default: vllm_server.allow_truncated as the raw shard was generated with it (recorded in its file), else false",
     )
     min_reasoning_share: float = Field(
-        default=DEFAULT_MIN_REASONING_SHARE, description="reasoning_present fails (blocking) below this share of raw rows with reasoning"
+        default=DEFAULT_MIN_REASONING_SHARE,
+        description="reasoning_present fails (blocking) below this share of reasoning among the rows that got a response",
+    )
+    max_request_error_share: float = Field(
+        default=DEFAULT_MAX_REQUEST_ERROR_SHARE,
+        description="request_errors_rare fails (blocking) above this share of requests that ended in an error "
+        "(prompts too long for the server were never sent and are not counted)",
     )
     max_truncation_rate: float = Field(
         default=DEFAULT_MAX_TRUNCATION_RATE, description="truncation_rate_low warns above this share of truncated generations"
@@ -86,11 +98,13 @@ def _spec(name: str, description: str, blocking: bool = False) -> AssetCheckSpec
 
 CHECK_SPECS = [
     _spec("traces_present", "at least one row of the shard was kept", blocking=True),
-    _spec("reasoning_present", "enough raw rows carry non-empty reasoning (default 98 %)", blocking=True),
+    _spec("reasoning_present", "enough of the rows that got a response carry non-empty reasoning (default 98 %)", blocking=True),
     _spec("responses_accounted", "raw rows = kept + rejected, raw ids unique, every prompt of the shard answered", blocking=True),
     _spec("loss_mask_aligned", "every kept row supervises exactly the target's output: reasoning, think markers, answer, end of turn", blocking=True),
+    _spec("request_errors_rare", "few requests ended in an error, the server's or the network's failure (default at most 5 %)", blocking=True),
     _spec("truncation_rate_low", "few generations hit max_tokens (default at most 5 %)"),
     _spec("think_markers_absent", "no think marker left inside reasoning or answer"),
+    _spec("prompts_fit_context", "no prompt is longer than the server's context (such prompts are rejected as prompt_too_long, never sent)"),
 ]
 
 
@@ -127,7 +141,10 @@ def _validate(context: AssetExecutionContext, config: ValidationConfig, target_m
     max_seq_len = config.max_seq_len or target_model.context_length() or 0
     if max_seq_len <= 0:
         raise ValueError(f"target {target_model.path} has no max_position_embeddings: set max_seq_len in the validated_traces config")
-    rules = ValidationRules(max_seq_len=max_seq_len, allow_truncated=config.allow_truncated)
+    # One setting for generation and validation: what the raw shard was generated (and retried) under, unless set here.
+    recorded = parquet_generation(raw_path) if raw_path.is_file() else None
+    allow_truncated = config.allow_truncated if config.allow_truncated is not None else bool((recorded or {}).get("allow_truncated", False))
+    rules = ValidationRules(max_seq_len=max_seq_len, allow_truncated=allow_truncated)
 
     summary = validate_shard(
         raw_path, prompts_path, renderer, rules, kept_path, rejected_path, batch_rows=config.batch_rows,
@@ -146,17 +163,24 @@ def _validate(context: AssetExecutionContext, config: ValidationConfig, target_m
         ("traces_present", check_traces_present(summary.kept, summary.rejected_by_reason, summary.rejected_examples)),
         (
             "reasoning_present",
-            check_reasoning_present(summary.raw_rows, summary.ids_without_reasoning, config.min_reasoning_share, summary.reasoning_fields),
+            check_reasoning_present(summary.answered_rows, summary.ids_without_reasoning, config.min_reasoning_share, summary.reasoning_fields),
         ),
         (
             "responses_accounted",
             check_responses_accounted(summary.raw_ids, summary.prompt_ids, written_ids(kept_path), written_ids(rejected_path)),
         ),
         ("loss_mask_aligned", check_loss_mask_aligned(rows_checked, misaligned)),
+        (
+            "request_errors_rare",
+            check_request_errors_rare(
+                summary.raw_rows, summary.request_error_ids, summary.request_errors_by_kind, len(summary.prompt_too_long_ids), config.max_request_error_share
+            ),
+        ),
     ]
     advisory = [
         ("truncation_rate_low", check_truncation_rate_low(summary.raw_rows, summary.truncated_ids, config.max_truncation_rate)),
         ("think_markers_absent", check_think_markers_absent(summary.raw_rows, summary.think_marker_ids, markers)),
+        ("prompts_fit_context", check_prompts_fit_context(summary.raw_rows, summary.prompt_too_long_ids)),
     ]
     check_results = [_check_result(name, outcome, AssetCheckSeverity.ERROR) for name, outcome in blocking]
     check_results += [_check_result(name, outcome, AssetCheckSeverity.WARN) for name, outcome in advisory]
@@ -167,7 +191,7 @@ def _validate(context: AssetExecutionContext, config: ValidationConfig, target_m
             "raw_responses": file_hash(raw_path),
             "target": identity.config_hash,
             "rendering": renderer.fingerprint(),
-            "rules": {"max_seq_len": max_seq_len, "allow_truncated": config.allow_truncated},
+            "rules": {"max_seq_len": max_seq_len, "allow_truncated": allow_truncated},
         }
     )
     return MaterializeResult(
@@ -191,7 +215,7 @@ def _validate(context: AssetExecutionContext, config: ValidationConfig, target_m
             "end_of_turn": renderer.end_of_turn,
             "template_opens_think_block": renderer.template_opens_think_block(),
             "max_seq_len": max_seq_len,
-            "allow_truncated": config.allow_truncated,
+            "allow_truncated": allow_truncated,
             "target": MetadataValue.json(identity.as_dict()),
         },
         check_results=check_results,

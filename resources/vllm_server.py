@@ -10,6 +10,13 @@ defaults come from the environment (:meth:`VLLMServerResource.from_env`):
 - ``VLLM_API_KEY``: the API key, passed as a Dagster ``EnvVar`` so that the
   value is never shown in the launchpad, the logs or the metadata.
 
+Credentials in a URL of ``EAGLE3_VLLM_URLS`` (``http://user:token@host:8000``,
+for a proxy in front of vLLM) stay in the environment: ``base_urls`` holds the
+URLs without them (that is what Dagster stores with every run and shows in the
+launchpad), and :meth:`VLLMServerResource.request_urls` puts them back for the
+requests only. A URL typed with credentials into run config works too, but
+Dagster then stores it with the run: the asset warns.
+
 The Dagster pool :data:`GENERATION_POOL` holds generation steps: with its limit
 at 1 (the default), a backfill of many shards generates one shard at a time, so
 in-flight requests stay at ``concurrency`` instead of shards x concurrency.
@@ -24,6 +31,8 @@ from dagster import ConfigurableResource, DagsterInstance, EnvVar
 from pydantic import Field
 
 from eagle3_assets.core.generation import DEFAULT_CANARY_PROMPT, GenerationConfig
+from eagle3_assets.core.redaction import has_credentials, redact_url
+from eagle3_assets.core.response_rules import DEFAULT_MAX_ATTEMPTS_PER_SAMPLE
 from eagle3_assets.core.vllm_launcher import DEFAULT_SERVED_NAME
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
@@ -37,7 +46,13 @@ DEFAULT_POOL_LIMIT = 1
 
 
 def urls_from_env() -> list[str]:
+    """``EAGLE3_VLLM_URLS`` as given, credentials included: for requests only, never for config or display."""
     return [u.strip() for u in (os.environ.get(URLS_ENV) or DEFAULT_BASE_URL).split(",") if u.strip()]
+
+
+def shown_urls_from_env() -> list[str]:
+    """``EAGLE3_VLLM_URLS`` without credentials: what config, the launchpad and the instance's records hold."""
+    return [redact_url(u) for u in urls_from_env()]
 
 
 def served_model_from_env() -> str:
@@ -50,7 +65,10 @@ class VLLMServerResource(ConfigurableResource):
     # The environment's values are also the schema's defaults (read when the code location loads):
     # run config for this resource replaces the values given in Python as a whole, so a launchpad
     # override of one field (max_tokens, say) would otherwise send the run to the class defaults.
-    base_urls: list[str] = Field(default=urls_from_env(), description="base URLs of the servers (no /v1); requests are spread over them")
+    base_urls: list[str] = Field(
+        default=shown_urls_from_env(),
+        description=f"base URLs of the servers (no /v1); requests are spread over them. Credentials for a URL go into ${URLS_ENV}, not here",
+    )
     served_model_name: str = Field(default=served_model_from_env(), description="the model name the server serves (vLLM's --served-model-name)")
     api_key: str | None = Field(default=None, description=f"bearer token; set it with EnvVar('{API_KEY_ENV}'), never as a literal")
     concurrency: int = Field(default=128, gt=0, description="requests in flight per run (per shard being generated)")
@@ -68,6 +86,9 @@ class VLLMServerResource(ConfigurableResource):
     )
     connect_timeout_s: float = Field(default=10.0, gt=0, description="to open a connection; failures are retried")
     read_timeout_s: float = Field(default=1800.0, gt=0, description="for one whole generation; a read timeout is not retried")
+    tokenize_timeout_s: float = Field(
+        default=30.0, gt=0, description="for one /tokenize call (exact count of a prompt that may not fit); on a timeout the server judges the prompt"
+    )
     max_retries: int = Field(default=5, ge=0, description="retries on connection errors, 408, 429 and 5xx (never on other 4xx)")
     retry_backoff_s: float = Field(default=1.0, ge=0, description="first backoff; doubles per retry, with jitter")
     retry_backoff_max_s: float = Field(default=60.0, ge=0)
@@ -75,11 +96,21 @@ class VLLMServerResource(ConfigurableResource):
     canary_prompt: str = Field(default=DEFAULT_CANARY_PROMPT, description="pre-flight request whose response must carry reasoning")
     canary_max_tokens: int = Field(default=512, gt=0)
     progress_interval_s: float = Field(default=5.0, gt=0, description="seconds between progress lines in the run log")
+    allow_truncated: bool = Field(
+        default=False,
+        description="generations cut by max_tokens are usable: a rerun does not send them again, and validated_traces keeps them "
+        "(its own allow_truncated, when set, overrides)",
+    )
+    max_attempts_per_sample: int = Field(
+        default=DEFAULT_MAX_ATTEMPTS_PER_SAMPLE, gt=0,
+        description="requests per sample over all runs after which a response validation rejects (no reasoning, no answer, "
+        "cut, aborted) is kept as it is instead of being sent again on the next run of the shard",
+    )  # fmt: skip
 
     @classmethod
     def from_env(cls, **overrides: Any) -> VLLMServerResource:
         """The deployment's defaults: ``EAGLE3_VLLM_URLS``, ``EAGLE3_SERVED_MODEL``, ``VLLM_API_KEY``."""
-        fields: dict[str, Any] = {"base_urls": urls_from_env(), "served_model_name": served_model_from_env()}
+        fields: dict[str, Any] = {"base_urls": shown_urls_from_env(), "served_model_name": served_model_from_env()}
         if os.environ.get(API_KEY_ENV):  # an EnvVar of an unset variable fails the run: only pass it when set
             fields["api_key"] = EnvVar(API_KEY_ENV)
         return cls(**{**fields, **overrides})
@@ -88,9 +119,18 @@ class VLLMServerResource(ConfigurableResource):
         names = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed")
         return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
+    def request_urls(self) -> list[str]:
+        """``base_urls`` with the credentials ``EAGLE3_VLLM_URLS`` gives for them (matched by the URL without them)."""
+        secret = {redact_url(u).rstrip("/"): u for u in urls_from_env() if has_credentials(u)}
+        return [u if has_credentials(u) else secret.get(u.rstrip("/"), u) for u in self.base_urls]
+
+    def credentials_in_config(self) -> bool:
+        """Whether run config itself carries URL credentials (Dagster stores run config with the run)."""
+        return any(has_credentials(u) for u in self.base_urls)
+
     def generation_config(self) -> GenerationConfig:
         return GenerationConfig(
-            base_urls=tuple(self.base_urls),
+            base_urls=tuple(self.request_urls()),
             model=self.served_model_name,
             # Unset in run config (a launchpad override of other fields drops it): the run's own environment.
             api_key=self.api_key or os.environ.get(API_KEY_ENV) or None,
@@ -100,10 +140,13 @@ class VLLMServerResource(ConfigurableResource):
             extra_body=dict(self.extra_body),
             connect_timeout_s=self.connect_timeout_s,
             read_timeout_s=self.read_timeout_s,
+            tokenize_timeout_s=self.tokenize_timeout_s,
             max_retries=self.max_retries,
             backoff_initial_s=self.retry_backoff_s,
             backoff_max_s=self.retry_backoff_max_s,
             max_consecutive_failures=self.max_consecutive_failures,
+            allow_truncated=self.allow_truncated,
+            max_attempts_per_sample=self.max_attempts_per_sample,
         )
 
 

@@ -11,6 +11,7 @@ import json
 from dagster import DefaultSensorStatus, SensorEvaluationContext, SkipReason, sensor
 
 from eagle3_assets.core.alerts import Alert, AlertDeliveryError, probe_server
+from eagle3_assets.core.redaction import redact_url
 from resources.alerts import AlertChannel
 from resources.vllm_server import VLLMServerResource
 
@@ -25,8 +26,9 @@ def vllm_server_health(context: SensorEvaluationContext, vllm_server: VLLMServer
     previous: dict[str, bool] = json.loads(context.cursor) if context.cursor else {}
     state = dict(previous)
     notes = []
-    for url in vllm_server.base_urls:
-        health = probe_server(url)
+    for request_url in vllm_server.request_urls():
+        url = redact_url(request_url)  # logs, alerts and the cursor (stored in the instance) never hold credentials
+        health = probe_server(request_url)
         if health.up:
             notes.append(f"{url}: up, {health.running} running, {health.waiting} waiting")
         else:

@@ -3,7 +3,8 @@
 It forwards everything to the real server and, on chat-completion requests,
 injects what a production network and server do to a long generation run:
 5xx answers, connection resets, slow responses, a renamed or missing reasoning
-field, malformed JSON, chosen status codes for chosen samples, and a server
+field (also for samples only, sparing the pre-flight's canary: the client that
+"misses the field after the canary" of the story), malformed JSON, chosen status codes for chosen samples, and a server
 that goes away. It counts chat-completion requests per sample id (the client
 names the sample in the ``X-Eagle3-Sample-Id`` header), which is how the tests
 prove that a resumed shard does not ask again for what was already durable.
@@ -26,7 +27,7 @@ from collections.abc import Iterable, Mapping
 import aiohttp
 from aiohttp import web
 
-from eagle3_assets.core.generation import SAMPLE_ID_HEADER
+from eagle3_assets.core.generation import CANARY_ID, SAMPLE_ID_HEADER
 
 FAULT_KINDS = ("5xx", "reset", "slow")
 HOP_BY_HOP = {"host", "content-length", "transfer-encoding", "connection", "keep-alive"}
@@ -43,8 +44,10 @@ class FaultProxy:
         fault_kinds: Iterable[str] = FAULT_KINDS,
         slow_s: float = 1.0,
         delay_s: float = 0.0,
+        tokenize_delay_s: float = 0.0,
         rename_reasoning: bool = False,
         drop_reasoning: bool = False,
+        spare_canary: bool = False,
         malformed_ids: Iterable[str] = (),
         status_for_ids: Mapping[str, int] | None = None,
         unavailable_after: int | None = None,
@@ -55,8 +58,10 @@ class FaultProxy:
         self.fault_kinds = tuple(fault_kinds)
         self.slow_s = slow_s
         self.delay_s = delay_s
+        self.tokenize_delay_s = tokenize_delay_s  # a /tokenize that hangs
         self.rename_reasoning = rename_reasoning
         self.drop_reasoning = drop_reasoning
+        self.spare_canary = spare_canary  # the canary's response passes untouched: the fault hits the samples only
         self.malformed_ids = set(malformed_ids)
         self.status_for_ids = dict(status_for_ids or {})
         self.unavailable_after = unavailable_after  # answer 503 to every chat request after this many
@@ -143,6 +148,9 @@ class FaultProxy:
         if request.path == "/tokenize":
             with self._lock:
                 self._tokenize_counts[sample_id] += 1
+            if self.tokenize_delay_s:
+                self._inject("tokenize_slow", None)
+                await asyncio.sleep(self.tokenize_delay_s)
         if request.path != "/v1/chat/completions":
             return await self._forward(request, body)
 
@@ -174,7 +182,11 @@ class FaultProxy:
             await self._forward(request, body)  # the server does the work; the answer is garbled on the way back
             return self._inject("malformed", web.Response(body=b'{"id": "chatcmpl-x", "choices": [{"message": {"reas', content_type="application/json"))
 
-        response = await self._forward(request, body, rewrite=self.rename_reasoning or self.drop_reasoning)
+        spared = self.spare_canary and sample_id == CANARY_ID
+        rewrite = (self.rename_reasoning or self.drop_reasoning) and not spared
+        response = await self._forward(request, body, rewrite=rewrite)
+        if rewrite and self.drop_reasoning:
+            self._inject("reasoning_dropped", None)
         return response
 
     def _inject(self, kind: str, response):

@@ -17,12 +17,15 @@ CHECKS = {
     ("prompts", "rejected_rows_rare"),
     ("raw_responses", "one_row_per_prompt"),
     ("raw_responses", "errors_rare"),
+    ("raw_responses", "reasoning_present"),
     ("validated_traces", "traces_present"),
     ("validated_traces", "reasoning_present"),
     ("validated_traces", "responses_accounted"),
     ("validated_traces", "loss_mask_aligned"),
     ("validated_traces", "truncation_rate_low"),
     ("validated_traces", "think_markers_absent"),
+    ("validated_traces", "request_errors_rare"),
+    ("validated_traces", "prompts_fit_context"),
     ("vocab_mapping", "draft_vocab_covers_targets"),
     ("draft_checkpoint", "config_complete"),
     ("draft_checkpoint", "loads_in_vllm"),
@@ -71,7 +74,10 @@ def test_validation_gates_that_protect_downstream_are_blocking():
     assert node.group_name == "validation"
     assert {AssetKey("prompts"), AssetKey("raw_responses")} <= set(node.parent_keys)
     specs = {spec.name: spec for spec in defs.resolve_assets_def(AssetKey("validated_traces")).check_specs}
-    assert {n for n, s in specs.items() if s.blocking} == {"traces_present", "reasoning_present", "responses_accounted", "loss_mask_aligned"}
+    assert {n for n, s in specs.items() if s.blocking} == {
+        "traces_present", "reasoning_present", "responses_accounted", "loss_mask_aligned", "request_errors_rare",
+    }  # fmt: skip
+    assert not specs["prompts_fit_context"].blocking  # a prompt that can never fit does not block the shard by itself
 
 
 def test_generation_runs_in_its_pool_against_the_servers_named_in_the_environment(monkeypatch):
@@ -91,7 +97,7 @@ def test_generation_runs_in_its_pool_against_the_servers_named_in_the_environmen
     assert (demo.concurrency, demo.max_tokens, demo.base_urls) == (64, 256, server.base_urls)
     raw = defs.resolve_assets_def(AssetKey("raw_responses"))
     assert raw.op.pool == GENERATION_POOL
-    assert {s.name for s in raw.check_specs if s.blocking} == {"one_row_per_prompt"}
+    assert {s.name for s in raw.check_specs if s.blocking} == {"one_row_per_prompt", "reasoning_present"}
     assert defs.resolve_asset_graph().get(AssetKey("raw_responses")).parent_keys == {AssetKey("prompts")}
 
 

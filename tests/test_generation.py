@@ -15,6 +15,7 @@ import pytest
 from dagster import DagsterInstance, EnvVar, materialize
 
 from eagle3_assets.core.generation import CANARY_ID, parse_completion
+from eagle3_assets.core.response_rules import content_failures
 from eagle3_assets.partitions import register_shards
 from eagle3_assets.prompts import prompts
 from eagle3_assets.raw_responses import raw_responses
@@ -68,6 +69,57 @@ def test_reasoning_is_read_from_either_field_and_the_field_recorded():
         parse_completion({"object": "error"})
 
 
+def test_credentials_in_server_urls_are_redacted_everywhere_they_could_be_shown(monkeypatch):
+    from eagle3_assets.core.generation import GenerationConfig, _describe
+    from eagle3_assets.core.redaction import redact_credentials, redact_url
+
+    assert redact_url("http://user:tok%40en@gpu-a:8000/v1") == "http://gpu-a:8000/v1"
+    assert redact_url("https://gpu-b:8000") == "https://gpu-b:8000"
+    text = "Cannot connect to http://user:s3cret@gpu-a:8000/v1/chat/completions and 'https://t0k3n@gpu-b'"
+    assert redact_credentials(text) == "Cannot connect to http://gpu-a:8000/v1/chat/completions and 'https://gpu-b'"
+    assert "s3cret" not in _describe(ConnectionError(text))
+    with pytest.raises(ValueError) as caught:
+        GenerationConfig(base_urls=("ftp://user:s3cret@gpu-a",), model="m")
+    assert "s3cret" not in str(caught.value) and "ftp://gpu-a" in str(caught.value)
+    with pytest.raises(ValueError, match="carries credentials and an API key is set too"):
+        GenerationConfig(base_urls=("http://user:s3cret@gpu-a:8000",), model="m", api_key="sk-x")
+
+    # The environment holds the credentials; config (what Dagster stores with a run) holds the URL without them.
+    monkeypatch.setenv("EAGLE3_VLLM_URLS", "http://user:s3cret@gpu-a:8000, http://gpu-b:8000")
+    server = VLLMServerResource.from_env()
+    assert server.base_urls == ["http://gpu-a:8000", "http://gpu-b:8000"] and not server.credentials_in_config()
+    config = server.generation_config()
+    assert config.servers == ("http://user:s3cret@gpu-a:8000", "http://gpu-b:8000")  # what requests go to
+    assert config.shown_servers == ("http://gpu-a:8000", "http://gpu-b:8000")  # what anything shows
+
+
+def test_a_rerun_sends_errors_and_fixable_responses_until_the_sample_used_its_attempts():
+    from eagle3_assets.core.generation import GenerationConfig, Sample, _plan_resend
+
+    def row(sample_id, attempts, **overrides):
+        good = {"id": sample_id, "reasoning": "think", "content": "42", "finish_reason": "stop", "attempts": attempts, "error": None}
+        return {**good, **overrides}
+
+    samples = [Sample(i, [{"role": "user", "content": i}]) for i in ("new", "good", "failed", "empty", "cut", "cut-out", "too-long")]
+    rows = {
+        "good": row("good", 1),
+        "failed": row("failed", 6, reasoning=None, content=None, finish_reason=None, error="http 503: busy (after 6 attempts)"),
+        "empty": row("empty", 1, reasoning=""),
+        "cut": row("cut", 2, finish_reason="length"),
+        "cut-out": row("cut-out", 3, finish_reason="length"),  # its third request: kept as it is
+        "too-long": row("too-long", 0, reasoning=None, content=None, finish_reason=None, error="prompt_too_long: 5000 >= 4096; not sent"),
+    }
+    config = GenerationConfig(base_urls=("http://gpu-a:8000",), model="m", max_attempts_per_sample=3)
+    plan = _plan_resend(samples, rows, config)
+    assert [s.id for s in plan.pending] == ["new", "failed", "empty", "cut", "too-long"]
+    assert plan.reused == 1 and plan.exhausted == ["cut-out"]
+    assert plan.reasons == {"error: http 503": 1, "error: prompt_too_long": 1, "empty_reasoning": 1, "truncated": 1}
+    assert "raise vllm_server.max_attempts_per_sample" in plan.line(len(samples), 3)
+    # With truncation allowed, a cut generation is usable: not sent again.
+    allowed = _plan_resend(samples, rows, GenerationConfig(base_urls=("http://gpu-a:8000",), model="m", allow_truncated=True))
+    assert [s.id for s in allowed.pending] == ["new", "failed", "empty", "too-long"] and allowed.exhausted == []
+
+
 @pytest.mark.vllm
 def test_shard_materialises_with_reasoning_in_every_row_and_the_key_stays_secret(vllm_server, data_dir, monkeypatch):
     secret = "sk-eagle3-test-secret-4711"
@@ -96,7 +148,7 @@ def test_shard_materialises_with_reasoning_in_every_row_and_the_key_stays_secret
     assert meta["output_tokens_per_s"].value > 0 and meta["latency_p95_s"].value >= meta["latency_p50_s"].value
     assert "| completion tokens | rows |" in meta["completion_lengths"].value
     checks = {e.check_name: e.passed for e in result.get_asset_check_evaluations()}
-    assert checks == {"prompts_present": True, "rejected_rows_rare": True, "one_row_per_prompt": True, "errors_rare": True}
+    assert checks == {"prompts_present": True, "rejected_rows_rare": True, "one_row_per_prompt": True, "errors_rare": True, "reasoning_present": True}
     logs = [str(entry) for entry in instance.all_logs(result.run_id)]
     assert any("pre-flight ok" in line for line in logs) and any("output tok/s" in line for line in logs)
     assert not any(secret in line for line in logs + [str(instance.get_run_by_id(result.run_id))])
@@ -138,7 +190,10 @@ def test_sigkill_mid_shard_then_rerun_sends_only_what_was_not_durable(vllm_serve
         worker.stdout.close()
         assert not (data_dir / "raw_responses" / f"{SHARD}.parquet").exists(), "killed mid-shard: no Parquet yet"
         lines = journal.read_bytes().split(b"\n")[1:-1]  # complete lines after the header
-        durable = {json.loads(line)["id"] for line in lines}
+        durable_rows = [json.loads(line) for line in lines]
+        durable = {r["id"] for r in durable_rows}
+        # A durable row validation would reject (cut, no answer...) is sent again on the rerun, by design.
+        resend = set(content_failures(durable_rows, allow_truncated=False))
         assert 8 <= len(durable) < len(expected)
         time.sleep(0.5)  # let requests the dead worker left in flight reach the proxy's counter
         at_kill = proxy.counts()
@@ -149,11 +204,12 @@ def test_sigkill_mid_shard_then_rerun_sends_only_what_was_not_durable(vllm_serve
     rows = shard_rows(data_dir)
     assert sorted(rows["id"].to_list()) == sorted(expected) and rows["id"].n_unique() == len(expected)
     assert rows["error"].null_count() == len(expected)
-    assert {i: after[i] for i in durable} == {i: at_kill[i] for i in durable}, "a durable id was requested again"
+    kept = durable - resend
+    assert {i: after[i] for i in kept} == {i: at_kill[i] for i in kept}, "a durable usable row was requested again"
     assert all(after[i] >= 1 for i in expected)
-    assert sum(after[i] - at_kill[i] for i in expected) == len(expected) - len(durable)
+    assert sum(after[i] - at_kill[i] for i in expected) == len(expected) - len(kept)
     (mat,) = result.asset_materializations_for_node("raw_responses")
-    assert mat.metadata["reused_rows"].value == len(durable)
+    assert mat.metadata["reused_rows"].value == len(kept)
     assert not journal_path(data_dir).exists()
 
 
@@ -222,6 +278,7 @@ def test_bad_input_becomes_error_rows_and_a_rerun_retries_only_those(vllm_server
         result = materialise({"prompt_dataset": dataset, "vllm_server": server})
         first = proxy.counts()
         rows = {r["id"]: r for r in shard_rows(data_dir).iter_rows(named=True)}
+        resend = set(content_failures(rows.values(), allow_truncated=False))  # responses validation would reject
         assert first["too-long"] == 0 and rows["too-long"]["attempts"] == 0
         assert rows["too-long"]["error"].startswith("prompt_too_long:") and proxy.tokenize_counts()["too-long"] == 1
         assert first["q1"] == 1 and rows["q1"]["error"].startswith("http 400:")  # recorded, never retried
@@ -237,7 +294,7 @@ def test_bad_input_becomes_error_rows_and_a_rerun_retries_only_those(vllm_server
         materialise({"prompt_dataset": dataset, "vllm_server": server}, assets=[raw_responses])
         second = proxy.counts()
     rows = {r["id"]: r for r in shard_rows(data_dir).iter_rows(named=True)}
-    assert {i: second[i] - first[i] for i in questions} == {i: int(i in ("q1", "q2")) for i in questions}
+    assert {i: second[i] - first[i] for i in questions} == {i: int(i in ("q1", "q2") or i in resend) for i in questions}
     assert rows["q1"]["error"] is None and rows["q2"]["error"] is None and rows["too-long"]["error"]
 
 
@@ -252,8 +309,9 @@ def test_server_gone_mid_shard_stops_the_run_and_a_rerun_resumes(vllm_server, da
         assert "server looks unavailable" in failure.step_failure_data.error.to_string()
         assert not (data_dir / "raw_responses" / f"{SHARD}.parquet").exists()
         durable = [json.loads(line) for line in journal_path(data_dir).read_text().splitlines()[1:]]
-        good = {r["id"] for r in durable if r["error"] is None}
-        assert len(good) == 5
+        answered = {r["id"] for r in durable if r["error"] is None}
+        assert len(answered) == 5
+        good = answered - set(content_failures(durable, allow_truncated=False))  # the others are sent again, by design
         before = proxy.counts()
 
         proxy.unavailable_after = None

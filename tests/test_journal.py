@@ -8,7 +8,14 @@ import polars as pl
 import pytest
 
 from eagle3_assets.core.generation import ROW_SCHEMA
-from eagle3_assets.core.journal import JournalCorruptError, ShardJournal, parquet_fingerprint
+from eagle3_assets.core.journal import (
+    JournalCorruptError,
+    ShardJournal,
+    keep_superseded,
+    parquet_fingerprint,
+    parquet_generation,
+    superseded_path,
+)
 
 
 def row(sample_id: str, error: str | None = None) -> dict:
@@ -68,3 +75,56 @@ def test_finalising_with_a_missing_id_refuses_and_a_damaged_line_is_named(tmp_pa
     path.write_bytes(path.read_bytes() + b"garbage\n" + json.dumps(row("b")).encode() + b"\n")
     with pytest.raises(JournalCorruptError, match="line 3"):
         ShardJournal(path, "fp").load()
+
+
+def test_a_new_journal_comes_into_being_with_exactly_one_header(tmp_path):
+    tmp_path = tmp_path / "raw_responses"
+    tmp_path.mkdir()
+    path = tmp_path / "s.journal.jsonl"
+    path.write_bytes(b"")  # an empty file (nothing durable in it) is made afresh, with its header
+    with ShardJournal(path, "fp").open([row("seeded")]) as journal:
+        journal.append(row("a"))
+    lines = [json.loads(line) for line in path.read_bytes().splitlines()]
+    assert lines[0] == {"journal": 1, "fingerprint": "fp"} and [r["id"] for r in lines[1:]] == ["seeded", "a"]
+    assert sum("journal" in line for line in lines) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.journal.jsonl"]  # no temporary file left behind
+
+    # Two writers racing to create one journal: the second cannot write a header into the first one's file.
+    with pytest.raises(JournalCorruptError, match="another run created this journal at the same moment"):
+        ShardJournal(path, "fp")._create([row("b")])
+    assert [json.loads(line)["id"] for line in path.read_bytes().splitlines()[1:]] == ["seeded", "a"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.journal.jsonl"]
+
+
+def test_a_second_header_or_a_row_without_id_is_named_as_corruption_not_a_key_error(tmp_path):
+    path = tmp_path / "shard-00003.journal.jsonl"
+    header = json.dumps({"journal": 1, "fingerprint": "fp"}).encode() + b"\n"
+    path.write_bytes(header + json.dumps(row("a")).encode() + b"\n" + header + json.dumps(row("b")).encode() + b"\n")
+    with pytest.raises(JournalCorruptError, match=r"shard-00003\.journal\.jsonl, line 3: a second journal header") as caught:
+        ShardJournal(path, "fp").load()
+    assert "materialise the shard again" in str(caught.value)
+    path.write_bytes(header + b'{"reasoning": "no id"}\n')
+    with pytest.raises(JournalCorruptError, match=r"line 2: not a row with an 'id'"):
+        ShardJournal(path, "fp").load()
+
+
+def test_a_finished_shard_of_other_settings_is_kept_with_its_settings_never_overwritten(tmp_path):
+    parquet = tmp_path / "shard-00000.parquet"
+    first = {"model": "m", "temperature": 0.7, "allow_truncated": False}
+    journal = ShardJournal(tmp_path / "j.jsonl", "fp-old")
+    original = journal.finalize(parquet, ["a", "b"], {"a": row("a"), "b": row("b")}, ROW_SCHEMA, generation=first)
+    assert parquet_generation(parquet) == first
+
+    assert keep_superseded(parquet, "fp-old") is None  # same settings: nothing to keep aside
+    kept = keep_superseded(parquet, "fp-new", {"model": "m", "temperature": 0.71})
+    assert kept == superseded_path(parquet, "fp-old") == tmp_path / "superseded" / "shard-00000.fp-old.parquet"
+    assert not parquet.exists() and pl.read_parquet(kept).equals(original)
+    sidecar = json.loads(kept.with_suffix(".json").read_text())
+    assert sidecar["generation"] == first and sidecar["rows"] == 2 and sidecar["fingerprint"] == "fp-old"
+    assert sidecar["superseded_by"] == {"fingerprint": "fp-new", "generation": {"model": "m", "temperature": 0.71}}
+
+    # The same settings superseded a second time: a numbered name, the first kept file untouched.
+    again = ShardJournal(tmp_path / "j.jsonl", "fp-old").finalize(parquet, ["c"], {"c": row("c")}, ROW_SCHEMA, generation=first)
+    second = keep_superseded(parquet, "fp-new")
+    assert second == tmp_path / "superseded" / "shard-00000.fp-old-2.parquet"
+    assert pl.read_parquet(second).equals(again) and pl.read_parquet(kept).equals(original)

@@ -48,7 +48,11 @@ BACKFILL_SHARDS = ["shard-00001", "shard-00002", "shard-00003"]
 UI_ASSETS = ["prompts", "raw_responses", "validated_traces"]
 SELECTION = "group:generation or group:validation"  # exactly UI_ASSETS
 ALL_ASSETS = [*UI_ASSETS, "hidden_states", "vocab_mapping", "draft_checkpoint", "draft_evaluation"]
-VALIDATION_CHECKS = ["traces_present", "reasoning_present", "responses_accounted", "loss_mask_aligned", "truncation_rate_low", "think_markers_absent"]
+VALIDATION_CHECKS = [  # the blocking gates first
+    "traces_present", "reasoning_present", "responses_accounted", "loss_mask_aligned", "request_errors_rare",
+    "truncation_rate_low", "think_markers_absent", "prompts_fit_context",
+]  # fmt: skip
+BLOCKING_VALIDATION_CHECKS = 5
 GROUPS = ["generation", "validation", "extraction", "training", "evaluation"]
 
 RUN_TIMEOUT_S = 900  # one shard: a run worker loads the code, generates 64 answers on 2 CPU cores, validates
@@ -235,7 +239,7 @@ def test_materialise_one_shard_from_the_asset_graph_and_read_its_checks(stack, p
             expect(page.locator(f'span:has(> div[title="{check}"])')).to_contain_text(want)
         expect(page.get_by_text("This is a blocking asset check.")).to_be_visible()
         shot(page, "04-validated-traces-checks")
-    for check in VALIDATION_CHECKS[:4]:  # the blocking gates: a run that succeeded passed them all
+    for check in VALIDATION_CHECKS[:BLOCKING_VALIDATION_CHECKS]:  # a run that succeeded passed them all
         assert latest_check_passed(instance, "validated_traces", check), check
 
 

@@ -124,7 +124,7 @@ def test_mixed_shard_keeps_good_rows_and_rejects_each_bad_one_with_its_reason(da
         response("p8", 8, reasoning="  \n", reasoning_field="reasoning_content"),
     ]
     write_shard(data_dir, prompts, raw)
-    result, _ = run([validated_traces], tiny_target, {"max_seq_len": 150, "min_reasoning_share": 0.7})
+    result, _ = run([validated_traces], tiny_target, {"max_seq_len": 150, "min_reasoning_share": 0.7, "max_request_error_share": 0.2})
     assert result.success
 
     kept = pl.read_parquet(data_dir / "validated_traces" / f"{SHARD}.parquet")
@@ -154,11 +154,15 @@ def test_mixed_shard_keeps_good_rows_and_rejects_each_bad_one_with_its_reason(da
         assert row["input_ids"] == trace.input_ids and row["loss_mask"] == trace.loss_mask
 
     checks = checks_of(result)
-    for name in ("traces_present", "reasoning_present", "responses_accounted", "loss_mask_aligned"):
+    for name in ("traces_present", "reasoning_present", "responses_accounted", "loss_mask_aligned", "request_errors_rare"):
         assert checks[name].passed, (name, checks[name].description)
+    # reasoning is counted over the 8 rows that got a response: p3's request error is not "no reasoning"
     reasoning = checks["reasoning_present"].metadata
-    assert reasoning["reasoning_share"].value == pytest.approx(7 / 9) and reasoning["threshold"].value == 0.7
-    assert reasoning["offending_ids"].value == ["p3", "p8"]
+    assert reasoning["reasoning_share"].value == pytest.approx(7 / 8) and reasoning["threshold"].value == 0.7
+    assert reasoning["offending_ids"].value == ["p8"] and reasoning["answered_rows"].value == 8
+    errors = checks["request_errors_rare"]
+    assert errors.metadata["request_error_share"].value == pytest.approx(1 / 9) and errors.metadata["offending_ids"].value == ["p3"]
+    assert "1 of 9 requests ended in an error" in errors.description
     truncation = checks["truncation_rate_low"]
     assert not truncation.passed and truncation.metadata["truncation_rate"].value == pytest.approx(1 / 9)
     assert truncation.metadata["offending_ids"].value == ["p2"]
@@ -356,3 +360,75 @@ def test_token_length_statistics_and_histogram():
     rows = table.splitlines()[2:]
     assert [r.split("|")[2].strip() for r in rows] == ["25"] * 4 and rows[0].startswith("| 1–25 |")
     assert token_length_histogram_markdown([]) == "_no kept traces_"
+
+
+# -- one rule for what a rerun re-sends and what validation rejects ------------------
+
+
+def test_generation_and_validation_share_one_content_failure_rule(tmp_path, renderer):
+    from eagle3_assets.core.response_rules import RETRYABLE_CONTENT_REASONS, content_failures
+
+    rows = [
+        response("ok", 0),
+        response("cut", 1, content=None, finish_reason="length"),
+        response("cut-with-answer", 2, finish_reason="length"),
+        response("aborted", 3, finish_reason="abort"),
+        response("no-finish", 4, finish_reason=None),
+        response("no-reasoning", 5, reasoning="  ", reasoning_field="none"),
+        response("no-answer", 6, content="\n"),
+        response("failed", 7, reasoning=None, content=None, finish_reason=None, error="http 503: busy"),
+        response("markers", 8, content="</think> 15"),
+    ]
+    prompts_path, raw_path = tmp_path / "p.parquet", tmp_path / "r.parquet"
+    pl.DataFrame([{"row_index": i, "id": r["id"], "messages": question(i)} for i, r in enumerate(rows)], schema=PROMPTS_SCHEMA).write_parquet(prompts_path)
+    pl.DataFrame(rows, schema=RAW_RESPONSES_SCHEMA).write_parquet(raw_path)
+    for allow_truncated in (False, True):
+        retried = content_failures(rows, allow_truncated)
+        validate_shard(raw_path, prompts_path, renderer, ValidationRules(4096, allow_truncated), tmp_path / "k.parquet", tmp_path / "x.parquet")
+        rejected = dict(pl.read_parquet(tmp_path / "x.parquet").select("id", "reason").iter_rows())
+        # exactly the rows validation rejects for a reason a new generation can fix are the ones a rerun sends again
+        assert retried == {i: r for i, r in rejected.items() if r in RETRYABLE_CONTENT_REASONS}, allow_truncated
+        assert rejected["failed"] == "request_error" and rejected["markers"] == "think_markers_left"
+    assert content_failures(rows, allow_truncated=False) == {
+        "cut": "truncated", "cut-with-answer": "truncated", "aborted": "not_stopped", "no-finish": "not_stopped",
+        "no-reasoning": "empty_reasoning", "no-answer": "empty_content",
+    }  # fmt: skip
+    assert content_failures(rows, allow_truncated=True) == {
+        "cut": "empty_content", "aborted": "not_stopped", "no-finish": "not_stopped", "no-reasoning": "empty_reasoning", "no-answer": "empty_content",
+    }  # fmt: skip
+
+
+def test_prompts_too_long_are_rejected_with_their_reason_and_block_nothing_by_themselves(data_dir, tiny_target):
+    too_long = "prompt_too_long: 5012 prompt tokens >= max_model_len 4096; not sent"
+    prompts = [(f"p{i}", question(i)) for i in range(8)] + [(f"long{i}", question(50 + i)) for i in range(3)]
+    raw = [response(f"p{i}", i) for i in range(8)]
+    raw += [response(f"long{i}", 50 + i, reasoning=None, content=None, reasoning_field="none", finish_reason=None, attempts=0, server="", error=too_long) for i in range(3)]
+    write_shard(data_dir, prompts, raw)
+    result, _ = run([validated_traces], tiny_target)
+    assert result.success  # 3 over-long prompts of 11 do not block the shard
+
+    checks = checks_of(result)
+    reasoning = checks["reasoning_present"]
+    assert reasoning.passed and reasoning.metadata["answered_rows"].value == 8 and reasoning.metadata["reasoning_share"].value == 1.0
+    assert checks["request_errors_rare"].passed and checks["request_errors_rare"].metadata["requests"].value == 8
+    fit = checks["prompts_fit_context"]
+    assert not fit.passed and fit.severity.value == "WARN" and fit.metadata["offending_ids"].value == ["long0", "long1", "long2"]
+    assert "longer than the server's context" in fit.description and "--max-model-len" in fit.description
+    rejected = pl.read_parquet(data_dir / "validated_traces" / f"{SHARD}.rejected.parquet")
+    assert dict(zip(rejected["id"], rejected["reason"])) == {f"long{i}": "prompt_too_long" for i in range(3)}
+    assert set(rejected["detail"]) == {too_long}
+
+
+def test_request_errors_have_their_own_gate_and_text(data_dir, tiny_target):
+    prompts = [(f"p{i}", question(i)) for i in range(10)]
+    raw = [response(f"p{i}", i) for i in range(8)]
+    raw += [response(f"p{i}", i, reasoning=None, content=None, reasoning_field="none", finish_reason=None, error="http 503: overloaded (after 6 attempts)") for i in (8, 9)]
+    write_shard(data_dir, prompts, raw)
+    result, _ = run([validated_traces], tiny_target)
+    assert not result.success
+    checks = checks_of(result)
+    assert checks["reasoning_present"].passed  # errors are not "no reasoning": the parser is not blamed
+    errors = checks["request_errors_rare"]
+    assert not errors.passed and errors.metadata["offending_ids"].value == ["p8", "p9"]
+    assert "2 of 10 requests ended in an error" in errors.description and "{'http 503': 2}" in errors.description
+    assert "not the model" in errors.description and "materialise the shard again" in errors.description

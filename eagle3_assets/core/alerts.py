@@ -6,11 +6,14 @@ sensors in ``sensors/`` decide *when* to alert.
 
 from __future__ import annotations
 
+import base64
 import json
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 
+from eagle3_assets.core.redaction import redact_url
 from eagle3_assets.core.vllm_metrics import parse_prometheus
 
 
@@ -70,19 +73,33 @@ class ServerHealth:
 
 
 def probe_server(url: str, timeout_s: float = 5.0) -> ServerHealth:
-    """``/health`` decides up or down; ``/metrics`` adds running and waiting requests when it answers."""
-    base = url.rstrip("/")
+    """``/health`` decides up or down; ``/metrics`` adds running and waiting requests when it answers.
+
+    Credentials in ``url`` are sent as basic auth (as the generation client's
+    aiohttp does); the result names the server without them.
+    """
+    shown = redact_url(url)
+    base = shown.rstrip("/")
+    headers = _basic_auth(url)
     try:
-        with urllib.request.urlopen(f"{base}/health", timeout=timeout_s) as response:
+        with urllib.request.urlopen(urllib.request.Request(f"{base}/health", headers=headers), timeout=timeout_s) as response:
             if response.status != 200:
-                return ServerHealth(url, False, error=f"/health answered HTTP {response.status}")
+                return ServerHealth(shown, False, error=f"/health answered HTTP {response.status}")
     except urllib.error.HTTPError as exc:
-        return ServerHealth(url, False, error=f"/health answered HTTP {exc.code}")
+        return ServerHealth(shown, False, error=f"/health answered HTTP {exc.code}")
     except (urllib.error.URLError, OSError) as exc:
-        return ServerHealth(url, False, error=f"/health unreachable: {getattr(exc, 'reason', exc)}")
+        return ServerHealth(shown, False, error=f"/health unreachable: {getattr(exc, 'reason', exc)}")
     try:
-        with urllib.request.urlopen(f"{base}/metrics", timeout=timeout_s) as response:
+        with urllib.request.urlopen(urllib.request.Request(f"{base}/metrics", headers=headers), timeout=timeout_s) as response:
             metrics = parse_prometheus(response.read().decode(errors="replace"))
     except (urllib.error.URLError, OSError):
-        return ServerHealth(url, True)
-    return ServerHealth(url, True, metrics.get("vllm:num_requests_running"), metrics.get("vllm:num_requests_waiting"))
+        return ServerHealth(shown, True)
+    return ServerHealth(shown, True, metrics.get("vllm:num_requests_running"), metrics.get("vllm:num_requests_waiting"))
+
+
+def _basic_auth(url: str) -> dict[str, str]:
+    parts = urllib.parse.urlsplit(url)
+    if parts.username is None:
+        return {}
+    user_pass = f"{urllib.parse.unquote(parts.username)}:{urllib.parse.unquote(parts.password or '')}"
+    return {"Authorization": "Basic " + base64.b64encode(user_pass.encode()).decode()}

@@ -21,8 +21,18 @@ What the client gets right, because the story this project comes from got it wro
   back with reasoning) runs before the first sample is sent, so a server without
   a reasoning parser fails the run at once instead of after 10,000 requests;
 - every finished row goes to the shard's journal (:mod:`.journal`) as it
-  arrives; a rerun sends only the ids not yet durable, and rows that ended in an
-  error are sent again.
+  arrives; a rerun sends only the ids not yet durable, the rows that ended in an
+  error, and the rows whose response validation would reject for a reason a new
+  generation can fix (:mod:`.response_rules`: empty reasoning, empty answer, a
+  cut or aborted generation), up to ``max_attempts_per_sample`` requests per
+  sample over its whole life. A content failure is *not* re-sent within the run
+  that got it: when the server itself is at fault (no reasoning parser), instant
+  retries would only spend the sample's attempts before anyone can fix it;
+- a finished shard is never overwritten by a generation with other settings:
+  it is kept under ``superseded/`` (:func:`.journal.keep_superseded`), and
+  reused if the settings come back;
+- credentials in a server URL are used for requests and shown nowhere
+  (:mod:`.redaction`): rows, logs and errors name the server without them.
 
 Nothing here imports Dagster: the asset (``eagle3_assets/raw_responses.py``)
 is a thin wrapper, and the benchmark drives this module directly.
@@ -44,8 +54,15 @@ from typing import Any
 import aiohttp
 import polars as pl
 
-from eagle3_assets.core.journal import ShardJournal, parquet_fingerprint
+from eagle3_assets.core.journal import ShardJournal, keep_superseded, parquet_fingerprint, parquet_generation, superseded_path
 from eagle3_assets.core.markdown import markdown_histogram
+from eagle3_assets.core.redaction import has_credentials, redact_credentials, redact_url
+from eagle3_assets.core.response_rules import (
+    DEFAULT_MAX_ATTEMPTS_PER_SAMPLE,
+    NO_REASONING_DIAGNOSIS,
+    PROMPT_TOO_LONG,
+    content_failures,
+)
 from eagle3_assets.core.storage import stable_hash
 
 # The contract of ``<data>/raw_responses/<shard>.parquet`` (one row per prompt).
@@ -58,9 +75,9 @@ ROW_SCHEMA: dict[str, pl.DataType] = {
     "prompt_tokens": pl.Int64(),
     "completion_tokens": pl.Int64(),
     "latency_s": pl.Float64(),  # of the attempt whose outcome the row records
-    "server": pl.String(),  # base URL that answered ("" when no request was sent)
+    "server": pl.String(),  # base URL that answered, without credentials ("" when no request was sent)
     "model": pl.String(),
-    "attempts": pl.Int64(),  # requests sent for this row in its run (0: never sent)
+    "attempts": pl.Int64(),  # requests sent for this sample over its whole life, every run (0: never sent)
     "error": pl.String(),  # "<kind>: <detail>", null on success
 }
 
@@ -75,8 +92,7 @@ DEFAULT_CANARY_PROMPT = "What is 17 + 25? Think it through step by step, then gi
 # each sample would pay a failed attempt and a backoff before its retry went elsewhere.
 SERVER_DOWN_COOLDOWN_S = 10.0
 
-# Error kinds (the part of ``error`` before the colon).
-PROMPT_TOO_LONG = "prompt_too_long"
+# Error kinds (the part of ``error`` before the colon); PROMPT_TOO_LONG comes from response_rules.
 HTTP_ERROR = "http"
 CONNECTION_ERROR = "connection"
 READ_TIMEOUT = "read_timeout"
@@ -96,12 +112,19 @@ class GenerationConfig:
     extra_body: Mapping[str, Any] = field(default_factory=dict)
     connect_timeout_s: float = 10.0
     read_timeout_s: float = 1800.0
+    # /tokenize answers in milliseconds; it must not inherit the read timeout of a whole generation, or one stuck
+    # call would hold a worker for half an hour. On a timeout the server judges the prompt itself.
+    tokenize_timeout_s: float = 30.0
     max_retries: int = 5
     backoff_initial_s: float = 1.0
     backoff_max_s: float = 60.0
     # So many samples in a row ending with retries exhausted means the server is gone:
     # stop (the journal keeps what is done) rather than fill the shard with error rows.
     max_consecutive_failures: int = 64
+    # Whether a generation cut by max_tokens is usable; validation reads the same setting from the shard's file.
+    allow_truncated: bool = False
+    # A rerun sends a content failure again only while the sample has had fewer requests than this.
+    max_attempts_per_sample: int = DEFAULT_MAX_ATTEMPTS_PER_SAMPLE
 
     def __post_init__(self) -> None:
         if not self.base_urls:
@@ -109,13 +132,27 @@ class GenerationConfig:
         for url in self.base_urls:
             parsed = urllib.parse.urlparse(url)
             if parsed.scheme not in ("http", "https") or not parsed.netloc:
-                raise ValueError(f"vllm_server.base_urls: {url!r} is not an http(s) URL such as http://127.0.0.1:8000")
-        if self.concurrency < 1 or self.max_tokens < 1 or self.max_retries < 0:
-            raise ValueError("vllm_server: concurrency and max_tokens must be >= 1, max_retries >= 0")
+                raise ValueError(f"vllm_server.base_urls: {redact_url(url)!r} is not an http(s) URL such as http://127.0.0.1:8000")
+            if self.api_key and has_credentials(url):
+                raise ValueError(
+                    f"vllm_server.base_urls: {redact_url(url)!r} carries credentials and an API key is set too; an HTTP "
+                    "request has one Authorization header: use one or the other"
+                )
+        if self.concurrency < 1 or self.max_tokens < 1 or self.max_retries < 0 or self.max_attempts_per_sample < 1:
+            raise ValueError("vllm_server: concurrency, max_tokens and max_attempts_per_sample must be >= 1, max_retries >= 0")
 
     @property
     def servers(self) -> tuple[str, ...]:
+        """The base URLs requests go to, credentials included: never log these, show :attr:`shown_servers`."""
         return tuple(u.rstrip("/").removesuffix("/v1") for u in self.base_urls)
+
+    @property
+    def shown_servers(self) -> tuple[str, ...]:
+        return tuple(redact_url(s) for s in self.servers)
+
+    def settings(self) -> dict[str, Any]:
+        """What a finished shard records of how it was made: the identity and the retry policy."""
+        return {**self.identity(), "allow_truncated": self.allow_truncated, "max_attempts_per_sample": self.max_attempts_per_sample}
 
     def request_fields(self) -> dict[str, Any]:
         """The request body without the messages: model, max_tokens, sampling, extra_body (merged last)."""
@@ -202,6 +239,7 @@ class GenerationClient:
         self.log = log or (lambda line: None)
         self._session: aiohttp.ClientSession | None = None
         self._servers = config.servers
+        self._shown = dict(zip(config.servers, config.shown_servers))  # what rows, logs and errors say
         self._inflight: dict[str, int] = {s: 0 for s in self._servers}
         self._down_until: dict[str, float] = {}  # servers that refused a connection and have not answered since
         self._turn = 0
@@ -260,9 +298,9 @@ class GenerationClient:
             return  # nowhere else to go: the retries and their backoff decide
         now = time.monotonic()
         if server not in self._down_until:
-            others = [s for s in self._servers if s != server]
+            others = [self._shown[s] for s in self._servers if s != server]
             self.log(
-                f"server {server} unreachable ({_describe(exc)}): new requests go to {', '.join(others)} "
+                f"server {self._shown[server]} unreachable ({_describe(exc)}): new requests go to {', '.join(others)} "
                 f"until it answers again (tried every {SERVER_DOWN_COOLDOWN_S:g}s)"
             )
         self._down_until[server] = now + SERVER_DOWN_COOLDOWN_S
@@ -282,24 +320,25 @@ class GenerationClient:
         """``/health``, ``/v1/models`` and one canary completion with reasoning on every server, or PreflightError."""
         models: dict[str, dict[str, Any]] = {}
         for server in self.config.servers:
+            shown = self._shown[server]
             status, body = await self._get(server, "/health")
             if status != 200:
-                raise PreflightError(f"vLLM server {server}: /health answered HTTP {status}: {_excerpt(body)}")
+                raise PreflightError(f"vLLM server {shown}: /health answered HTTP {status}: {_excerpt(body)}")
             status, body = await self._get(server, "/v1/models")
             if status in (401, 403):
-                raise PreflightError(f"vLLM server {server}: /v1/models answered HTTP {status}: the API key is missing or wrong (set VLLM_API_KEY)")
+                raise PreflightError(f"vLLM server {shown}: /v1/models answered HTTP {status}: the API key is missing or wrong (set VLLM_API_KEY)")
             if status != 200:
-                raise PreflightError(f"vLLM server {server}: /v1/models answered HTTP {status}: {_excerpt(body)}")
+                raise PreflightError(f"vLLM server {shown}: /v1/models answered HTTP {status}: {_excerpt(body)}")
             try:
                 listed = {m["id"]: m for m in json.loads(body)["data"]}
             except (ValueError, KeyError, TypeError):
-                raise PreflightError(f"vLLM server {server}: /v1/models did not return a model list: {_excerpt(body)}") from None
+                raise PreflightError(f"vLLM server {shown}: /v1/models did not return a model list: {_excerpt(body)}") from None
             if self.config.model not in listed:
                 raise PreflightError(
-                    f"vLLM server {server} does not serve model {self.config.model!r} (it serves {sorted(listed)}); "
+                    f"vLLM server {shown} does not serve model {self.config.model!r} (it serves {sorted(listed)}); "
                     "set vllm_server.served_model_name to one of them"
                 )
-            models[server] = listed[self.config.model]
+            models[shown] = listed[self.config.model]
         lengths = [m["max_model_len"] for m in models.values() if isinstance(m.get("max_model_len"), int)]
         max_model_len = min(lengths) if lengths else None
         if max_model_len is not None and self.config.max_tokens > max_model_len:
@@ -310,18 +349,18 @@ class GenerationClient:
         canary = Sample(CANARY_ID, [{"role": "user", "content": canary_prompt}])
         canary_row: dict[str, Any] = {}
         for server in self.config.servers:
+            shown = self._shown[server]
             canary_row = await self.complete(canary, max_tokens=min(self.config.max_tokens, canary_max_tokens), server=server)
             if canary_row["error"]:
-                raise PreflightError(f"vLLM server {server}: the canary request failed: {canary_row['error']}")
+                raise PreflightError(f"vLLM server {shown}: the canary request failed: {canary_row['error']}")
             if not (canary_row["reasoning"] or "").strip():
                 raise PreflightError(
-                    f"vLLM server {server}: the canary response carries no reasoning (neither message.reasoning nor "
+                    f"vLLM server {shown}: the canary response carries no reasoning (neither message.reasoning nor "
                     f"message.reasoning_content; finish_reason={canary_row['finish_reason']!r}, content starts "
-                    f"{(canary_row['content'] or '')[:80]!r}). Serve the model with a --reasoning-parser for it, and check "
-                    "that its chat template lets it think (extra_body.chat_template_kwargs)."
+                    f"{(canary_row['content'] or '')[:80]!r}). {NO_REASONING_DIAGNOSIS}"
                 )
         return PreflightReport(
-            servers=list(self.config.servers),
+            servers=list(self.config.shown_servers),
             max_model_len=max_model_len,
             models=models,
             canary_reasoning_field=canary_row["reasoning_field"],
@@ -333,15 +372,18 @@ class GenerationClient:
             async with self.session.get(server + path, timeout=aiohttp.ClientTimeout(total=60, sock_connect=self.config.connect_timeout_s)) as resp:
                 return resp.status, await resp.read()
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            raise PreflightError(f"vLLM server {server}: {path} did not answer: {_describe(exc)}") from None
+            raise PreflightError(f"vLLM server {self._shown[server]}: {path} did not answer: {_describe(exc)}") from None
 
     async def prompt_tokens(self, messages: Sequence[Mapping[str, str]], sample_id: str) -> int | None:
-        """The prompt's exact token count from vLLM's ``/tokenize`` (None when the server has no such endpoint)."""
+        """The prompt's exact token count from vLLM's ``/tokenize`` (None: no such endpoint, or no answer within ``tokenize_timeout_s``)."""
         server = self._pick_server()
         body = {"model": self.config.model, "messages": list(messages), "add_generation_prompt": True}
         body.update({k: v for k, v in self.config.extra_body.items() if k == "chat_template_kwargs"})
+        timeout = aiohttp.ClientTimeout(total=self.config.tokenize_timeout_s, sock_connect=self.config.connect_timeout_s)
         try:
-            async with self.session.post(server + "/tokenize", json=body, headers={SAMPLE_ID_HEADER: _header_value(sample_id)}) as resp:
+            async with self.session.post(
+                server + "/tokenize", json=body, headers={SAMPLE_ID_HEADER: _header_value(sample_id)}, timeout=timeout
+            ) as resp:
                 if resp.status != 200:
                     return None
                 count = (await resp.json(content_type=None)).get("count")
@@ -350,8 +392,13 @@ class GenerationClient:
             return None
 
     # ------------------------------------------------------------ one sample
-    async def complete(self, sample: Sample, max_tokens: int | None = None, server: str | None = None) -> dict[str, Any]:
+    async def complete(self, sample: Sample, max_tokens: int | None = None, server: str | None = None, prior_attempts: int = 0) -> dict[str, Any]:
         """One row for ``sample``: the response, or the error it ended in after the retries the error allows.
+
+        ``prior_attempts`` are the requests earlier runs sent for the sample:
+        the row's ``attempts`` counts on from them. With a fixed ``seed`` the
+        request of a sample sent again uses ``seed + prior_attempts``: the same
+        seed would bring back the same rejected response.
 
         The row carries ``_retries_exhausted`` (dropped before it is journaled)
         so that the caller can tell a server that is gone from a bad sample.
@@ -359,12 +406,15 @@ class GenerationClient:
         fields = dict(self._fields)
         if max_tokens is not None:
             fields["max_tokens"] = max_tokens
+        if prior_attempts and isinstance(fields.get("seed"), int):
+            fields["seed"] += prior_attempts
         fields["messages"] = sample.messages
         body = _JSON.encode(fields).encode()
         headers = {SAMPLE_ID_HEADER: _header_value(sample.id)}
-        attempts, chosen = 0, ""
+        sent, chosen = 0, ""
         while True:
-            attempts += 1
+            sent += 1
+            attempts = prior_attempts + sent
             failed = chosen
             chosen = server or self._pick_server(avoid=failed or None)
             if failed and chosen != failed:
@@ -397,23 +447,24 @@ class GenerationClient:
                     parsed = parse_completion(json.loads(payload))
                 except ValueError as exc:  # JSONDecodeError is a ValueError
                     return self._error_row(sample, f"{MALFORMED_RESPONSE}: {exc}; body starts {_excerpt(payload)}", chosen, attempts, latency)
-                return {"id": sample.id, **parsed, "latency_s": latency, "server": chosen, "model": self.config.model, "attempts": attempts, "error": None}
+                return {"id": sample.id, **parsed, "latency_s": latency, "server": self._shown[chosen], "model": self.config.model, "attempts": attempts, "error": None}
             if status is not None:
                 error = f"{HTTP_ERROR} {status}: {_error_message(payload)}"
                 if not _retryable_status(status):
                     return self._error_row(sample, error, chosen, attempts, latency)
             self.failed_attempts[chosen] += 1
-            if attempts > self.config.max_retries:
-                row = self._error_row(sample, f"{error} (after {attempts} attempts)", chosen, attempts, latency)
+            if sent > self.config.max_retries:
+                row = self._error_row(sample, f"{error} (after {sent} attempts)", chosen, attempts, latency)
                 row["_retries_exhausted"] = True
                 return row
-            await asyncio.sleep(self._backoff_s(attempts, retry_after))
+            await asyncio.sleep(self._backoff_s(sent, retry_after))
 
     def _error_row(self, sample: Sample, error: str, server: str, attempts: int, latency_s: float) -> dict[str, Any]:
+        """A row without a response; ``server`` is where the last request went ("" for none), shown without credentials."""
         return {
             "id": sample.id, "reasoning": None, "content": None, "reasoning_field": "none", "finish_reason": None,
-            "prompt_tokens": None, "completion_tokens": None, "latency_s": latency_s, "server": server,
-            "model": self.config.model, "attempts": attempts, "error": error,
+            "prompt_tokens": None, "completion_tokens": None, "latency_s": latency_s, "server": self._shown.get(server, ""),
+            "model": self.config.model, "attempts": attempts, "error": redact_credentials(error),
         }  # fmt: skip
 
 
@@ -442,13 +493,17 @@ class Progress:
 class ShardOutcome:
     frame: pl.DataFrame  # the shard's rows, as written to Parquet
     preflight: PreflightReport
-    reused: int  # rows already durable (journal or earlier Parquet) and not sent again
+    reused: int  # rows already durable (journal or earlier Parquet), good, and not sent again
     sent: int  # samples this run sent (or settled without a request)
     wall_s: float  # of the generation, pre-flight excluded
     output_tokens: int  # completion tokens generated by this run
     set_aside: Path | None  # a journal of other inputs, moved aside
-    failed_attempts_by_server: dict[str, int] = field(default_factory=dict)  # retryable failures, per server
+    failed_attempts_by_server: dict[str, int] = field(default_factory=dict)  # retryable failures, per server (shown names)
     failovers: int = 0  # retries sent to another server than the attempt that failed
+    resent: dict[str, int] = field(default_factory=dict)  # durable rows sent again, by why: error kinds, content failures
+    attempts_exhausted: list[str] = field(default_factory=list)  # content failures kept: max_attempts_per_sample reached
+    superseded: Path | None = None  # the finished shard of other settings this run moved aside (kept, not deleted)
+    reused_from: Path | None = None  # an earlier finished file of these very settings that seeded this run
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -511,17 +566,30 @@ async def _generate_shard(
         if journal.set_aside:
             log(f"journal {journal_path.name} was written for other prompts or sampling; moved aside to {journal.set_aside.name}")
         seed: list[dict[str, Any]] = []
-        if not rows and parquet_fingerprint(parquet_path) == fingerprint:
-            # Re-materialising a finished shard with unchanged inputs: keep its good rows, retry its errors.
-            seed = [r for r in pl.read_parquet(parquet_path).to_dicts() if r["error"] is None]
-            rows = {r["id"]: r for r in seed}
-        wanted = set(ids)
-        reused = sum(1 for i, r in rows.items() if i in wanted and r.get("error") is None)
-        pending = [s for s in samples if rows.get(s.id, {}).get("error", "retry") is not None]
-        if reused:
-            log(f"resuming: {reused} of {len(samples)} rows already durable; {len(pending)} to send (earlier error rows are sent again)")
+        reused_from = None
+        finished_fingerprint = parquet_fingerprint(parquet_path)
+        if finished_fingerprint not in (None, fingerprint):
+            log(
+                f"{parquet_path.name} was generated with other settings ({_settings_change(parquet_generation(parquet_path), config.settings())}); "
+                f"it stays in place until this run finishes, then is kept as {SUPERSEDED_NOTE}"
+            )
+        if not rows:
+            # Re-materialising a finished shard with unchanged inputs (or inputs that come back to those of a
+            # kept one): every row is seeded into the journal, so the attempts of rows sent again count on.
+            kept = superseded_path(parquet_path, fingerprint)
+            source = parquet_path if finished_fingerprint == fingerprint else (kept if kept.is_file() else None)
+            if source is not None:
+                seed = pl.read_parquet(source).to_dicts()
+                rows = {r["id"]: r for r in seed}
+                if source == kept:
+                    reused_from = kept
+                    log(f"reusing {kept.parent.name}/{kept.name}: generated earlier with these very prompts and settings")
+        plan = _plan_resend(samples, rows, config)
+        if rows:
+            log(plan.line(len(samples), config.max_attempts_per_sample))
+        pending = plan.pending
 
-        run = _ShardRun(client, journal, rows, pending, len(samples), reused, report.max_model_len, config, log)
+        run = _ShardRun(client, journal, rows, pending, len(samples), plan.reused, report.max_model_len, config, log)
         journal.open(seed)
         started = time.perf_counter()
         try:
@@ -531,10 +599,70 @@ async def _generate_shard(
         wall_s = time.perf_counter() - started
         log(run.progress(wall_s).line())
 
-    frame = journal.finalize(parquet_path, ids, rows, ROW_SCHEMA)
+    superseded = keep_superseded(parquet_path, fingerprint, config.settings())
+    if superseded is not None:
+        log(f"kept the earlier generation of this shard (other settings) as {superseded.parent.name}/{superseded.name}, with its settings in {superseded.with_suffix('.json').name}")
+    frame = journal.finalize(parquet_path, ids, rows, ROW_SCHEMA, generation=config.settings())
     return ShardOutcome(
-        frame, report, reused, len(pending), wall_s, run.output_tokens, journal.set_aside, dict(client.failed_attempts), client.failovers
-    )
+        frame, report, plan.reused, len(pending), wall_s, run.output_tokens, journal.set_aside,
+        {client._shown[s]: n for s, n in client.failed_attempts.items()}, client.failovers,
+        resent=dict(plan.reasons), attempts_exhausted=plan.exhausted, superseded=superseded, reused_from=reused_from,
+    )  # fmt: skip
+
+
+SUPERSEDED_NOTE = "superseded/<shard>.<fingerprint>.parquet (nothing is deleted)"
+
+
+@dataclass
+class _ResendPlan:
+    """What a run of a shard sends, given the rows already durable."""
+
+    pending: list[Sample]
+    reused: int  # durable rows kept as they are, good ones
+    reasons: Counter[str]  # why durable rows are sent again: "error: <kind>" or a content-failure reason
+    exhausted: list[str]  # content failures kept as they are: the sample used its attempts
+
+    def line(self, total: int, max_attempts: int) -> str:
+        text = f"resuming: {self.reused} of {total} rows already durable and usable; {len(self.pending)} to send"
+        if self.reasons:
+            text += f" (sent again: {dict(sorted(self.reasons.items()))})"
+        if self.exhausted:
+            text += (
+                f"; {len(self.exhausted)} rows kept as they are after {max_attempts} attempts each (e.g. {self.exhausted[:3]}): "
+                "raise vllm_server.max_attempts_per_sample to send them again"
+            )
+        return text
+
+
+def _plan_resend(samples: Sequence[Sample], rows: Mapping[str, Mapping[str, Any]], config: GenerationConfig) -> _ResendPlan:
+    """Which samples to send: those without a row, error rows, and content failures with attempts left."""
+    failures = content_failures((rows[s.id] for s in samples if s.id in rows), config.allow_truncated)
+    plan = _ResendPlan(pending=[], reused=0, reasons=Counter(), exhausted=[])
+    for sample in samples:
+        row = rows.get(sample.id)
+        if row is None:
+            plan.pending.append(sample)
+        elif row.get("error") is not None:
+            plan.pending.append(sample)
+            plan.reasons[f"error: {str(row['error']).split(':', 1)[0]}"] += 1
+        elif sample.id in failures:
+            if (row.get("attempts") or 0) < config.max_attempts_per_sample:
+                plan.pending.append(sample)
+                plan.reasons[failures[sample.id]] += 1
+            else:
+                plan.exhausted.append(sample.id)
+        else:
+            plan.reused += 1
+    return plan
+
+
+def _settings_change(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> str:
+    """What differs between two generation settings, for the log: ``temperature 0.7 -> 0.71``."""
+    if old is None:
+        return "settings not recorded in the file"
+    keys = sorted(set(old) | set(new), key=str)
+    changes = [f"{k} {old.get(k, 'unset')} -> {new.get(k, 'unset')}" for k in keys if old.get(k) != new.get(k)]
+    return ", ".join(changes) or "same settings, other prompts"
 
 
 class _ShardRun:
@@ -574,8 +702,9 @@ class _ShardRun:
         for sample in queue:  # a shared iterator: each sample goes to exactly one worker
             if self.abort:
                 return
+            prior = (self.rows.get(sample.id) or {}).get("attempts") or 0
             may_be_too_long = self.max_model_len is not None and prompt_tokens_upper_bound(sample.messages) >= self.max_model_len
-            row = await (self._checked(sample) if may_be_too_long else self.client.complete(sample))
+            row = await (self._checked(sample, prior) if may_be_too_long else self.client.complete(sample, prior_attempts=prior))
             exhausted = row.pop("_retries_exhausted", False)
             self.rows[sample.id] = row
             self.journal.append(row)
@@ -591,15 +720,15 @@ class _ShardRun:
                     f"{self.reused + self.finished - self.errors} finished rows: rerun the shard to resume."
                 )
 
-    async def _checked(self, sample: Sample) -> dict[str, Any]:
+    async def _checked(self, sample: Sample, prior: int) -> dict[str, Any]:
         """A prompt that might not fit: count it exactly; settle it without a generation request if it does not fit."""
         assert self.max_model_len is not None
         count = await self.client.prompt_tokens(sample.messages, sample.id)
-        if count is None:  # no /tokenize (not vLLM): let the server judge
-            return await self.client.complete(sample)
+        if count is None:  # no /tokenize (not vLLM), or it timed out: let the server judge
+            return await self.client.complete(sample, prior_attempts=prior)
         if count >= self.max_model_len:
-            return self.client._error_row(sample, f"{PROMPT_TOO_LONG}: {count} prompt tokens >= max_model_len {self.max_model_len}; not sent", "", 0, 0.0)
-        return await self.client.complete(sample, max_tokens=min(self.config.max_tokens, self.max_model_len - count))
+            return self.client._error_row(sample, f"{PROMPT_TOO_LONG}: {count} prompt tokens >= max_model_len {self.max_model_len}; not sent", "", prior, 0.0)
+        return await self.client.complete(sample, max_tokens=min(self.config.max_tokens, self.max_model_len - count), prior_attempts=prior)
 
     def progress(self, now: float | None = None) -> Progress:
         elapsed = (time.perf_counter() - self.started) if now is None else now
@@ -624,16 +753,21 @@ class _ShardRun:
 def shard_summary(frame: pl.DataFrame) -> dict[str, Any]:
     """The figures of a finished shard (Dagster-free; the asset turns them into metadata)."""
     errors = frame.filter(pl.col("error").is_not_null())
+    too_long = errors.filter(pl.col("error").str.starts_with(f"{PROMPT_TOO_LONG}:"))
     ok = frame.filter(pl.col("error").is_null())
     no_reasoning = ok.filter(pl.col("reasoning").fill_null("").str.strip_chars() == "")
     latency = ok["latency_s"]
     return {
         "rows": frame.height,
         "errors": errors.height,
+        "request_errors": errors.height - too_long.height,  # requests that failed (prompts too long were never sent)
+        "prompts_too_long": too_long.height,
+        "prompts_too_long_ids": too_long["id"].head(10).to_list(),
+        "answered_rows": ok.height,
         "errors_by_kind": dict(Counter(e.split(":", 1)[0] for e in errors["error"].to_list())),
         "error_examples": [f"{r['id']}: {r['error'][:160]}" for r in errors.head(10).iter_rows(named=True)],
         "rows_without_reasoning": no_reasoning.height,
-        "rows_without_reasoning_ids": no_reasoning["id"].head(10).to_list(),
+        "rows_without_reasoning_ids": no_reasoning["id"].to_list(),
         "finish_reasons": dict(Counter(str(r) for r in ok["finish_reason"].to_list())),
         "reasoning_fields": dict(Counter(ok["reasoning_field"].to_list())),
         "completion_tokens": int(ok["completion_tokens"].fill_null(0).sum()),
@@ -673,7 +807,8 @@ def _excerpt(payload: bytes, limit: int = 120) -> str:
 
 
 def _describe(exc: BaseException) -> str:
-    text = str(exc)
+    """An exception as a row's error or a log line shows it: a message that quotes a URL loses its credentials."""
+    text = redact_credentials(str(exc))
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 

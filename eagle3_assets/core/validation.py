@@ -2,7 +2,9 @@
 
 A row of ``raw_responses`` is kept when the request succeeded, the generation
 stopped on its own (``finish_reason == "stop"``; truncated rows only when
-allowed), reasoning and answer are non-empty, no think marker is left inside
+allowed), reasoning and answer are non-empty (these four rules are
+:func:`eagle3_assets.core.response_rules.content_failure`, which generation
+also reads to decide what a rerun sends again), no think marker is left inside
 either (the reasoning parser did not split the text), it is not a repeat of an
 earlier row of the shard (same prompt, same response), and its rendered token
 sequence fits the maximum sequence length. Every other row goes to the
@@ -34,6 +36,14 @@ import polars as pl
 from eagle3_assets.core.chat_rendering import ChatRenderer
 from eagle3_assets.core.markdown import markdown_histogram
 from eagle3_assets.core.prompt_loading import MESSAGES_DTYPE
+from eagle3_assets.core.response_rules import (
+    NO_REASONING_DIAGNOSIS,
+    PROMPT_TOO_LONG,
+    RETRYABLE_CONTENT_REASONS,
+    blank,
+    content_failure,
+    is_prompt_too_long,
+)
 from eagle3_assets.core.storage import PARTIAL_SUFFIX, atomic_path, write_parquet_atomic
 
 MAX_OFFENDING_IDS = 10
@@ -68,13 +78,11 @@ REJECTED_SCHEMA: dict[str, pl.DataType] = {"id": pl.String, "reason": pl.String,
 
 # Reason codes, in the order they are tested: a row gets the first that applies.
 REJECTION_REASONS: dict[str, str] = {
+    PROMPT_TOO_LONG: "the prompt alone is longer than the server's context (max_model_len); it was never sent",
     "request_error": "the request failed (raw `error` is set)",
     "unknown_prompt": "the id is not a prompt of this shard (stale or foreign raw row)",
     "duplicate_id": "an earlier raw row of the shard has the same id",
-    "truncated": "generation hit max_tokens (finish_reason 'length')",
-    "not_stopped": "generation ended for another reason than 'stop' (abort, error, repetition, none)",
-    "empty_reasoning": "no reasoning after stripping whitespace",
-    "empty_content": "no answer after stripping whitespace",
+    **RETRYABLE_CONTENT_REASONS,  # a rerun of raw_responses sends these rows again
     "think_markers_left": "a think marker is left inside the reasoning or the answer (the reasoning parser did not split the text)",
     "duplicate_response": "an earlier row of the shard has the same prompt and the same response",
     "template_error": "the target's chat template refused the prompt (e.g. roles that do not alternate)",
@@ -103,7 +111,11 @@ class ShardValidation:
     raw_rows: int = 0
     raw_ids: list[str] = field(default_factory=list)
     prompt_ids: list[str] = field(default_factory=list)
-    ids_without_reasoning: list[str] = field(default_factory=list)
+    answered_rows: int = 0  # rows that got a response (no request error, not settled as prompt_too_long)
+    ids_without_reasoning: list[str] = field(default_factory=list)  # among the answered rows
+    request_error_ids: list[str] = field(default_factory=list)
+    request_errors_by_kind: dict[str, int] = field(default_factory=dict)
+    prompt_too_long_ids: list[str] = field(default_factory=list)
     truncated_ids: list[str] = field(default_factory=list)
     think_marker_ids: list[str] = field(default_factory=list)
     reasoning_fields: dict[str, int] = field(default_factory=dict)
@@ -163,10 +175,6 @@ def scan_raw_responses(path: Path) -> pl.LazyFrame:
 # -- row rules ---------------------------------------------------------------------
 
 
-def _blank(column: str) -> pl.Expr:
-    return pl.col(column).is_null() | (pl.col(column).str.strip_chars() == "")
-
-
 def _holds_markers(column: str, markers: Sequence[str]) -> pl.Expr:
     expr = pl.lit(False)
     for marker in markers:
@@ -198,29 +206,26 @@ def classify(raw: pl.LazyFrame, prompts: pl.LazyFrame, flags: pl.DataFrame, rule
     """
     has_markers = _holds_markers("reasoning", markers) | _holds_markers("content", markers)
     finish = pl.col("finish_reason")
-    reason = (
-        pl.when(pl.col("error").is_not_null())
-        .then(pl.lit("request_error"))
-        .when(pl.col("messages").is_null())
-        .then(pl.lit("unknown_prompt"))
-        .when(pl.col("is_duplicate_id"))
-        .then(pl.lit("duplicate_id"))
-        .when((finish == "length").fill_null(False) & (not rules.allow_truncated))
-        .then(pl.lit("truncated"))
-        .when(~finish.is_in(["stop", "length"]).fill_null(False))
-        .then(pl.lit("not_stopped"))
-        .when(_blank("reasoning"))
-        .then(pl.lit("empty_reasoning"))
-        .when(_blank("content"))
-        .then(pl.lit("empty_content"))
-        .when(has_markers)
+    after_content = (
+        pl.when(has_markers)
         .then(pl.lit("think_markers_left"))
         .when(pl.col("is_duplicate_response"))
         .then(pl.lit("duplicate_response"))
         .otherwise(pl.lit(None, dtype=pl.String))
     )
+    reason = (
+        pl.when(is_prompt_too_long())
+        .then(pl.lit(PROMPT_TOO_LONG))
+        .when(pl.col("error").is_not_null())
+        .then(pl.lit("request_error"))
+        .when(pl.col("messages").is_null())
+        .then(pl.lit("unknown_prompt"))
+        .when(pl.col("is_duplicate_id"))
+        .then(pl.lit("duplicate_id"))
+        .otherwise(pl.coalesce(content_failure(rules.allow_truncated), after_content))
+    )
     detail = (
-        pl.when(reason == "request_error")
+        pl.when(reason.is_in(["request_error", PROMPT_TOO_LONG]))
         .then(pl.col("error").str.slice(0, 300))
         .when(reason.is_in(["truncated", "not_stopped"]))
         .then(pl.lit("finish_reason=") + finish.fill_null("null"))
@@ -237,7 +242,8 @@ def classify(raw: pl.LazyFrame, prompts: pl.LazyFrame, flags: pl.DataFrame, rule
         .with_columns(
             reason=reason,
             detail=detail,
-            has_reasoning=~_blank("reasoning"),
+            answered=pl.col("error").is_null(),
+            has_reasoning=~blank("reasoning"),
             is_truncated=(finish == "length").fill_null(False),
             has_markers=has_markers,
             finished=(finish == "stop").fill_null(False),
@@ -264,7 +270,8 @@ def validate_shard(
     summary = ShardValidation(prompt_ids=prompts.select("id").collect()["id"].to_list())
     flags = duplicate_flags(raw, prompts)
     rows = classify(raw, prompts, flags, rules, markers).select(
-        "id", "messages", "reasoning", "content", "reasoning_field", "reason", "detail", "has_reasoning", "is_truncated", "has_markers", "finished"
+        "id", "messages", "reasoning", "content", "reasoning_field", "error", "reason", "detail",
+        "answered", "has_reasoning", "is_truncated", "has_markers", "finished",
     )
 
     parts_dir = kept_path.parent / f".{kept_path.stem}.parts{PARTIAL_SUFFIX}"
@@ -307,7 +314,15 @@ def validate_shard(
 def _tally(summary: ShardValidation, batch: pl.DataFrame) -> None:
     summary.raw_rows += batch.height
     summary.raw_ids.extend(batch["id"].to_list())
-    summary.ids_without_reasoning.extend(batch.filter(~pl.col("has_reasoning"))["id"].to_list())
+    answered = batch.filter(pl.col("answered"))
+    summary.answered_rows += answered.height
+    summary.ids_without_reasoning.extend(answered.filter(~pl.col("has_reasoning"))["id"].to_list())
+    errors = batch.filter(pl.col("reason") == "request_error")
+    summary.request_error_ids.extend(errors["id"].to_list())
+    for kind in errors["error"].to_list():
+        kind = kind.split(":", 1)[0]
+        summary.request_errors_by_kind[kind] = summary.request_errors_by_kind.get(kind, 0) + 1
+    summary.prompt_too_long_ids.extend(batch.filter(pl.col("reason") == PROMPT_TOO_LONG)["id"].to_list())
     summary.truncated_ids.extend(batch.filter(pl.col("is_truncated"))["id"].to_list())
     summary.think_marker_ids.extend(batch.filter(pl.col("has_markers"))["id"].to_list())
     for name, count in batch.group_by("reasoning_field").len().iter_rows():
@@ -428,24 +443,27 @@ def check_traces_present(kept: int, rejected_by_reason: dict[str, int], rejected
     )
 
 
-def check_reasoning_present(raw_rows: int, ids_without_reasoning: Sequence[str], min_share: float, reasoning_fields: dict[str, int] | None = None) -> CheckOutcome:
-    """The share of raw rows with non-empty reasoning must reach ``min_share``.
+def check_reasoning_present(answered_rows: int, ids_without_reasoning: Sequence[str], min_share: float, reasoning_fields: dict[str, int] | None = None) -> CheckOutcome:
+    """The share of answered rows (rows that got a response) with non-empty reasoning must reach ``min_share``.
 
     The story's failure: a client that read the wrong response field wrote
     hundreds of rows with empty reasoning. ``reasoning_fields`` (which field
-    the server answered in) points straight at that cause.
+    the server answered in) points straight at that cause. Rows without a
+    response (request errors, prompts too long to send) are not counted here:
+    they have their own gates and their own diagnosis. Both raw_responses and
+    validated_traces run this gate.
     """
-    with_reasoning = raw_rows - len(ids_without_reasoning)
-    share = with_reasoning / raw_rows if raw_rows else 0.0
-    passed = raw_rows > 0 and share >= min_share
-    if not raw_rows:
-        description = "the shard has no raw responses"
+    with_reasoning = answered_rows - len(ids_without_reasoning)
+    share = with_reasoning / answered_rows if answered_rows else 0.0
+    passed = answered_rows > 0 and share >= min_share
+    if not answered_rows:
+        description = "no row of the shard got a response"
     else:
-        description = f"{with_reasoning} of {raw_rows} raw rows have reasoning ({share:.1%}; at least {min_share:.0%} required)"
+        description = f"{with_reasoning} of {answered_rows} answered rows have reasoning ({share:.1%}; at least {min_share:.0%} required)"
         if not passed:
             description += (
-                f"; response fields seen: {reasoning_fields or {}}. Is the server's reasoning parser on, "
-                "and does the client read `message.reasoning` (vLLM) before `reasoning_content`?"
+                f"; response fields seen: {reasoning_fields or {}}. {NO_REASONING_DIAGNOSIS} "
+                "Once the server is fixed, materialise the shard again: rows without reasoning are sent again."
             )
     return CheckOutcome(
         passed=passed,
@@ -454,7 +472,54 @@ def check_reasoning_present(raw_rows: int, ids_without_reasoning: Sequence[str],
         threshold=min_share,
         offending_ids=_first(ids_without_reasoning),
         description=description,
-        counts={"raw_rows": raw_rows, "rows_without_reasoning": len(ids_without_reasoning)},
+        counts={"answered_rows": answered_rows, "rows_without_reasoning": len(ids_without_reasoning)},
+    )
+
+
+def check_request_errors_rare(raw_rows: int, error_ids: Sequence[str], errors_by_kind: dict[str, int], prompts_too_long: int, max_share: float) -> CheckOutcome:
+    """Rows whose request failed (no response at all) must stay at most ``max_share`` of the rows that were sent.
+
+    A request error is the server's or the network's failure, not the
+    model's: the text says so, and that a rerun sends those rows again.
+    Prompts too long to send are not requests: they are not counted.
+    """
+    sent = raw_rows - prompts_too_long
+    share = len(error_ids) / sent if sent else 0.0
+    passed = share <= max_share
+    description = f"{len(error_ids)} of {sent} requests ended in an error ({share:.1%}; at most {max_share:.0%} allowed)"
+    if error_ids:
+        description += f": {errors_by_kind}"
+    if not passed:
+        description += (
+            ". The server or the network failed them, not the model: check the server's health and logs, then "
+            "materialise the shard again (error rows are sent again, finished rows are kept)."
+        )
+    return CheckOutcome(
+        passed=passed,
+        figure_name="request_error_share",
+        figure=share,
+        threshold=max_share,
+        offending_ids=_first(error_ids),
+        description=description,
+        counts={"requests": sent, "request_errors": len(error_ids)},
+    )
+
+
+def check_prompts_fit_context(raw_rows: int, too_long_ids: Sequence[str]) -> CheckOutcome:
+    """Prompts longer than the server's context can never be generated: counted and named, never blocking by themselves."""
+    return CheckOutcome(
+        passed=not too_long_ids,
+        figure_name="prompts_too_long",
+        figure=len(too_long_ids),
+        threshold=0,
+        offending_ids=_first(too_long_ids),
+        description=(
+            f"{len(too_long_ids)} of {raw_rows} prompts are longer than the server's context (max_model_len) and were "
+            f"never sent; they are rejected as {PROMPT_TOO_LONG}. No rerun can generate them: serve the model with a "
+            "longer --max-model-len, or leave them out of the prompt set"
+            if too_long_ids
+            else f"all {raw_rows} prompts fit the server's context"
+        ),
     )
 
 
