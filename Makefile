@@ -5,6 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 export EAGLE3_DATA_DIR ?= $(CURDIR)/data
 export DAGSTER_HOME ?= $(CURDIR)/.dagster
+DEMO_TARGET ?= tiny
 
 .PHONY: install demo test dev serve-demo bench clean
 
@@ -24,10 +25,13 @@ $(DAGSTER_HOME)/dagster.yaml:
 	mkdir -p $(DAGSTER_HOME)
 	cp deploy/dagster-dev.yaml $@
 
+# `make demo DEMO_TARGET=kimi`: the same graph on the built-in DeepSeek-V3 / Kimi-K2 family target.
 demo: install $(DAGSTER_HOME)/dagster.yaml
-	$(PY) -m eagle3_assets.demo
+	EAGLE3_DEMO_TARGET=$(DEMO_TARGET) $(PY) -m eagle3_assets.demo
 
+# The suite uses real services: sshd (the remote GPU host), PostgreSQL (the production instance), Chromium (the UI).
 test: install
+	bash scripts/test-services
 	$(PY) -m pytest
 
 # The UI on 127.0.0.1:3000, over the same instance and data as `make demo`.

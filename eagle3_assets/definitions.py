@@ -5,7 +5,6 @@ from __future__ import annotations
 from dagster import Definitions, in_process_executor
 
 from eagle3_assets import settings
-from eagle3_assets.demo.stack import DEMO_SHARD_SIZE
 from eagle3_assets.draft_checkpoint import draft_checkpoint
 from eagle3_assets.draft_evaluation import draft_evaluation
 from eagle3_assets.gpu_host_ready import gpu_host_ready_job
@@ -45,16 +44,6 @@ def default_resources() -> dict:
         "target_model": target,
         "alert_channel": alert_channel_from_env(),
         "gpu_host": gpu_host_from_env(),
-    }
-
-
-def demo_resources(base_url: str, served_model_name: str) -> dict:
-    """The resources of the embedded default, pointed at a demo vLLM server."""
-    return {
-        **default_resources(),
-        "prompt_dataset": PromptDataset(source="demo", shard_size=DEMO_SHARD_SIZE, holdout_share=0.0),
-        "target_model": TargetModel(path="demo"),  # the demo serves the tiny target, whatever EAGLE3_TARGET_MODEL says
-        "vllm_server": VLLMServerResource(base_urls=[base_url], served_model_name=served_model_name, **DEMO_SAMPLING),
     }
 
 

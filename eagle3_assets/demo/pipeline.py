@@ -13,15 +13,28 @@ from dataclasses import dataclass, field
 
 from dagster import DagsterInstance, RunConfig, materialize
 
-from eagle3_assets.definitions import PER_SHARD_ASSETS, WHOLE_DATASET_ASSETS, demo_resources
+from eagle3_assets.definitions import DEMO_SAMPLING, PER_SHARD_ASSETS, WHOLE_DATASET_ASSETS, default_resources
+from eagle3_assets.demo.targets import DemoTarget, selected_demo_target
 from eagle3_assets.draft_checkpoint import DEMO_TRAINING_CONFIG
 from eagle3_assets.draft_evaluation import DraftEvaluationConfig
 from eagle3_assets.partitions import register_shards
+from eagle3_assets.settings import DEMO_SHARD_SIZE
 from eagle3_assets.vocab_mapping import DEMO_VOCAB_MAPPING_CONFIG
+from resources.prompt_dataset import PromptDataset
+from resources.target_model import TargetModel
+from resources.vllm_server import VLLMServerResource
 
 
-# The demo's prompts come with their own held-out set (demo/prompt_set.py), disjoint from its training prompts.
-DEMO_EVALUATION_CONFIG = DraftEvaluationConfig(eval_prompts="demo")
+def demo_resources(base_url: str, served_model_name: str, demo: DemoTarget | None = None) -> dict:
+    """The resources of the embedded default for one of its targets, pointed at a demo vLLM server."""
+    demo = demo or selected_demo_target()
+    return {
+        **default_resources(),
+        "prompt_dataset": PromptDataset(source="demo", shard_size=DEMO_SHARD_SIZE, holdout_share=demo.holdout_share),
+        # the demo's own target, whatever EAGLE3_TARGET_MODEL says
+        "target_model": TargetModel(path=demo.target_path(), trust_remote_code=demo.trust_remote_code),
+        "vllm_server": VLLMServerResource(base_urls=[base_url], served_model_name=served_model_name, **DEMO_SAMPLING),
+    }
 
 
 @dataclass
@@ -31,9 +44,11 @@ class DemoOutcome:
     failed: str | None = None
 
 
-def run_per_shard(instance: DagsterInstance, base_url: str, served_model_name: str, log: Callable[[str], None] = print) -> DemoOutcome:
+def run_per_shard(
+    instance: DagsterInstance, base_url: str, served_model_name: str, log: Callable[[str], None] = print, demo: DemoTarget | None = None
+) -> DemoOutcome:
     """Every shard of the demo dataset through the per-sample assets, one run per shard."""
-    resources = demo_resources(base_url, served_model_name)
+    resources = demo_resources(base_url, served_model_name, demo)
     keys = resources["prompt_dataset"].shard_keys()
     register_shards(instance, keys)
     outcome = DemoOutcome(ok=True)
@@ -46,16 +61,16 @@ def run_per_shard(instance: DagsterInstance, base_url: str, served_model_name: s
     return outcome
 
 
-def run_whole_dataset(instance: DagsterInstance, log: Callable[[str], None] = print) -> DemoOutcome:
+def run_whole_dataset(instance: DagsterInstance, log: Callable[[str], None] = print, demo: DemoTarget | None = None) -> DemoOutcome:
     """Vocabulary, training + export + load gate, and evaluation, over every shard.
 
     These start vLLM servers of their own (the target with a draft), so the
     generation server should be stopped first on a small machine.
     """
-    resources = demo_resources("http://127.0.0.1:0", "unused")  # no generation here
-    run_config = RunConfig(
-        ops={"vocab_mapping": DEMO_VOCAB_MAPPING_CONFIG, "draft_checkpoint": DEMO_TRAINING_CONFIG, "draft_evaluation": DEMO_EVALUATION_CONFIG}
-    )
+    demo = demo or selected_demo_target()
+    resources = demo_resources("http://127.0.0.1:0", "unused", demo)  # no generation here
+    evaluation = DraftEvaluationConfig(eval_prompts=demo.eval_prompts)
+    run_config = RunConfig(ops={"vocab_mapping": DEMO_VOCAB_MAPPING_CONFIG, "draft_checkpoint": DEMO_TRAINING_CONFIG, "draft_evaluation": evaluation})
     result = materialize(WHOLE_DATASET_ASSETS, resources=resources, instance=instance, run_config=run_config, raise_on_error=False)
     log(f"demo: whole-dataset assets: {'ok' if result.success else 'FAILED'} (run {result.run_id})")
     return DemoOutcome(ok=result.success, run_ids={"whole_dataset": result.run_id}, failed=None if result.success else "whole_dataset")

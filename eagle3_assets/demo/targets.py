@@ -1,0 +1,67 @@
+"""The demo's built-in targets, and how each is served and configured, selected with ``EAGLE3_DEMO_TARGET``.
+
+- ``tiny`` (default): the small Llama whose chat template opens the think
+  block; served in float32 with the ``deepseek_r1`` parser; evaluated on its
+  own built-in held-out prompts;
+- ``kimi``: the DeepSeek-V3 / Kimi-K2 family (MLA, MoE with ``noaux_tc``
+  routing, a remote-code tokenizer, Kimi's markup where the model writes
+  ``<think>``); served in bfloat16 with ``--trust-remote-code`` and the
+  ``kimi_k2`` parser; configured like a user's own target: a real path,
+  ``trust_remote_code`` on, evaluation prompts held out of the prompt set.
+
+``make demo DEMO_TARGET=kimi`` runs the whole graph on the second one.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DEMO_TARGET_ENV = "EAGLE3_DEMO_TARGET"
+
+
+@dataclass(frozen=True)
+class DemoTarget:
+    name: str
+    model_dir: Callable[[], Path]  # builds (once, cached) and returns the model directory
+    target_path: Callable[[], str]  # what target_model.path is set to
+    trust_remote_code: bool = False
+    serving: dict = field(default_factory=dict)  # VLLMServer options of the generation server
+    holdout_share: float = 0.0  # demo prompts kept out of training for draft_evaluation
+    eval_prompts: str = "demo"  # draft_evaluation's eval_prompts
+
+
+def _tiny_dir() -> Path:
+    from eagle3_assets.demo.stack import tiny_target_dir
+
+    return tiny_target_dir()
+
+
+def _kimi_dir() -> Path:
+    from eagle3_assets.demo.stack import kimi_target_dir
+
+    return kimi_target_dir()
+
+
+def _kimi_serving() -> dict:
+    from eagle3_assets.demo.kimi_target import kimi_serving
+
+    return kimi_serving()
+
+
+DEMO_TARGETS = {
+    "tiny": DemoTarget("tiny", _tiny_dir, lambda: "demo"),
+    # A user's own target in all but origin: its real path, remote code opted in, prompts held out of its dataset.
+    "kimi": DemoTarget(
+        "kimi", _kimi_dir, lambda: str(_kimi_dir()), trust_remote_code=True, serving=_kimi_serving(), holdout_share=0.1, eval_prompts=""
+    ),
+}
+
+
+def selected_demo_target() -> DemoTarget:
+    name = os.environ.get(DEMO_TARGET_ENV) or "tiny"
+    if name not in DEMO_TARGETS:
+        raise ValueError(f"{DEMO_TARGET_ENV}={name!r}: one of {sorted(DEMO_TARGETS)}")
+    return DEMO_TARGETS[name]
