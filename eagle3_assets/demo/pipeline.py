@@ -45,11 +45,16 @@ class DemoOutcome:
 
 
 def run_per_shard(
-    instance: DagsterInstance, base_url: str, served_model_name: str, log: Callable[[str], None] = print, demo: DemoTarget | None = None
+    instance: DagsterInstance,
+    base_url: str,
+    served_model_name: str,
+    log: Callable[[str], None] = print,
+    demo: DemoTarget | None = None,
+    shards: int | None = None,
 ) -> DemoOutcome:
-    """Every shard of the demo dataset through the per-sample assets, one run per shard."""
+    """The demo dataset's shards (every one, or the first ``shards``) through the per-sample assets, one run per shard."""
     resources = demo_resources(base_url, served_model_name, demo)
-    keys = resources["prompt_dataset"].shard_keys()
+    keys = resources["prompt_dataset"].shard_keys()[:shards]
     register_shards(instance, keys)
     outcome = DemoOutcome(ok=True)
     for key in keys:
