@@ -61,6 +61,7 @@ def run_per_shard(
         result = materialize(PER_SHARD_ASSETS, partition_key=key, resources=resources, instance=instance, raise_on_error=False)
         outcome.run_ids[key] = result.run_id
         log(f"demo: {key}: {'ok' if result.success else 'FAILED'} (run {result.run_id})")
+        _log_failed_gates(result, log)
         if not result.success:
             return DemoOutcome(ok=False, run_ids=outcome.run_ids, failed=key)
     return outcome
@@ -78,4 +79,12 @@ def run_whole_dataset(instance: DagsterInstance, log: Callable[[str], None] = pr
     run_config = RunConfig(ops={"vocab_mapping": DEMO_VOCAB_MAPPING_CONFIG, "draft_checkpoint": DEMO_TRAINING_CONFIG, "draft_evaluation": evaluation})
     result = materialize(WHOLE_DATASET_ASSETS, resources=resources, instance=instance, run_config=run_config, raise_on_error=False)
     log(f"demo: whole-dataset assets: {'ok' if result.success else 'FAILED'} (run {result.run_id})")
+    _log_failed_gates(result, log)
     return DemoOutcome(ok=result.success, run_ids={"whole_dataset": result.run_id}, failed=None if result.success else "whole_dataset")
+
+
+def _log_failed_gates(result, log: Callable[[str], None]) -> None:
+    """Each failed gate with its own words: what to look at, without opening the UI."""
+    for evaluation in result.get_asset_check_evaluations():
+        if not evaluation.passed:
+            log(f"demo:   {evaluation.asset_key.to_user_string()} {evaluation.check_name} failed: {evaluation.description}")
