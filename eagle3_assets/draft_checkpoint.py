@@ -246,6 +246,8 @@ def draft_checkpoint(
             "target": MetadataValue.json(identity.as_dict()),
             "samples": sum(len(m["sample_ids"]) for m in sidecars),
             "shards": len(keys),
+            # Which storage precision the draft learned from (8-bit states are dequantised to float32 for training).
+            "hidden_state_dtypes": MetadataValue.json(sorted({str(m.get("dtype")) for m in sidecars})),
             "epochs": (stage_metadata["schedule"].value or {}).get("epochs"),
             "steps": len(history),
             "first_epoch_loss": losses[0] if losses else None,

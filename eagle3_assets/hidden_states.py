@@ -33,7 +33,7 @@ from dagster import (
 from dagster._core.definitions.data_version import extract_data_version_from_entry
 from pydantic import Field
 
-from eagle3_assets.core.state_layout import BACKENDS, DEFAULT_PART_BYTES, STORAGE_DTYPE_BYTES, bytes_per_token
+from eagle3_assets.core.state_layout import BACKENDS, DEFAULT_PART_BYTES, FP8_DTYPE, STORAGE_DTYPE_BYTES, bytes_per_token
 from eagle3_assets.core.preflight import StageRequirements
 from eagle3_assets.core.shard_files import read_shard_parquet
 from eagle3_assets.core.storage import asset_dir, data_dir, file_hash, stable_hash
@@ -64,7 +64,11 @@ class HiddenStatesConfig(Config):
     """How a shard is extracted; every field is editable per run in the launchpad."""
 
     backend: str = Field(default="transformers", description=f"one of {BACKENDS}; 'vllm' for targets too large for transformers")
-    dtype: str = Field(default="bfloat16", description=f"storage dtype of the states, one of {sorted(STORAGE_DTYPE_BYTES)}")
+    dtype: str = Field(
+        default="bfloat16",
+        description=f"storage precision of the states, one of {sorted(STORAGE_DTYPE_BYTES)}; '{FP8_DTYPE}' stores 8-bit codes "
+        "with a float32 scale per token and state: half the bytes of bfloat16, dequantised to float32 for training",
+    )
     part_size_bytes: int = Field(default=DEFAULT_PART_BYTES, gt=0, description="a shard's states are split into files of at most this size")
     max_batch_tokens: int = Field(default=16384, gt=0, description="padded tokens per forward batch (transformers) or tokens per request chunk (vLLM)")
     max_batch_size: int = Field(default=64, gt=0, description="samples per forward batch (transformers)")
@@ -96,13 +100,21 @@ def upstream_version(context: AssetExecutionContext, key: str) -> str:
     return f"file:{file_hash(traces)}" if traces.is_file() else "unknown"
 
 
-def stored_bytes_estimate(key: str, hidden_size: int, dtype: str) -> int:
-    """What the shard will take on disk, for the pre-flight's free-space check (0 when the traces are not local)."""
+def shard_tokens(key: str) -> int | None:
+    """Tokens of the shard's validated traces, or None when the traces are not on this machine."""
     traces = data_dir() / UPSTREAM / f"{key}.parquet"
     if not traces.is_file():
-        return 0
-    tokens = read_shard_parquet(traces, asset=UPSTREAM, shard=key, columns=["num_tokens"])["num_tokens"].sum() or 0
-    return int(tokens) * bytes_per_token(hidden_size, dtype)
+        return None
+    return int(read_shard_parquet(traces, asset=UPSTREAM, shard=key, columns=["num_tokens"])["num_tokens"].sum() or 0)
+
+
+def disk_estimate(key: str, hidden_size: int, dtype: str) -> tuple[int, str]:
+    """The bytes the pre-flight must find free, and a line that says how they were counted."""
+    tokens = shard_tokens(key)
+    if tokens is None:
+        return 0, f"{key}: traces not on this machine, no disk estimate"
+    per_token = bytes_per_token(hidden_size, dtype)
+    return tokens * per_token, f"{key}: {tokens} tokens x {per_token} B/token ({dtype}, H={hidden_size}) = {tokens * per_token} B"
 
 
 def _value(entry):
@@ -171,10 +183,13 @@ def hidden_states(
         },
         "data_version": version,
     }
+    disk_bytes, disk_note = disk_estimate(key, target_model.hidden_size(), config.dtype)
+    context.log.info(f"{key}: the shard's hidden states will take {disk_note}; the pre-flight checks the GPU host can hold them")
     requirements = StageRequirements(
         modules=STAGE_MODULES + (["vllm"] if config.backend == "vllm" else []),
         output_dirs=[ASSET],
-        disk_bytes=stored_bytes_estimate(key, target_model.hidden_size(), config.dtype),
+        disk_bytes=disk_bytes,
+        disk_note=disk_note,
     )
     context.log.info(f"{key}: extracting hidden states at layer ids {layer_ids} with the {config.backend} backend into {output}")
     invocation = gpu_host.run_stage(context, STAGE, extras, requirements=requirements)

