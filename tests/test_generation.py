@@ -20,6 +20,7 @@ from eagle3_assets.partitions import register_shards
 from eagle3_assets.prompts import prompts
 from eagle3_assets.raw_responses import raw_responses
 from resources.prompt_dataset import PromptDataset
+from resources.target_model import TargetModel
 from resources.vllm_server import VLLMServerResource
 from tests.fault_proxy import FaultProxy
 
@@ -37,8 +38,10 @@ def server_at(url: str, model: str, **overrides) -> VLLMServerResource:
 
 
 def materialise(resources: dict, *, assets=(prompts, raw_responses), instance=None, raise_on_error=True):
+    """Materialise the shard; the target is the demo's (the server serves it) unless ``resources`` names another."""
     instance = instance or DagsterInstance.ephemeral()
     register_shards(instance, [SHARD])
+    resources = {"target_model": TargetModel(path="demo"), **resources}
     return materialize(list(assets), partition_key=SHARD, resources=resources, instance=instance, raise_on_error=raise_on_error)
 
 
@@ -159,11 +162,12 @@ import json, sys
 from dagster import DagsterInstance, materialize
 from eagle3_assets.partitions import register_shards
 from eagle3_assets.raw_responses import raw_responses
+from resources.target_model import TargetModel
 from resources.vllm_server import VLLMServerResource
 instance = DagsterInstance.ephemeral()
 register_shards(instance, [sys.argv[1]])
 server = VLLMServerResource(**json.loads(sys.argv[2]))
-materialize([raw_responses], partition_key=sys.argv[1], resources={"vllm_server": server}, instance=instance)
+materialize([raw_responses], partition_key=sys.argv[1], resources={"vllm_server": server, "target_model": TargetModel(path="demo")}, instance=instance)
 """
 
 

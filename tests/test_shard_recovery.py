@@ -210,11 +210,13 @@ import json, sys
 from dagster import DagsterInstance, materialize
 from eagle3_assets.partitions import register_shards
 from eagle3_assets.raw_responses import raw_responses
+from resources.target_model import TargetModel
 from resources.vllm_server import VLLMServerResource
 instance = DagsterInstance.get() if sys.argv[3] == "home" else DagsterInstance.ephemeral()
 register_shards(instance, [sys.argv[1]])
 server = VLLMServerResource(**json.loads(sys.argv[2]))
-result = materialize([raw_responses], partition_key=sys.argv[1], resources={"vllm_server": server}, instance=instance)
+resources = {"vllm_server": server, "target_model": TargetModel(path="demo")}
+result = materialize([raw_responses], partition_key=sys.argv[1], resources=resources, instance=instance)
 print("RUN_ID", result.run_id, flush=True)
 """
 
@@ -292,6 +294,7 @@ def test_truncated_shard_files_are_named_downstream_and_their_writer_quarantines
     register_shards(instance, [SHARD])
 
     def run(assets, resources):
+        resources = {"target_model": TargetModel(path=str(tiny_target)), **resources}
         result = materialize(assets, partition_key=SHARD, resources=resources, instance=instance, raise_on_error=False)
         return result, run_logs(instance, result.run_id)
 
@@ -396,7 +399,7 @@ def test_a_killed_run_in_the_local_instance_is_marked_failed_and_frees_its_pool_
         durable = journal_rows(data_dir)
         result = materialize(
             [raw_responses], partition_key=SHARD, instance=instance,
-            resources={"vllm_server": server_at(proxy.base_url, vllm_server.served_model_name, concurrency=4)},
+            resources={"vllm_server": server_at(proxy.base_url, vllm_server.served_model_name, concurrency=4), "target_model": TargetModel(path="demo")},
         )  # fmt: skip
     assert result.success
     (mat,) = result.asset_materializations_for_node("raw_responses")
