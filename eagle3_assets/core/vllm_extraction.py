@@ -44,6 +44,8 @@ from eagle3_assets.core.extraction import TargetFacts, validate_layer_ids
 CONNECTOR_MODULE = __name__
 CONNECTOR_CLASS = "SyncHiddenStatesConnector"
 _MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+_CPU_KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"  # GiB of KV cache on a CPU host
+CPU_KV_CACHE_GIB = 1
 
 
 class _CopyDone:
@@ -154,6 +156,11 @@ class VLLMBackend:
         # for as long as it lives; close() gives the process its own back.
         self._torch_threads = (torch.set_num_threads, torch.get_num_threads())
         os.environ[_MULTIPROCESSING_ENV] = "0" if in_process else "1"
+        if on_cpu:
+            # Unset, vLLM's CPU backend reserves gpu_memory_utilization (0.9) of the host's memory for its KV
+            # cache and refuses to start when other processes hold more than a tenth. Extraction runs one
+            # prompt chunk at a time: a small cache is all it needs, and it leaves the host its memory.
+            os.environ.setdefault(_CPU_KV_CACHE_ENV, str(CPU_KV_CACHE_GIB))
         try:
             self.llm = LLM(**engine_args)
         finally:
@@ -163,7 +170,7 @@ class VLLMBackend:
             self._environ_changes = {
                 key: environ_before.get(key) for key in set(environ_before) | set(os.environ) if environ_before.get(key) != os.environ.get(key)
             }
-            _restore_environ({_MULTIPROCESSING_ENV: environ_before.get(_MULTIPROCESSING_ENV)})
+            _restore_environ({name: environ_before.get(name) for name in (_MULTIPROCESSING_ENV, _CPU_KV_CACHE_ENV)})
         from vllm.v1.engine.core_client import InprocClient
 
         # With the engine core in this process nothing steps it between our calls, so the
