@@ -294,13 +294,14 @@ def test_alignment_gate_reads_the_written_file_and_catches_a_shifted_mask(tmp_pa
     pl.DataFrame([response(f"p{i}", i) for i in range(3)], schema=RAW_RESPONSES_SCHEMA).write_parquet(raw_path)
     summary = validate_shard(raw_path, prompts_path, renderer, ValidationRules(max_seq_len=4096), kept_path, rejected_path, batch_rows=2)
     assert summary.kept == 3 and summary.prompts_opening_think_block == 3
-    assert mask_alignment_problems(kept_path, raw_path, renderer) == (3, {})
+    alignment = mask_alignment_problems(kept_path, raw_path, renderer)
+    assert (alignment.rows_checked, alignment.rows_checked_against_server_ids, alignment.problems) == (3, 0, {})
 
     kept = pl.read_parquet(kept_path)
     shifted = kept.with_columns(pl.when(pl.col("id") == "p1").then(pl.col("loss_mask").list.shift(1).list.eval(pl.element().fill_null(0))).otherwise(pl.col("loss_mask")).alias("loss_mask"))
     shifted.write_parquet(kept_path)
-    checked, problems = mask_alignment_problems(kept_path, raw_path, renderer)
-    assert checked == 3 and list(problems) == ["p1"] and "supervision starts at token" in problems["p1"]
+    alignment = mask_alignment_problems(kept_path, raw_path, renderer)
+    assert alignment.rows_checked == 3 and list(alignment.problems) == ["p1"] and "supervision starts at token" in alignment.problems["p1"]
 
 
 def test_prompt_the_template_refuses_is_rejected_not_fatal(tmp_path, tiny_target):
