@@ -74,7 +74,8 @@ def child(root: Path, target: Path, batch_rows: int) -> None:
         root / "raw.parquet", root / "prompts.parquet", renderer, ValidationRules(max_seq_len=1 << 20),
         root / "kept.parquet", root / "rejected.parquet", batch_rows=batch_rows,
     )
-    checked, problems = mask_alignment_problems(root / "kept.parquet", root / "raw.parquet", renderer, batch_rows=batch_rows)
+    alignment = mask_alignment_problems(root / "kept.parquet", root / "raw.parquet", renderer, batch_rows=batch_rows)
+    checked, problems = alignment.rows_checked, alignment.problems
     tokens = sum(written_token_lengths(root / "kept.parquet"))
     print(json.dumps({
         "peak_above_baseline_kib": rss_kib("VmHWM") - baseline, "kept": summary.kept, "checked": checked,

@@ -185,6 +185,9 @@ def _generate(context: AssetExecutionContext, vllm_server: VLLMServerResource, k
             "rows_without_reasoning": summary["rows_without_reasoning"],
             "finish_reasons": MetadataValue.json(summary["finish_reasons"]),
             "reasoning_fields": MetadataValue.json(summary["reasoning_fields"]),
+            # Rows validation can check token by token against the server's own ids (0: the server returned none).
+            "rows_with_token_ids": summary["rows_with_token_ids"],
+            "return_token_ids": config.return_token_ids,
             "output_tokens_per_s": round(outcome.output_tokens_per_s, 1),
             "generation_wall_s": round(outcome.wall_s, 2),
             "latency_p50_s": summary["latency_p50_s"],

@@ -100,7 +100,12 @@ CHECK_SPECS = [
     _spec("traces_present", "at least one row of the shard was kept", blocking=True),
     _spec("reasoning_present", "enough of the rows that got a response carry non-empty reasoning (default 98 %)", blocking=True),
     _spec("responses_accounted", "raw rows = kept + rejected, raw ids unique, every prompt of the shard answered", blocking=True),
-    _spec("loss_mask_aligned", "every kept row supervises exactly the target's output: reasoning, think markers, answer, end of turn", blocking=True),
+    _spec(
+        "loss_mask_aligned",
+        "every kept row supervises exactly the target's output: reasoning, think markers, answer, end of turn; "
+        "token by token against the server's own ids where raw_responses has them",
+        blocking=True,
+    ),
     _spec("request_errors_rare", "few requests ended in an error, the server's or the network's failure (default at most 5 %)", blocking=True),
     _spec("truncation_rate_low", "few generations hit max_tokens (default at most 5 %)"),
     _spec("think_markers_absent", "no think marker left inside reasoning or answer"),
@@ -150,7 +155,7 @@ def _validate(context: AssetExecutionContext, config: ValidationConfig, target_m
         raw_path, prompts_path, renderer, rules, kept_path, rejected_path, batch_rows=config.batch_rows,
         file_metadata=parquet_metadata(identity),  # the GPU host compares the model it loads with this one
     )  # fmt: skip
-    rows_checked, misaligned = mask_alignment_problems(kept_path, raw_path, renderer, batch_rows=config.batch_rows)
+    alignment = mask_alignment_problems(kept_path, raw_path, renderer, batch_rows=config.batch_rows)
     lengths = written_token_lengths(kept_path)
     stats = token_length_stats(lengths)
     markers = (renderer.think_open, renderer.think_close)
@@ -169,7 +174,7 @@ def _validate(context: AssetExecutionContext, config: ValidationConfig, target_m
             "responses_accounted",
             check_responses_accounted(summary.raw_ids, summary.prompt_ids, written_ids(kept_path), written_ids(rejected_path)),
         ),
-        ("loss_mask_aligned", check_loss_mask_aligned(rows_checked, misaligned)),
+        ("loss_mask_aligned", check_loss_mask_aligned(alignment)),
         (
             "request_errors_rare",
             check_request_errors_rare(
@@ -203,6 +208,9 @@ def _validate(context: AssetExecutionContext, config: ValidationConfig, target_m
             "kept": summary.kept,
             "rejected": summary.rejected,
             "rejected_by_reason": MetadataValue.json(summary.rejected_by_reason),
+            # Kept rows whose ids equal the server's own (prompt_token_ids, output_token_ids); the rest were rebuilt
+            # from text alone because their raw rows carry no ids (a server without return_token_ids, older files).
+            "kept_with_server_ids": summary.kept_with_server_ids,
             "rejection_reasons": MetadataValue.json({r: REJECTION_REASONS[r] for r in summary.rejected_by_reason}),
             "dagster/row_count": summary.kept,
             "tokens_p50": stats["p50"],

@@ -106,6 +106,12 @@ class VLLMServerResource(ConfigurableResource):
         description="requests per sample over all runs after which a response validation rejects (no reasoning, no answer, "
         "cut, aborted) is kept as it is instead of being sent again on the next run of the shard",
     )  # fmt: skip
+    return_token_ids: bool = Field(
+        default=True,
+        description="ask the server for the prompt's and the generation's token ids (vLLM's return_token_ids), kept in "
+        "raw_responses so that validated_traces checks the supervised tokens against what the target generated. Turn off "
+        "only for a server that refuses unknown request fields; it changes no response and no shard's identity",
+    )
 
     @classmethod
     def from_env(cls, **overrides: Any) -> VLLMServerResource:
@@ -147,6 +153,7 @@ class VLLMServerResource(ConfigurableResource):
             max_consecutive_failures=self.max_consecutive_failures,
             allow_truncated=self.allow_truncated,
             max_attempts_per_sample=self.max_attempts_per_sample,
+            return_token_ids=self.return_token_ids,
         )
 
 

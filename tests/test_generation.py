@@ -62,7 +62,7 @@ def test_reasoning_is_read_from_either_field_and_the_field_recorded():
     payload = {"choices": [{"message": message, "finish_reason": "stop"}], "usage": {"prompt_tokens": 3, "completion_tokens": 9}}
     assert parse_completion(payload) == {
         "reasoning": "because", "content": "42", "reasoning_field": "reasoning", "finish_reason": "stop",
-        "prompt_tokens": 3, "completion_tokens": 9,
+        "prompt_tokens": 3, "completion_tokens": 9, "prompt_token_ids": None, "output_token_ids": None,
     }  # fmt: skip
     message.update(reasoning=None, reasoning_content="older vLLM, SGLang")
     assert parse_completion(payload)["reasoning_field"] == "reasoning_content"
@@ -70,6 +70,29 @@ def test_reasoning_is_read_from_either_field_and_the_field_recorded():
     assert parse_completion(payload)["reasoning_field"] == "none" and parse_completion(payload)["reasoning"] is None
     with pytest.raises(ValueError, match="choices"):
         parse_completion({"object": "error"})
+
+
+def test_server_token_ids_are_kept_and_asking_for_them_changes_no_shard_identity():
+    from eagle3_assets.core.generation import GenerationConfig, generation_fingerprint, Sample
+
+    # vLLM with return_token_ids: the prompt's ids at the top level, the generated ids in the choice
+    message = {"role": "assistant", "content": "42", "reasoning": "because"}
+    payload = {"prompt_token_ids": [5, 6, 7], "choices": [{"message": message, "finish_reason": "stop", "token_ids": [8, 9, 2]}]}
+    parsed = parse_completion(payload)
+    assert (parsed["prompt_token_ids"], parsed["output_token_ids"]) == ([5, 6, 7], [8, 9, 2])
+    with pytest.raises(ValueError, match=r"choices\[0\]\.token_ids is not a list of token ids"):
+        parse_completion({**payload, "choices": [{"message": message, "finish_reason": "stop", "token_ids": "8 9 2"}]})
+
+    asking = GenerationConfig(base_urls=("http://gpu-a:8000",), model="m", sampling={"temperature": 0.6})
+    silent = GenerationConfig(base_urls=("http://gpu-a:8000",), model="m", sampling={"temperature": 0.6}, return_token_ids=False)
+    assert asking.request_fields()["return_token_ids"] is True and "return_token_ids" not in silent.request_fields()
+    samples = [Sample("a", [{"role": "user", "content": "hi"}])]
+    # a shard generated with either setting is the same shard: turning the ids on supersedes nothing
+    assert asking.identity() == silent.identity() and generation_fingerprint(samples, asking) == generation_fingerprint(samples, silent)
+    assert asking.settings()["return_token_ids"] is True and silent.settings()["return_token_ids"] is False
+    # extra_body is merged last: a value given there wins, and (being a request field a user chose) is part of the identity
+    overridden = GenerationConfig(base_urls=("http://gpu-a:8000",), model="m", extra_body={"return_token_ids": False})
+    assert overridden.request_fields()["return_token_ids"] is False
 
 
 def test_credentials_in_server_urls_are_redacted_everywhere_they_could_be_shown(monkeypatch):

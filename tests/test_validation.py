@@ -294,13 +294,14 @@ def test_alignment_gate_reads_the_written_file_and_catches_a_shifted_mask(tmp_pa
     pl.DataFrame([response(f"p{i}", i) for i in range(3)], schema=RAW_RESPONSES_SCHEMA).write_parquet(raw_path)
     summary = validate_shard(raw_path, prompts_path, renderer, ValidationRules(max_seq_len=4096), kept_path, rejected_path, batch_rows=2)
     assert summary.kept == 3 and summary.prompts_opening_think_block == 3
-    assert mask_alignment_problems(kept_path, raw_path, renderer) == (3, {})
+    alignment = mask_alignment_problems(kept_path, raw_path, renderer)
+    assert (alignment.rows_checked, alignment.rows_checked_against_server_ids, alignment.problems) == (3, 0, {})
 
     kept = pl.read_parquet(kept_path)
     shifted = kept.with_columns(pl.when(pl.col("id") == "p1").then(pl.col("loss_mask").list.shift(1).list.eval(pl.element().fill_null(0))).otherwise(pl.col("loss_mask")).alias("loss_mask"))
     shifted.write_parquet(kept_path)
-    checked, problems = mask_alignment_problems(kept_path, raw_path, renderer)
-    assert checked == 3 and list(problems) == ["p1"] and "supervision starts at token" in problems["p1"]
+    alignment = mask_alignment_problems(kept_path, raw_path, renderer)
+    assert alignment.rows_checked == 3 and list(alignment.problems) == ["p1"] and "supervision starts at token" in alignment.problems["p1"]
 
 
 def test_prompt_the_template_refuses_is_rejected_not_fatal(tmp_path, tiny_target):
@@ -432,3 +433,51 @@ def test_request_errors_have_their_own_gate_and_text(data_dir, tiny_target):
     assert not errors.passed and errors.metadata["offending_ids"].value == ["p8", "p9"]
     assert "2 of 10 requests ended in an error" in errors.description and "{'http 503': 2}" in errors.description
     assert "not the model" in errors.description and "materialise the shard again" in errors.description
+
+
+# -- the server's own ids (vLLM's return_token_ids) ----------------------------------
+
+
+def test_rows_are_checked_against_the_servers_ids_where_the_raw_rows_carry_them(data_dir, tiny_target, renderer):
+    """Recorded ids as vLLM returns them: the rendering must be them token by token, not just decode to the same text."""
+    prompts = [(f"p{i}", question(i)) for i in range(5)]
+    raw = [response(f"p{i}", i) for i in range(5)]
+    for row, (_, messages) in zip(raw, prompts):
+        trace = renderer.render(messages, row["reasoning"], row["content"])
+        row["prompt_token_ids"], row["output_token_ids"] = trace.prompt_ids, trace.completion_ids
+    # p1: the target sampled a split of the same text that re-tokenisation would not make (" sum" as " s" + "um")
+    ids = raw[1]["output_token_ids"]
+    sum_token = renderer.tokenizer(" sum", add_special_tokens=False)["input_ids"]
+    split = renderer.tokenizer(" s", add_special_tokens=False)["input_ids"] + renderer.tokenizer("um", add_special_tokens=False)["input_ids"]
+    assert len(sum_token) == 1 and len(split) == 2
+    at = ids.index(sum_token[0])
+    raw[1]["output_token_ids"] = ids[:at] + split + ids[at + 1 :]
+    assert renderer.decode(raw[1]["output_token_ids"]) == renderer.decode(ids)  # the text cannot tell
+    # p2: finished, but the ids do not end on the end-of-turn token (e.g. it stopped on a stop string)
+    raw[2]["output_token_ids"] = raw[2]["output_token_ids"][:-1]
+    # p3: the server rendered another prompt (e.g. a system prompt its chat template adds)
+    raw[3]["prompt_token_ids"] = renderer.tokenizer("<|im_start|>system\nBe brief.<|im_end|>\n", add_special_tokens=False)["input_ids"] + raw[3]["prompt_token_ids"]
+    # p4: a server that returns no ids (SGLang): the text-only path
+    raw[4]["prompt_token_ids"] = raw[4]["output_token_ids"] = None
+    write_shard(data_dir, prompts, raw)
+    result, _ = run([validated_traces], tiny_target)
+    assert result.success, checks_of(result)
+
+    rejected = {r["id"]: r for r in pl.read_parquet(data_dir / "validated_traces" / f"{SHARD}.rejected.parquet").iter_rows(named=True)}
+    assert {i: r["reason"] for i, r in rejected.items()} == {"p1": "tokens_differ", "p2": "tokens_differ", "p3": "prompt_differs"}
+    assert f"completion token {at} of {len(ids) + 1} (ours: {len(ids)}): server {split[0]} ' s', ours {sum_token[0]} ' sum'" in rejected["p1"]["detail"]
+    assert f"completion token {len(ids) - 1} of {len(ids) - 1} (ours: {len(ids)}): server <none: sequence ended>, ours" in rejected["p2"]["detail"]
+    assert "'<|im_end|>'" in rejected["p2"]["detail"]
+    assert "prompt token 1 of " in rejected["p3"]["detail"] and "server " in rejected["p3"]["detail"]
+    kept = pl.read_parquet(data_dir / "validated_traces" / f"{SHARD}.parquet")
+    assert kept["id"].to_list() == ["p0", "p4"]
+    p0 = kept.row(0, named=True)
+    assert p0["input_ids"] == raw[0]["prompt_token_ids"] + raw[0]["output_token_ids"]
+
+    checks = checks_of(result)
+    aligned = checks["loss_mask_aligned"]
+    assert aligned.passed and aligned.metadata["rows_checked"].value == 2 and aligned.metadata["rows_checked_against_server_ids"].value == 1
+    assert "all 2 kept rows aligned (1 of them token by token against the server's output_token_ids)" == aligned.description
+    (mat,) = result.asset_materializations_for_node("validated_traces")
+    assert mat.metadata["kept_with_server_ids"].value == 1
+    assert set(mat.metadata["rejection_reasons"].value) == {"tokens_differ", "prompt_differs"}

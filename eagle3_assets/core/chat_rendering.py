@@ -20,8 +20,12 @@ would re-render history:
 user and earlier assistant turns, template headers). The completion is
 tokenised on its own, as the target produced it after the prompt, so the mask
 boundary never falls inside a token. Re-tokenising the text gives the
-canonical BPE split of what the target wrote; the sampled ids themselves are
-not part of the raw-response contract.
+canonical BPE split of what the target wrote. That is only a reconstruction:
+where the server returns its own ids (vLLM's ``return_token_ids``, kept in
+``raw_responses``), validation requires the rendered ids to equal them token by
+token (:meth:`ChatRenderer.token_difference`), so a trace whose text fields do
+not reassemble into what the target generated (a ``</think>`` it never wrote, a
+sampled split BPE would not make) is rejected rather than taught to the draft.
 
 Dagster-free on purpose: the validation asset and the tests use it directly.
 """
@@ -67,6 +71,16 @@ class RenderedTrace:
     @property
     def num_tokens(self) -> int:
         return len(self.input_ids)
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        """The unsupervised head: the prompt as the template renders it."""
+        return self.input_ids[: self.num_tokens - sum(self.loss_mask)]
+
+    @property
+    def completion_ids(self) -> list[int]:
+        """The supervised tail: what the target is taken to have generated."""
+        return self.input_ids[self.num_tokens - sum(self.loss_mask) :]
 
 
 def _added_token_strings(tokenizer) -> set[str]:
@@ -226,6 +240,30 @@ class ChatRenderer:
         if decoded != expected:
             return f"supervised tokens decode to {_excerpt(decoded)} instead of {_excerpt(expected)}"
         return None
+
+    def token_difference(self, ours: Sequence[int], server: Sequence[int], what: str) -> str | None:
+        """Where ``ours`` first departs from the server's ``server`` ids, both tokens shown; None when they are equal.
+
+        ``what`` names the sequence (``prompt``, ``completion``) in the text, e.g.
+        ``completion token 17 of 40 (ours: 41): server 12 '.' , ours 7 '</think>'``.
+        """
+        ours, server = list(ours), list(server)
+        if ours == server:
+            return None
+        position = next((i for i, (a, b) in enumerate(zip(ours, server)) if a != b), min(len(ours), len(server)))
+        return (
+            f"{what} token {position} of {len(server)} (ours: {len(ours)}): "
+            f"server {self._token_at(server, position)}, ours {self._token_at(ours, position)}"
+        )
+
+    def _token_at(self, ids: Sequence[int], position: int) -> str:
+        if position >= len(ids):
+            return "<none: sequence ended>"
+        try:
+            text = repr(self.decode([ids[position]]))
+        except Exception:  # an id outside the vocabulary: the id alone says enough
+            text = "<not in the vocabulary>"
+        return f"{ids[position]} {text}"
 
     def fingerprint(self) -> str:
         """Identifies everything that decides the rendered ids, for the data version."""

@@ -32,7 +32,13 @@ What the client gets right, because the story this project comes from got it wro
   it is kept under ``superseded/`` (:func:`.journal.keep_superseded`), and
   reused if the settings come back;
 - credentials in a server URL are used for requests and shown nowhere
-  (:mod:`.redaction`): rows, logs and errors name the server without them.
+  (:mod:`.redaction`): rows, logs and errors name the server without them;
+- the token ids the server saw and generated are asked for (vLLM's
+  ``return_token_ids``) and kept beside the text (``prompt_token_ids``,
+  ``output_token_ids``), so that validation can check the supervised tokens
+  against what the target really produced, not only against a re-tokenisation
+  of the parser's text fields. Asking for them changes no response, so it is no
+  part of a shard's identity.
 
 Nothing here imports Dagster: the asset (``eagle3_assets/raw_responses.py``)
 is a thin wrapper, and the benchmark drives this module directly.
@@ -79,6 +85,10 @@ ROW_SCHEMA: dict[str, pl.DataType] = {
     "model": pl.String(),
     "attempts": pl.Int64(),  # requests sent for this sample over its whole life, every run (0: never sent)
     "error": pl.String(),  # "<kind>: <detail>", null on success
+    # The ids the server rendered the prompt into and the ids it generated (the end-of-turn token included when
+    # generation stopped on it); null when the server returns none (SGLang, return_token_ids off, older files).
+    "prompt_token_ids": pl.List(pl.Int64()),
+    "output_token_ids": pl.List(pl.Int64()),
 }
 
 REASONING_FIELDS = ("reasoning", "reasoning_content")  # in order of preference
@@ -125,6 +135,9 @@ class GenerationConfig:
     allow_truncated: bool = False
     # A rerun sends a content failure again only while the sample has had fewer requests than this.
     max_attempts_per_sample: int = DEFAULT_MAX_ATTEMPTS_PER_SAMPLE
+    # Ask for the prompt's and the generation's token ids (vLLM's ``return_token_ids``). Off for servers that
+    # refuse unknown request fields. Not part of :meth:`identity`: the responses are the same either way.
+    return_token_ids: bool = True
 
     def __post_init__(self) -> None:
         if not self.base_urls:
@@ -151,19 +164,36 @@ class GenerationConfig:
         return tuple(redact_url(s) for s in self.servers)
 
     def settings(self) -> dict[str, Any]:
-        """What a finished shard records of how it was made: the identity and the retry policy."""
-        return {**self.identity(), "allow_truncated": self.allow_truncated, "max_attempts_per_sample": self.max_attempts_per_sample}
+        """What a finished shard records of how it was made: the identity, the retry policy, whether ids were asked for."""
+        return {
+            **self.identity(),
+            "allow_truncated": self.allow_truncated,
+            "max_attempts_per_sample": self.max_attempts_per_sample,
+            "return_token_ids": self.return_token_ids,
+        }
 
     def request_fields(self) -> dict[str, Any]:
-        """The request body without the messages: model, max_tokens, sampling, extra_body (merged last)."""
+        """The request body without the messages: the identity's fields, plus ``return_token_ids`` when asked for.
+
+        ``extra_body`` is merged last, so a value given there wins.
+        """
         fields: dict[str, Any] = {"model": self.model, "max_tokens": self.max_tokens}
         fields.update({k: v for k, v in self.sampling.items() if v is not None})
+        if self.return_token_ids:
+            fields["return_token_ids"] = True
         fields.update(self.extra_body)
         return fields
 
     def identity(self) -> dict[str, Any]:
-        """What decides the responses (lineage): the model and the request fields, never URLs or secrets."""
-        return self.request_fields()
+        """What decides the responses (lineage): model, max_tokens, sampling, extra_body; never URLs or secrets.
+
+        ``return_token_ids`` only adds the ids to the response, so it is left
+        out: turning it on or off must not supersede every finished shard.
+        """
+        fields: dict[str, Any] = {"model": self.model, "max_tokens": self.max_tokens}
+        fields.update({k: v for k, v in self.sampling.items() if v is not None})
+        fields.update(self.extra_body)
+        return fields
 
 
 @dataclass(frozen=True)
@@ -217,7 +247,19 @@ def parse_completion(payload: Any) -> dict[str, Any]:
         "finish_reason": choice.get("finish_reason"),
         "prompt_tokens": _int_or_none(usage.get("prompt_tokens")),
         "completion_tokens": _int_or_none(usage.get("completion_tokens")),
+        # vLLM with return_token_ids: the prompt's ids at the top level, the generated ids in the choice.
+        "prompt_token_ids": _token_ids(payload.get("prompt_token_ids"), "prompt_token_ids"),
+        "output_token_ids": _token_ids(choice.get("token_ids"), "choices[0].token_ids"),
     }
+
+
+def _token_ids(value: Any, name: str) -> list[int] | None:
+    """A list of token ids as the server sent it; None when absent; ValueError when it is something else."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value):
+        raise ValueError(f"{name} is not a list of token ids")
+    return value
 
 
 def prompt_tokens_upper_bound(messages: Sequence[Mapping[str, str]]) -> int:
@@ -465,6 +507,7 @@ class GenerationClient:
             "id": sample.id, "reasoning": None, "content": None, "reasoning_field": "none", "finish_reason": None,
             "prompt_tokens": None, "completion_tokens": None, "latency_s": latency_s, "server": self._shown.get(server, ""),
             "model": self.config.model, "attempts": attempts, "error": redact_credentials(error),
+            "prompt_token_ids": None, "output_token_ids": None,
         }  # fmt: skip
 
 
@@ -770,6 +813,8 @@ def shard_summary(frame: pl.DataFrame) -> dict[str, Any]:
         "rows_without_reasoning_ids": no_reasoning["id"].to_list(),
         "finish_reasons": dict(Counter(str(r) for r in ok["finish_reason"].to_list())),
         "reasoning_fields": dict(Counter(ok["reasoning_field"].to_list())),
+        # Answered rows that carry the server's generated ids (validation checks the supervised tokens against them).
+        "rows_with_token_ids": ok.filter(pl.col("output_token_ids").is_not_null()).height if "output_token_ids" in ok.columns else 0,
         "completion_tokens": int(ok["completion_tokens"].fill_null(0).sum()),
         "latency_p50_s": float(latency.quantile(0.5, "nearest")) if ok.height else None,
         "latency_p95_s": float(latency.quantile(0.95, "nearest")) if ok.height else None,

@@ -6,10 +6,21 @@ allowed), reasoning and answer are non-empty (these four rules are
 :func:`eagle3_assets.core.response_rules.content_failure`, which generation
 also reads to decide what a rerun sends again), no think marker is left inside
 either (the reasoning parser did not split the text), it is not a repeat of an
-earlier row of the shard (same prompt, same response), and its rendered token
-sequence fits the maximum sequence length. Every other row goes to the
-rejected table with the first reason that applies, so the shard's rows are
-always accounted for.
+earlier row of the shard (same prompt, same response), its rendered token
+sequence is the one the server saw and generated (where the raw row carries the
+server's own ids: ``prompt_token_ids``, ``output_token_ids``), and it fits the
+maximum sequence length. Every other row goes to the rejected table with the
+first reason that applies, so the shard's rows are always accounted for.
+
+The server's ids are the ground truth of what the target produced; the parser's
+``reasoning``/``content`` fields are text rebuilt into tokens. Where the two
+disagree (a ``</think>`` the target never wrote, an end-of-turn it did not
+stop on, a sampled split that re-tokenisation would not make), the rebuilt
+trace would teach the draft tokens the target did not generate: such a row is
+rejected (``tokens_differ``), and a prompt the server rendered otherwise than
+the target's template (``prompt_differs``: another chat template, other
+``chat_template_kwargs``) too. Rows without server ids (SGLang, older files)
+keep the text-only path.
 
 Memory: a shard of 10,000 traces of 8k tokens is ~300 MB of text and as much
 again as token ids. The shard is therefore streamed: a first pass over a few
@@ -27,13 +38,14 @@ from __future__ import annotations
 
 import math
 import shutil
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import polars as pl
 
-from eagle3_assets.core.chat_rendering import ChatRenderer
+from eagle3_assets.core.chat_rendering import ChatRenderer, RenderedTrace
 from eagle3_assets.core.markdown import markdown_histogram
 from eagle3_assets.core.prompt_loading import MESSAGES_DTYPE
 from eagle3_assets.core.response_rules import (
@@ -61,9 +73,13 @@ RAW_RESPONSES_SCHEMA: dict[str, pl.DataType] = {
     "model": pl.String,
     "attempts": pl.Int64,
     "error": pl.String,
+    "prompt_token_ids": pl.List(pl.Int64),
+    "output_token_ids": pl.List(pl.Int64),
 }
 # The columns validation reads; the others are the generation stage's bookkeeping.
 _RAW_COLUMNS_READ = ("id", "reasoning", "content", "reasoning_field", "finish_reason", "error")
+# Read when present; files written before the server's ids were kept (or by a server that returns none) lack them.
+_RAW_OPTIONAL_COLUMNS = ("prompt_token_ids", "output_token_ids")
 
 KEPT_SCHEMA: dict[str, pl.DataType] = {
     "id": pl.String,
@@ -86,6 +102,10 @@ REJECTION_REASONS: dict[str, str] = {
     "think_markers_left": "a think marker is left inside the reasoning or the answer (the reasoning parser did not split the text)",
     "duplicate_response": "an earlier row of the shard has the same prompt and the same response",
     "template_error": "the target's chat template refused the prompt (e.g. roles that do not alternate)",
+    "prompt_differs": "the target's chat template renders the prompt into other ids than the server's prompt_token_ids "
+    "(the server used another chat template or other chat_template_kwargs)",
+    "tokens_differ": "the reasoning and answer fields do not reassemble into the ids the target generated "
+    "(output_token_ids): e.g. a think marker or end of turn it never wrote, or a split re-tokenisation would not make",
     "too_long": "the rendered trace is longer than the maximum sequence length",
 }
 
@@ -123,6 +143,7 @@ class ShardValidation:
     rejected_by_reason: dict[str, int] = field(default_factory=dict)
     rejected_examples: list[str] = field(default_factory=list)
     prompts_opening_think_block: int = 0
+    kept_with_server_ids: int = 0  # kept rows whose ids were compared with (and equal) the server's
 
     @property
     def rejected(self) -> int:
@@ -145,8 +166,11 @@ class CheckOutcome:
 # -- reading ---------------------------------------------------------------------
 
 
-def scan_checked(path: Path, schema: dict[str, pl.DataType], what: str, columns: Sequence[str]) -> pl.LazyFrame:
-    """A lazy scan of an input shard file, after checking it exists and has the contract's columns and types."""
+def scan_checked(path: Path, schema: dict[str, pl.DataType], what: str, columns: Sequence[str], optional: Sequence[str] = ()) -> pl.LazyFrame:
+    """A lazy scan of an input shard file, after checking it exists and has the contract's columns and types.
+
+    ``optional`` columns are type-checked when present and read as nulls when the file has none.
+    """
     path = Path(path)
     if not path.is_file():
         raise ValidationInputError(f"{what}: {path} does not exist (materialise that shard upstream first)")
@@ -157,10 +181,13 @@ def scan_checked(path: Path, schema: dict[str, pl.DataType], what: str, columns:
     missing = [c for c in columns if c not in found]
     if missing:
         raise ValidationInputError(f"{what}: {path} lacks column(s) {missing} (has {list(found)})")
-    wrong = {c: f"{found[c]} (expected {schema[c]})" for c in columns if found[c] != schema[c] and found[c] != pl.Null}
+    present = [*columns, *(c for c in optional if c in found)]
+    wrong = {c: f"{found[c]} (expected {schema[c]})" for c in present if found[c] != schema[c] and found[c] != pl.Null}
     if wrong:
         raise ValidationInputError(f"{what}: {path} has column(s) of the wrong type: {wrong}")
-    return pl.scan_parquet(path).select([pl.col(c).cast(schema[c]) for c in columns])
+    return pl.scan_parquet(path).select(
+        [pl.col(c).cast(schema[c]) if c in found else pl.lit(None, dtype=schema[c]).alias(c) for c in [*columns, *optional]]
+    )
 
 
 def scan_prompts(path: Path) -> pl.LazyFrame:
@@ -169,7 +196,7 @@ def scan_prompts(path: Path) -> pl.LazyFrame:
 
 
 def scan_raw_responses(path: Path) -> pl.LazyFrame:
-    return scan_checked(path, RAW_RESPONSES_SCHEMA, "raw_responses", _RAW_COLUMNS_READ)
+    return scan_checked(path, RAW_RESPONSES_SCHEMA, "raw_responses", _RAW_COLUMNS_READ, optional=_RAW_OPTIONAL_COLUMNS)
 
 
 # -- row rules ---------------------------------------------------------------------
@@ -271,7 +298,7 @@ def validate_shard(
     flags = duplicate_flags(raw, prompts)
     rows = classify(raw, prompts, flags, rules, markers).select(
         "id", "messages", "reasoning", "content", "reasoning_field", "error", "reason", "detail",
-        "answered", "has_reasoning", "is_truncated", "has_markers", "finished",
+        "answered", "has_reasoning", "is_truncated", "has_markers", "finished", "prompt_token_ids", "output_token_ids",
     )
 
     parts_dir = kept_path.parent / f".{kept_path.stem}.parts{PARTIAL_SUFFIX}"
@@ -289,7 +316,8 @@ def validate_shard(
             if unrenderable.height:
                 rejected_frames.append(unrenderable)
             summary.prompts_opening_think_block += int(kept.height and kept["_opened"].sum())
-            kept = kept.drop("_opened")
+            summary.kept_with_server_ids += int(kept.height and kept["_server_ids"].sum())
+            kept = kept.drop("_opened", "_server_ids")
             if kept.height:
                 part = parts_dir / f"part-{len(part_paths):05d}.parquet"
                 kept.write_parquet(part, row_group_size=batch_rows)
@@ -330,7 +358,8 @@ def _tally(summary: ShardValidation, batch: pl.DataFrame) -> None:
 
 
 def _render(candidates: pl.DataFrame, renderer: ChatRenderer, rules: ValidationRules) -> tuple[pl.DataFrame, pl.DataFrame]:
-    """Render and tokenise a batch; split off the rows the template refuses and those over the maximum length.
+    """Render and tokenise a batch; split off the rows the template refuses, those whose ids are not the server's,
+    and those over the maximum length.
 
     Returns (kept, rejected) frames.
     """
@@ -345,12 +374,15 @@ def _render(candidates: pl.DataFrame, renderer: ChatRenderer, rules: ValidationR
                 traces.append(renderer.render_batch([row])[0])
             except Exception as exc:
                 refused[position] = f"{type(exc).__name__}: {exc}"[:300]
-        if refused:
-            refused_rows = pl.DataFrame(
-                {"id": candidates["id"].gather(list(refused)), "reason": ["template_error"] * len(refused), "detail": list(refused.values())},
-                schema=REJECTED_SCHEMA,
-            )
-            candidates = candidates.filter(~pl.int_range(pl.len()).is_in(list(refused)))
+    rejected = [
+        pl.DataFrame(
+            {"id": candidates["id"].gather(list(refused)), "reason": ["template_error"] * len(refused), "detail": list(refused.values())},
+            schema=REJECTED_SCHEMA,
+        )
+    ]
+    if refused:
+        candidates = candidates.filter(~pl.int_range(pl.len()).is_in(list(refused)))
+    differs = _server_id_differences(traces, candidates["prompt_token_ids"].to_list(), candidates["output_token_ids"].to_list(), renderer)
     lengths = [t.num_tokens for t in traces]
     rendered = pl.DataFrame(
         {
@@ -362,46 +394,113 @@ def _render(candidates: pl.DataFrame, renderer: ChatRenderer, rules: ValidationR
             "loss_mask": pl.Series([t.loss_mask for t in traces], dtype=pl.List(pl.Int8)),
             "num_tokens": pl.Series(lengths, dtype=pl.Int64),
             "_opened": pl.Series([renderer.prompt_opens_think_block(t.prompt_text) for t in traces], dtype=pl.Boolean),
+            "_server_ids": candidates["output_token_ids"].is_not_null(),
+            "_reason": pl.Series([d[0] if d else None for d in differs], dtype=pl.String),
+            "_detail": pl.Series([d[1] if d else None for d in differs], dtype=pl.String),
         },
-        schema={**KEPT_SCHEMA, "_opened": pl.Boolean},
+        schema={**KEPT_SCHEMA, "_opened": pl.Boolean, "_server_ids": pl.Boolean, "_reason": pl.String, "_detail": pl.String},
     )
+    # The server's ids are tested before the length: a trace that is not the target's is wrong at any length.
+    rejected.append(rendered.filter(pl.col("_reason").is_not_null()).select("id", pl.col("_reason").alias("reason"), pl.col("_detail").alias("detail")))
+    rendered = rendered.filter(pl.col("_reason").is_null()).drop("_reason", "_detail")
     fits = pl.col("num_tokens") <= rules.max_seq_len
-    too_long = rendered.filter(~fits).select(
-        "id",
-        pl.lit("too_long").alias("reason"),
-        (pl.format("{} tokens > max_seq_len {}", pl.col("num_tokens"), pl.lit(rules.max_seq_len))).alias("detail"),
+    rejected.append(
+        rendered.filter(~fits).select(
+            "id",
+            pl.lit("too_long").alias("reason"),
+            (pl.format("{} tokens > max_seq_len {}", pl.col("num_tokens"), pl.lit(rules.max_seq_len))).alias("detail"),
+        )
     )
-    if refused:
-        too_long = pl.concat([refused_rows, too_long])
-    return rendered.filter(fits), too_long
+    return rendered.filter(fits), pl.concat(rejected)
 
 
-def mask_alignment_problems(kept_path: Path, raw_path: Path, renderer: ChatRenderer, batch_rows: int = 128) -> tuple[int, dict[str, str]]:
-    """Re-read the written traces in batches and return (rows checked, {id: problem}) for misaligned masks.
+def _server_id_differences(
+    traces: Sequence[RenderedTrace],
+    server_prompts: Sequence[Sequence[int] | None],
+    server_outputs: Sequence[Sequence[int] | None],
+    renderer: ChatRenderer,
+) -> list[tuple[str, str] | None]:
+    """Per trace, ``(reason, detail)`` when its ids are not the ones the server returned, else None.
 
-    Reads what is on disk, not what the pass meant to write, and looks up each
-    trace's raw finish reason to know whether an end-of-turn token belongs to
-    the completion (a trace with no finished raw row must not end with one).
+    The prompt is compared first: when the server rendered another prompt, the
+    target generated after something the trace does not hold, whatever the
+    completion's ids. A row without server ids is not compared (None).
     """
-    finished_ids = set(
-        scan_raw_responses(raw_path).filter(pl.col("finish_reason") == "stop").select("id").collect()["id"].to_list()
+    out: list[tuple[str, str] | None] = []
+    for trace, prompt_ids, output_ids in zip(traces, server_prompts, server_outputs):
+        problem = None
+        if prompt_ids is not None and (difference := renderer.token_difference(trace.prompt_ids, prompt_ids, "prompt")):
+            problem = ("prompt_differs", f"the template's rendering differs from the server's prompt_token_ids at {difference}")
+        elif output_ids is not None and (difference := renderer.token_difference(trace.completion_ids, output_ids, "completion")):
+            problem = ("tokens_differ", f"the rebuilt completion differs from the server's output_token_ids at {difference}")
+        out.append((problem[0], problem[1][:300]) if problem else None)
+    return out
+
+
+@dataclass(frozen=True)
+class MaskAlignment:
+    """What the alignment gate found in the written traces."""
+
+    rows_checked: int
+    rows_checked_against_server_ids: int  # of which compared token by token with the raw row's output_token_ids
+    problems: dict[str, str]  # id -> why its mask or ids are wrong
+
+
+def mask_alignment_problems(kept_path: Path, raw_path: Path, renderer: ChatRenderer, batch_rows: int = 128) -> MaskAlignment:
+    """Re-read the written traces and the raw file in batches; return what is misaligned.
+
+    Reads what is on disk, not what the pass meant to write. Each trace is
+    checked against its own raw row: its finish reason says whether an
+    end-of-turn token belongs to the completion (a trace with no finished raw
+    row must not end with one); the supervised tokens must decode to the
+    completion rebuilt from the text fields; and where the raw row carries the
+    server's ids, the supervised ids must equal ``output_token_ids`` and the
+    ids before them ``prompt_token_ids``, token by token.
+
+    Both files are streamed side by side: the traces were written in the raw
+    file's order (kept rows are a subsequence of it), so each trace's raw row
+    is found by reading on, and no more than a batch of either file's token
+    ids is held at once. A trace with no raw row further on is a problem.
+    """
+    raw_rows = _rows_in_batches(
+        scan_raw_responses(raw_path).select("id", "finish_reason", "prompt_token_ids", "output_token_ids"), batch_rows
     )
     traces = pl.scan_parquet(kept_path).select("id", "messages", "reasoning", "content", "input_ids", "loss_mask")
-    checked, problems = 0, {}
-    for batch in traces.collect_batches(chunk_size=batch_rows, engine="streaming"):
-        for row in batch.iter_rows(named=True):
-            checked += 1
-            problem = renderer.supervised_text_problem(
-                row["input_ids"] or [],
-                row["loss_mask"] or [],
-                row["messages"] or [],
-                row["reasoning"] or "",
-                row["content"] or "",
-                finished=row["id"] in finished_ids,
+    checked, against_server, problems = 0, 0, {}
+    for row in _rows_in_batches(traces, batch_rows):
+        checked += 1
+        raw = next((r for r in raw_rows if r["id"] == row["id"]), None)
+        if raw is None:
+            problems[row["id"]] = (
+                "no raw row with this id after the previous trace's (the traces are not in the raw file's order, "
+                "or the id is not in it)"
             )
-            if problem:
-                problems[row["id"]] = problem
-    return checked, problems
+            continue
+        ids, mask = row["input_ids"] or [], row["loss_mask"] or []
+        found = [
+            renderer.supervised_text_problem(
+                ids, mask, row["messages"] or [], row["reasoning"] or "", row["content"] or "", finished=raw["finish_reason"] == "stop"
+            )
+        ]
+        if raw["output_token_ids"] is not None and len(ids) == len(mask):
+            against_server += 1
+            supervised = [i for i, m in zip(ids, mask) if m]
+            unsupervised_head = ids[: mask.index(1)] if 1 in mask else ids
+            if difference := renderer.token_difference(supervised, raw["output_token_ids"], "supervised"):
+                found.append(f"supervised ids differ from the server's output_token_ids at {difference}")
+            if raw["prompt_token_ids"] is not None and (
+                difference := renderer.token_difference(unsupervised_head, raw["prompt_token_ids"], "prompt")
+            ):
+                found.append(f"ids before supervision differ from the server's prompt_token_ids at {difference}")
+        if problem := "; ".join(f for f in found if f):
+            problems[row["id"]] = problem
+    return MaskAlignment(checked, against_server, problems)
+
+
+def _rows_in_batches(frame: pl.LazyFrame, batch_rows: int) -> Iterator[dict[str, Any]]:
+    """The rows of a lazy frame, in order, read ``batch_rows`` at a time."""
+    for batch in frame.collect_batches(chunk_size=batch_rows, engine="streaming"):
+        yield from batch.iter_rows(named=True)
 
 
 def written_ids(path: Path) -> list[str]:
@@ -562,17 +661,24 @@ def check_responses_accounted(raw_ids: Sequence[str], prompt_ids: Sequence[str],
     )
 
 
-def check_loss_mask_aligned(rows_checked: int, problems: dict[str, str]) -> CheckOutcome:
-    """Every kept row supervises exactly the target's output (reasoning, markers, answer, end of turn)."""
+def check_loss_mask_aligned(alignment: MaskAlignment) -> CheckOutcome:
+    """Every kept row supervises exactly the target's output (reasoning, markers, answer, end of turn).
+
+    Where the raw row carries the server's ids, "exactly" is token by token:
+    the description says how many rows were checked that way.
+    """
+    checked, problems = alignment.rows_checked, alignment.problems
+    against_server = alignment.rows_checked_against_server_ids
     examples = [f"{i}: {p}" for i, p in list(problems.items())[:3]]
+    how = f"{against_server} of them token by token against the server's output_token_ids"
     return CheckOutcome(
         passed=not problems,
         figure_name="misaligned_rows",
         figure=len(problems),
         threshold=0,
         offending_ids=_first(problems),
-        description=f"{len(problems)} of {rows_checked} kept rows misaligned: {examples}" if problems else f"all {rows_checked} kept rows aligned",
-        counts={"rows_checked": rows_checked},
+        description=f"{len(problems)} of {checked} kept rows misaligned ({how}): {examples}" if problems else f"all {checked} kept rows aligned ({how})",
+        counts={"rows_checked": checked, "rows_checked_against_server_ids": against_server},
     )
 
 
