@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import os
 import signal
 import subprocess
@@ -280,14 +281,21 @@ def test_server_without_reasoning_fails_the_canary_before_the_shard_starts(vllm_
 
 
 @pytest.mark.vllm
-def test_preflight_names_a_wrong_model_or_an_impossible_max_tokens(vllm_server, data_dir):
-    for overrides, expected in (
-        ({"served_model_name": "no-such-model"}, "does not serve model 'no-such-model'"),
-        ({"max_tokens": 5000}, "max_tokens=5000 exceeds the server's max_model_len=4096"),
+def test_preflight_names_a_wrong_model_or_an_impossible_max_tokens(vllm_server, tiny_target, data_dir, tmp_path):
+    # The same weights with a longer context in their config: the target takes 5,000 tokens, the server (4,096) does not.
+    longer = tmp_path / "longer-context"
+    shutil.copytree(tiny_target, longer)
+    config = json.loads((longer / "config.json").read_text())
+    (longer / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 8192}))
+    for overrides, target, expected in (
+        ({"served_model_name": "no-such-model"}, "demo", "does not serve model 'no-such-model'"),
+        ({"max_tokens": 5000}, str(longer), "max_tokens=5000 exceeds the server's max_model_len=4096"),
+        ({"max_tokens": 5000}, "demo", "the target pre-flight failed, nothing was sent"),  # the target's own 4,096
     ):
         model = overrides.pop("served_model_name", vllm_server.served_model_name)
         server = server_at(vllm_server.base_url, model, **overrides)
-        result = materialise({"prompt_dataset": demo_prompts(8), "vllm_server": server}, raise_on_error=False)
+        resources = {"prompt_dataset": demo_prompts(8), "vllm_server": server, "target_model": TargetModel(path=target)}
+        result = materialise(resources, raise_on_error=False)
         (failure,) = [e for e in result.all_events if e.is_step_failure]
         assert expected in failure.step_failure_data.error.to_string()
         assert not any((data_dir / "raw_responses").iterdir())
