@@ -57,6 +57,15 @@ def served_draft_hashes(model_ids: list[str]) -> list[str]:
     return [m.group(1) for model_id in model_ids if (m := ALIAS_PATTERN.match(model_id))]
 
 
+def alias_args(served_name: str, weights_hash: str) -> list[str]:
+    """``--served-model-name`` with the draft's alias, for a launcher's extra arguments.
+
+    vLLM's parser keeps the last ``--served-model-name``, so these replace the
+    launcher's own single name with the name and the alias.
+    """
+    return ["--served-model-name", served_name, draft_alias(weights_hash)]
+
+
 def speculative_config(draft_path: str, num_speculative_tokens: int) -> dict:
     return {"method": "eagle3", "model": draft_path, "num_speculative_tokens": int(num_speculative_tokens)}
 
