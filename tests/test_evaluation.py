@@ -84,3 +84,29 @@ def test_measured_throughput_decides_k_where_it_is_measured():
     assert recommend(measured).k == 2 and measured[1].speedup == pytest.approx(1.9)
     # tokens/s with the draft = L * reference / (1 + k c): c = (2.5 * 100 / 125 - 1) / 3
     assert measured_ratio(100.0, 125.0, 2.5, 3) == pytest.approx(1 / 3)
+
+
+def test_the_stage_derives_on_a_cpu_and_uses_each_measured_k_where_there_is_one():
+    from eagle3_assets.core.evaluation import PassResult
+    from eagle3_assets.stages.evaluate_draft import choose_k
+
+    def spec(label, rates, tokens_per_s):
+        drafts = 100.0
+        return PassResult(label, 8, 0, int(tokens_per_s * 10), 10.0, 1 + sum(rates), rates, drafts, drafts * sum(rates))
+
+    results = {
+        "reference": PassResult("reference", 8, 0, 1000, 10.0),
+        "trained": spec("trained", [0.8, 0.5, 0.2], 90.0),
+        "baseline": spec("baseline", [0.0, 0.0, 0.0], 40.0),
+    }
+    curve, baseline_curve, host_ratio = choose_k(results, [1, 2, 3], measured_each=False, draft_cost_ratio=0.1)
+    assert [round(p.acceptance_length, 2) for p in curve] == [1.8, 2.3, 2.5] and [p.source for p in curve] == ["derived", "derived", "measured"]
+    assert [p.acceptance_length for p in baseline_curve] == [1.0, 1.0, 1.0]
+    assert host_ratio == pytest.approx((2.5 * 100 / 90 - 1) / 3)  # recorded beside the cost model, not used by it
+    assert curve[2].speedup == pytest.approx(2.5 / 1.3) and curve[2].speedup_source == "cost model"
+
+    results["trained@k1"] = spec("trained@k1", [0.75], 130.0)
+    results["trained@k2"] = spec("trained@k2", [0.8, 0.45], 120.0)
+    curve, _, _ = choose_k(results, [1, 2, 3], measured_each=True, draft_cost_ratio=0.1)
+    assert [p.source for p in curve] == ["measured"] * 3 and curve[1].acceptance_length == pytest.approx(2.25)
+    assert [p.speedup for p in curve] == pytest.approx([1.3, 1.2, 0.9])
