@@ -179,3 +179,31 @@ def test_urls_lose_their_credentials_before_anything_shows_them():
     assert display_url("https://watch:s3cret@gpu-a.example:8443/") == "https://gpu-a.example:8443"
     verdict = judge(Scrape(display_url("http://u:pw@h:1"), 0, error="x"), ServerMemory(), expect(), min_drafts=10)
     assert "pw" not in repr(verdict.alerts)
+
+
+def test_the_sensor_skips_without_servers_and_never_shows_url_credentials():
+    from dagster import DagsterInstance, SkipReason, build_sensor_context
+
+    from eagle3_assets.core.vllm_launcher import free_port
+    from resources.alerts import AlertChannel
+    from resources.production_servers import ProductionServers
+    from sensors.deployed_draft_watch import deployed_draft_watch
+    from tests.alert_receiver import AlertReceiver
+
+    instance = DagsterInstance.ephemeral()
+    idle = build_sensor_context(instance=instance, resources={"production_servers": ProductionServers(base_urls=[]), "alert_channel": AlertChannel()})
+    result = deployed_draft_watch(idle)
+    assert isinstance(result, SkipReason) and "EAGLE3_PRODUCTION_URLS" in result.skip_message
+
+    receiver = AlertReceiver().start()
+    try:
+        port = free_port()  # nothing listens there: the server does not answer
+        servers = ProductionServers(base_urls=[f"http://watch:hunter2@127.0.0.1:{port}"], timeout_s=2)
+        context = build_sensor_context(instance=instance, resources={"production_servers": servers, "alert_channel": AlertChannel(webhook_url=receiver.url)})
+        result = deployed_draft_watch(context)
+    finally:
+        receiver.stop()
+    (event,) = result.asset_events
+    assert event.metadata["window_status"].value == "no answer" and event.metadata["server"].value == f"http://127.0.0.1:{port}"
+    assert len(receiver.texts()) == 1 and "not answering" in receiver.texts()[0]
+    assert "hunter2" not in result.cursor + receiver.texts()[0] + repr(event.metadata)
