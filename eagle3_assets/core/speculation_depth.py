@@ -128,9 +128,10 @@ def cost_model_note(draft_cost_ratio: float, host_ratio: float | None) -> str:
     host = f"{host_ratio:.2f}" if host_ratio is not None else "not measurable"
     return (
         f"estimated speedup(k) = L(k) / (1 + k * c), c = {draft_cost_ratio:g} (draft_cost_ratio: one draft forward "
-        f"relative to one target step on the deployment's GPUs). Measured on this host: c = {host}; not used, "
-        "since a CPU runs a tiny draft at about the tiny target's cost. Acceptance lengths at k below the served "
-        "one are derived from the per-position rates (see the curve's source column)."
+        f"relative to one target step on the deployment's GPUs). Measured on the evaluation host: c = {host}; not "
+        "used, since the deployment's hardware sets the ratio (on a CPU a tiny draft costs a large share of a tiny "
+        "target's step). Acceptance lengths at k below the served one are derived from the per-position rates "
+        "(see the curve's source column)."
     )
 
 
