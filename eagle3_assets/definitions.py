@@ -5,6 +5,7 @@ from __future__ import annotations
 from dagster import Definitions, in_process_executor
 
 from eagle3_assets import settings
+from eagle3_assets.deployed_draft import deployed_draft
 from eagle3_assets.draft_checkpoint import draft_checkpoint
 from eagle3_assets.draft_evaluation import draft_evaluation
 from eagle3_assets.gpu_host_ready import gpu_host_ready_job
@@ -15,6 +16,7 @@ from eagle3_assets.validated_traces import validated_traces
 from eagle3_assets.vocab_mapping import vocab_mapping
 from resources.alerts import alert_channel_from_env
 from resources.gpu_host import gpu_host_from_env
+from resources.production_servers import ProductionServers
 from resources.prompt_dataset import PromptDataset
 from resources.target_model import TargetModel
 from resources.vllm_server import VLLMServerResource
@@ -44,6 +46,8 @@ def default_resources() -> dict:
         "target_model": target,
         "alert_channel": alert_channel_from_env(),
         "gpu_host": gpu_host_from_env(),
+        # EAGLE3_PRODUCTION_URLS (comma separated), EAGLE3_PRODUCTION_API_KEY (an EnvVar, only when set).
+        "production_servers": ProductionServers.from_env(),
     }
 
 
@@ -52,7 +56,8 @@ def default_resources() -> dict:
 # per step on 2 cores, most of a shard run's fixed cost). Pools hold either way. The GPU
 # stages are their own processes anyway (the gpu_host resource).
 defs = Definitions(
-    assets=[*PER_SHARD_ASSETS, *WHOLE_DATASET_ASSETS],
+    # deployed_draft is observed (sensor deployed_draft_watch), never materialised here.
+    assets=[*PER_SHARD_ASSETS, *WHOLE_DATASET_ASSETS, deployed_draft],
     resources=default_resources(),
     sensors=ALL_SENSORS,
     jobs=[gpu_host_ready_job],

@@ -7,13 +7,18 @@ By default the prompts are the user's own: the rows ``prompts`` held out of
 training (``prompt_dataset.holdout_share``), written to
 ``<data>/draft_evaluation/eval_prompts.jsonl`` so the report says exactly which.
 The target is served as it is configured (remote code, its dtype, a context it
-has). Writes ``<data>/draft_evaluation/report.json``. The gate
+has). The drafts are served at the largest of ``k_values`` (default 1 to 5);
+the acceptance curve over k and the recommended ``num_speculative_tokens``
+(:mod:`eagle3_assets.core.speculation_depth` says how each is obtained) go
+into the metadata, and the exported draft's ``SERVING.md`` is rewritten to use
+that k. Writes ``<data>/draft_evaluation/report.json``. The gate
 ``acceptance_above_floor`` is ERROR below the floor and WARN when the trained
 draft does not beat the baseline.
 """
 
 import json
 from pathlib import Path
+from typing import Optional
 
 import polars as pl
 from dagster import AssetCheckSpec, AssetExecutionContext, Config, MaterializeResult, asset
@@ -23,6 +28,7 @@ from eagle3_assets.core.evaluation import EVAL_MAX_TOKENS, load_conversations
 from eagle3_assets.core.heldout import HELDOUT_SUFFIX, held_out_prompts
 from eagle3_assets.core.preflight import StageRequirements
 from eagle3_assets.core.shard_files import read_shard_parquet
+from eagle3_assets.core.speculation_depth import DEFAULT_DRAFT_COST_RATIO, DEFAULT_K_VALUES, validated_k_values
 from eagle3_assets.core.storage import asset_dir, write_bytes_atomic
 from eagle3_assets.draft_checkpoint import draft_checkpoint
 from resources.gpu_host import GPU_POOL, GPUHost, register_stage
@@ -39,7 +45,22 @@ class DraftEvaluationConfig(Config):
         "or empty: the rows the prompts asset held out of training (prompt_dataset.holdout_share)",
     )
     max_eval_prompts: int = Field(default=64, gt=0, description="at most this many held-out prompts are served")
-    num_speculative_tokens: int = Field(default=3, description="draft tokens proposed per step")
+    k_values: list[int] = Field(
+        default=list(DEFAULT_K_VALUES),
+        description="num_speculative_tokens to evaluate: the acceptance curve over them and the recommended k; "
+        "the drafts are served at the largest",
+    )
+    measure_each_k: Optional[bool] = Field(
+        default=None,
+        description="serve the draft once per k and choose k by measured output tokens/s; default: on a GPU host yes, "
+        "on a CPU no (one server at the largest k, smaller k derived from per-position rates, k chosen by the cost model)",
+    )
+    draft_cost_ratio: float = Field(
+        default=DEFAULT_DRAFT_COST_RATIO,
+        gt=0,
+        description="the cost model's cost of one draft forward relative to one target step on the deployment's GPUs "
+        "(used when throughput is not measured per k)",
+    )
     max_tokens: int = Field(default=EVAL_MAX_TOKENS, description="completion tokens per prompt (greedy)")
     max_model_len: int = Field(default=0, ge=0, description="vLLM's max_model_len for the evaluation servers; 0: the target's context, up to 16,384")
     concurrency: int = Field(default=8, description="requests in flight")
@@ -85,7 +106,7 @@ def training_overlap(eval_ids: list[str], eval_conversations: list[list[dict]], 
 
 @asset(
     group_name="evaluation",
-    code_version="1",
+    code_version="2",
     kinds={"vllm"},
     pool=GPU_POOL,
     deps=[draft_checkpoint],
@@ -120,7 +141,9 @@ def draft_evaluation(
             "draft_dir": str(draft_dir),
             "baseline": config.baseline,
             "eval_prompts": eval_prompts,
-            "num_speculative_tokens": config.num_speculative_tokens,
+            "k_values": validated_k_values(config.k_values),
+            "measure_each_k": config.measure_each_k,
+            "draft_cost_ratio": config.draft_cost_ratio,
             "max_tokens": config.max_tokens,
             "concurrency": config.concurrency,
             "floor": config.floor,

@@ -55,14 +55,26 @@ def test_definitions_are_loadable_with_every_resource_sensors_need():
 
     Definitions.validate_loadable(defs)
     sensors = {s.name for s in defs.sensors}
-    assert {"gate_failure_alert", "run_failure_alert", "vllm_server_health", "new_prompt_shards"} <= sensors
+    assert {"gate_failure_alert", "run_failure_alert", "vllm_server_health", "new_prompt_shards", "deployed_draft_watch"} <= sensors
+
+
+def test_the_deployed_draft_follows_evaluation_and_its_servers_come_from_the_environment(monkeypatch):
+    from eagle3_assets.definitions import default_resources
+
+    node = defs.resolve_asset_graph().get(AssetKey("deployed_draft"))
+    assert node.group_name == "production" and {AssetKey("draft_checkpoint"), AssetKey("draft_evaluation")} <= set(node.parent_keys)
+    monkeypatch.setenv("EAGLE3_PRODUCTION_URLS", "http://serve-a:8000, http://serve-b:8000")
+    monkeypatch.setenv("EAGLE3_PRODUCTION_API_KEY", "not-in-any-log")
+    servers = default_resources()["production_servers"]
+    assert servers.base_urls == ["http://serve-a:8000", "http://serve-b:8000"]
+    assert "not-in-any-log" not in repr(servers.model_dump())  # an EnvVar until the sensor runs
 
 
 def test_every_asset_has_a_stage_group_and_description():
     graph = defs.resolve_asset_graph()
     for key in graph.get_all_asset_keys():
         node = graph.get(key)
-        assert node.group_name in {"generation", "validation", "extraction", "training", "evaluation"}, key
+        assert node.group_name in {"generation", "validation", "extraction", "training", "evaluation", "production"}, key
         assert node.description, f"{key} has no description"
 
 

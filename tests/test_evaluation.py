@@ -50,3 +50,63 @@ def test_eval_prompts_with_a_bad_row_fail_naming_the_file_and_row(tmp_path):
 def test_per_position_table_lists_every_position():
     table = render_positions({"trained": [0.8, 0.5, 0.2], "baseline": [0.0, 0.0, 0.0]})
     assert table.count("\n") == 4 and "| 3 | 0.200" in table
+
+
+def test_curve_over_k_adds_the_per_position_rates_and_labels_what_was_measured():
+    from eagle3_assets.core.speculation_depth import derived_curve
+
+    curve = derived_curve([0.8, 0.5, 0.2, 0.1, 0.05], [1, 2, 3, 4, 5])
+    assert [round(p.acceptance_length, 3) for p in curve] == [1.8, 2.3, 2.5, 2.6, 2.65]
+    assert [p.source for p in curve] == ["derived"] * 4 + ["measured"]
+    assert curve[2].rates_per_position == [0.8, 0.5, 0.2]
+    with pytest.raises(ValueError, match="k_values"):
+        derived_curve([0.8], [0])
+
+
+def test_cost_model_recommends_the_k_whose_extra_draft_work_still_pays():
+    from eagle3_assets.core.speculation_depth import derived_curve, recommend, render_curve_table, with_estimated_speedup
+
+    rates = [0.8, 0.5, 0.2, 0.1, 0.05]
+    cheap = with_estimated_speedup(derived_curve(rates, [1, 2, 3, 4, 5]), draft_cost_ratio=0.05)
+    # speedups 1.714, 2.091, 2.174, 2.167, 2.12: position 4 adds 0.1 token for 5 % of a step more: not worth it
+    assert recommend(cheap).k == 3
+    costly = with_estimated_speedup(derived_curve(rates, [1, 2, 3, 4, 5]), draft_cost_ratio=1.0)
+    assert recommend(costly).k == 1  # a draft as dear as the target: the shortest chain
+    table = render_curve_table(cheap, 3)
+    assert "| 3 **recommended** | 2.500 |" in table and table.count("\n") == 6
+
+
+def test_measured_throughput_decides_k_where_it_is_measured():
+    from eagle3_assets.core.speculation_depth import CurvePoint, measured_ratio, recommend, with_measured_speedup
+
+    curve = [CurvePoint(k, 1 + 0.6 * k, [], "measured") for k in (1, 2, 3)]
+    measured = with_measured_speedup(curve, {1: 150.0, 2: 190.0, 3: 170.0}, reference_tokens_per_s=100.0)
+    assert recommend(measured).k == 2 and measured[1].speedup == pytest.approx(1.9)
+    # tokens/s with the draft = L * reference / (1 + k c): c = (2.5 * 100 / 125 - 1) / 3
+    assert measured_ratio(100.0, 125.0, 2.5, 3) == pytest.approx(1 / 3)
+
+
+def test_the_stage_derives_on_a_cpu_and_uses_each_measured_k_where_there_is_one():
+    from eagle3_assets.core.evaluation import PassResult
+    from eagle3_assets.stages.evaluate_draft import choose_k
+
+    def spec(label, rates, tokens_per_s):
+        drafts = 100.0
+        return PassResult(label, 8, 0, int(tokens_per_s * 10), 10.0, 1 + sum(rates), rates, drafts, drafts * sum(rates))
+
+    results = {
+        "reference": PassResult("reference", 8, 0, 1000, 10.0),
+        "trained": spec("trained", [0.8, 0.5, 0.2], 90.0),
+        "baseline": spec("baseline", [0.0, 0.0, 0.0], 40.0),
+    }
+    curve, baseline_curve, host_ratio = choose_k(results, [1, 2, 3], measured_each=False, draft_cost_ratio=0.1)
+    assert [round(p.acceptance_length, 2) for p in curve] == [1.8, 2.3, 2.5] and [p.source for p in curve] == ["derived", "derived", "measured"]
+    assert [p.acceptance_length for p in baseline_curve] == [1.0, 1.0, 1.0]
+    assert host_ratio == pytest.approx((2.5 * 100 / 90 - 1) / 3)  # recorded beside the cost model, not used by it
+    assert curve[2].speedup == pytest.approx(2.5 / 1.3) and curve[2].speedup_source == "cost model"
+
+    results["trained@k1"] = spec("trained@k1", [0.75], 130.0)
+    results["trained@k2"] = spec("trained@k2", [0.8, 0.45], 120.0)
+    curve, _, _ = choose_k(results, [1, 2, 3], measured_each=True, draft_cost_ratio=0.1)
+    assert [p.source for p in curve] == ["measured"] * 3 and curve[1].acceptance_length == pytest.approx(2.25)
+    assert [p.speedup for p in curve] == pytest.approx([1.3, 1.2, 0.9])

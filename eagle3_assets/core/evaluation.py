@@ -110,17 +110,21 @@ def evaluate(
     server_log_dir: Path | None = None,
     log: Callable[[str], None] = print,
     serving: dict | None = None,
+    k_by_label: dict[str, int] | None = None,
 ) -> dict[str, PassResult]:
     """Serve the target alone (``reference``) and with each draft in turn; one pass each.
 
     ``serving``: the target's ``VLLMServer`` options (remote code, dtype, context:
     :func:`eagle3_assets.core.target.vllm_serving`); by default from its config.
+    ``k_by_label``: a draft's own ``num_speculative_tokens`` where it differs from
+    the common one (the same draft served at several k, each under its label).
     """
     serving = dict(serving or vllm_serving(target_dir))
     target_args = serving.pop("extra_args", [])
+    k_by_label = k_by_label or {}
     results: dict[str, PassResult] = {}
     setups: list[tuple[str, list[str]]] = [("reference", [])] if include_reference else []
-    setups += [(label, speculative_args(path, num_speculative_tokens)) for label, path in drafts.items()]
+    setups += [(label, speculative_args(path, k_by_label.get(label, num_speculative_tokens))) for label, path in drafts.items()]
     for label, extra in setups:
         log(f"evaluation: serving the target for '{label}'")
         log_path = (server_log_dir / f"vllm-{label}.log") if server_log_dir else None

@@ -56,6 +56,9 @@ def main() -> int:
     for label in ("trained", "baseline"):
         result = report["results"][label]
         print(f"demo: mean acceptance length, {label} draft: {result['mean_acceptance_length']:.2f} at {report['num_speculative_tokens']} speculative tokens")
+    curve = ", ".join(f"k={p['k']}: {p['acceptance_length']:.2f}" for p in report["acceptance_curve"])
+    print(f"demo: acceptance length by num_speculative_tokens: {curve}; recommended k = {report['recommended_num_speculative_tokens']}")
+    print(f"demo: how to serve it: {data_dir() / 'draft_checkpoint' / 'model' / 'SERVING.md'}")
     print("demo: browse the runs with `make dev` (http://127.0.0.1:3000)")
     return 0
 

@@ -7,10 +7,15 @@ Runs on the GPU host, where the target can be served. Extras:
 - ``baseline``: ``"untrained"`` (a random draft of the same shape, built here)
   or the directory of the draft training started from;
 - ``eval_prompts``: a held-out prompt set (JSONL/Parquet);
-- ``num_speculative_tokens``, ``max_tokens``, ``concurrency``, ``floor``;
+- ``k_values``: the num_speculative_tokens to evaluate (the drafts are served at the largest);
+- ``measure_each_k``: one server per k, measuring throughput (default: on a GPU host, where
+  throughput is the deciding figure); otherwise the curve is derived from per-position rates
+  and k is chosen with the cost model (``draft_cost_ratio``);
+- ``max_tokens``, ``concurrency``, ``floor``;
 - ``report_path``: where the JSON report goes (written atomically).
 
-Reports the materialisation and the ``acceptance_above_floor`` check.
+Reports the materialisation and the ``acceptance_above_floor`` check, and
+rewrites the draft's serving notes (``SERVING.md``) with the recommended k.
 """
 
 from __future__ import annotations
@@ -31,11 +36,42 @@ def judge(trained: float, baseline: float, floor: float) -> tuple[bool, str, str
     return True, "ERROR", f"mean acceptance length {trained:.2f} >= floor {floor:.2f}, baseline {baseline:.2f}"
 
 
+def gpu_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def choose_k(results: dict, k_values: list[int], measured_each: bool, draft_cost_ratio: float) -> tuple[list, list, float | None]:
+    """(trained curve, baseline curve, the draft cost ratio measured on this host) with speedups filled in."""
+    from eagle3_assets.core import speculation_depth as depth
+
+    served = max(k_values)
+    trained, baseline, reference = results["trained"], results["baseline"], results["reference"]
+    curve = depth.derived_curve(trained.acceptance_rate_per_position or [0.0] * served, k_values)
+    baseline_curve = depth.derived_curve(baseline.acceptance_rate_per_position or [0.0] * served, k_values)
+    host_ratio = depth.measured_ratio(reference.output_tokens_per_s, trained.output_tokens_per_s, trained.mean_acceptance_length, served)
+    if measured_each:
+        by_k = {k: results[f"trained@k{k}"] if k != served else trained for k in k_values}
+        curve = [
+            depth.CurvePoint(k, by_k[k].mean_acceptance_length, by_k[k].acceptance_rate_per_position or [], "measured")
+            for k in k_values
+        ]
+        curve = depth.with_measured_speedup(curve, {k: by_k[k].output_tokens_per_s for k in k_values}, reference.output_tokens_per_s)
+    else:
+        curve = depth.with_estimated_speedup(curve, draft_cost_ratio)
+    return curve, baseline_curve, host_ratio
+
+
 def main() -> None:
     from pathlib import Path
 
     from dagster_pipes import open_dagster_pipes
 
+    from eagle3_assets.core import speculation_depth as depth
+    from eagle3_assets.core.deployment import draft_weights_hash, write_serving_notes
     from eagle3_assets.core.evaluation import evaluate, load_conversations, render_positions, untrained_twin
     from eagle3_assets.core.storage import stable_hash, write_json_atomic
     from eagle3_assets.core.target import vllm_serving
@@ -45,6 +81,11 @@ def main() -> None:
         report_path = Path(extras["report_path"])
         work = report_path.parent
         draft_dir = Path(extras["draft_dir"])
+        k_values = depth.validated_k_values(extras.get("k_values") or depth.DEFAULT_K_VALUES)
+        served_k = max(k_values)
+        measure_each = extras.get("measure_each_k")
+        measure_each = gpu_available() if measure_each is None else bool(measure_each)
+        draft_cost_ratio = float(extras.get("draft_cost_ratio") or depth.DEFAULT_DRAFT_COST_RATIO)
         if extras.get("baseline", "untrained") == "untrained":
             baseline_dir = untrained_twin(draft_dir, work / "baseline_draft")
             baseline_label = "untrained draft of the same shape"
@@ -52,31 +93,60 @@ def main() -> None:
             baseline_dir = Path(extras["baseline"])
             baseline_label = f"starting checkpoint {baseline_dir}"
         ids, conversations = load_conversations(extras["eval_prompts"])
-        pipes.log.info(f"{STAGE}: {len(conversations)} held-out prompts, {extras['num_speculative_tokens']} speculative tokens")
+        how = "one server per k (throughput measured)" if measure_each else f"one server at k={served_k}, smaller k derived per position"
+        pipes.log.info(f"{STAGE}: {len(conversations)} held-out prompts, k in {k_values}: {how}")
+        drafts = {"trained": draft_dir, "baseline": baseline_dir}
+        k_by_label = {}
+        if measure_each:
+            for k in k_values[:-1]:
+                drafts[f"trained@k{k}"] = draft_dir
+                k_by_label[f"trained@k{k}"] = k
         results = evaluate(
             Path(extras["target_dir"]),
-            {"trained": draft_dir, "baseline": baseline_dir},
+            drafts,
             conversations,
-            num_speculative_tokens=int(extras["num_speculative_tokens"]),
+            num_speculative_tokens=served_k,
             max_tokens=int(extras["max_tokens"]),
             concurrency=int(extras["concurrency"]),
             server_log_dir=work,
             log=pipes.log.info,
             serving=vllm_serving(extras["target_dir"], bool(extras.get("target_trust_remote_code")), int(extras.get("max_model_len") or 0)),
+            k_by_label=k_by_label,
         )
         trained, baseline, reference = results["trained"], results["baseline"], results["reference"]
         speedup = trained.output_tokens_per_s / reference.output_tokens_per_s if reference.output_tokens_per_s else 0.0
+        curve, baseline_curve, host_ratio = choose_k(results, k_values, measure_each, draft_cost_ratio)
+        best = depth.recommend(curve)
+        rule = "measured output tokens/s against the target alone" if measure_each else depth.cost_model_note(draft_cost_ratio, host_ratio)
+        table = depth.render_curve_table(curve, best.k)
+        weights_hash = draft_weights_hash(draft_dir)
         report = {
-            "num_speculative_tokens": int(extras["num_speculative_tokens"]),
+            "num_speculative_tokens": served_k,
+            "k_values": k_values,
             "prompts": len(conversations),
             "prompt_ids": ids,
             "eval_prompts": extras["eval_prompts"],
             "baseline": baseline_label,
+            "draft_weights_hash": weights_hash,
             "results": {label: r.to_dict() for label, r in results.items()},
+            "acceptance_curve": [p.to_dict() for p in curve],
+            "baseline_acceptance_curve": [p.to_dict() for p in baseline_curve],
+            "recommended_num_speculative_tokens": best.k,
+            "recommended_by": rule,
+            "draft_cost_ratio": None if measure_each else draft_cost_ratio,
+            "host_draft_cost_ratio": host_ratio,
             "speedup_vs_target_alone": speedup,
             "note": CPU_NOTE,
         }
         write_json_atomic(report_path, report)
+        pipes.log.info(f"{STAGE}: recommended num_speculative_tokens {best.k} (acceptance length {best.acceptance_length:.2f}; {rule})")
+        write_serving_notes(
+            draft_dir,
+            target=extras["target_dir"],
+            num_speculative_tokens=best.k,
+            chosen_by="recommended by draft_evaluation: " + ("measured throughput" if measure_each else "acceptance and the cost model"),
+            curve_markdown=table + "\n\n" + rule,
+        )
         passed, severity, message = judge(trained.mean_acceptance_length, baseline.mean_acceptance_length, float(extras["floor"]))
         pipes.log.info(f"{STAGE}: {message}")
         figures = {
@@ -87,6 +157,16 @@ def main() -> None:
         pipes.report_asset_materialization(
             metadata={
                 **figures,
+                "num_speculative_tokens": served_k,
+                "recommended_num_speculative_tokens": best.k,
+                "acceptance_length_at_recommended_k": round(best.acceptance_length, 4),
+                "acceptance_curve": {"raw_value": table + "\n\n" + rule, "type": "md"},
+                # The figures the production watcher compares a deployed draft with, per k.
+                "acceptance_by_k": {
+                    "raw_value": [{"k": p.k, "acceptance_length": round(p.acceptance_length, 4), "source": p.source} for p in curve],
+                    "type": "json",
+                },
+                "draft_weights_hash": weights_hash,
                 "acceptance_rate_per_position": {
                     "raw_value": render_positions(
                         {"trained": trained.acceptance_rate_per_position or [], "baseline": baseline.acceptance_rate_per_position or []}
@@ -98,8 +178,9 @@ def main() -> None:
                 "speedup": round(speedup, 3),
                 "speedup_note": CPU_NOTE,
                 "report": {"raw_value": str(report_path), "type": "path"},
+                "serving_notes": {"raw_value": str(draft_dir / "SERVING.md"), "type": "path"},
             },
-            data_version=stable_hash({"report": report["results"], "draft": str(draft_dir)}),
+            data_version=stable_hash({"report": report["results"], "draft": str(draft_dir), "k_values": k_values}),
         )
         pipes.report_asset_check(
             check_name="acceptance_above_floor",

@@ -85,6 +85,7 @@ def run_gates(export_dir: Path, target_path: str, gates: dict, log) -> dict:
 def main() -> None:
     from dagster_pipes import open_dagster_pipes
 
+    from eagle3_assets.core.deployment import write_serving_notes
     from eagle3_assets.core.training import TrainConfig, export_trained_draft, run_training
 
     with open_dagster_pipes() as pipes:
@@ -102,11 +103,18 @@ def main() -> None:
         result = run_training(config, nproc=nproc, on_event=on_event)
         export_dir = export_trained_draft(result["checkpoint"], config.target_path, Path(extras["export_dir"]), extras.get("export_dtype"))
         pipes.log.info(f"{STAGE}: exported {export_dir}")
+        # The serving notes name the weights' hash (the alias production servers answer to) and a
+        # first num_speculative_tokens; draft_evaluation rewrites them with the k it recommends.
+        serving = write_serving_notes(
+            export_dir, target=config.target_path, num_speculative_tokens=int((extras.get("gates") or {}).get("num_speculative_tokens", 3))
+        )
         gates = run_gates(export_dir, config.target_path, extras["gates"], pipes.log.info) if extras.get("gates") else {}
         pipes.report_asset_materialization(
             metadata={
                 **gates,
                 "training_fingerprint": result["fingerprint"],
+                "draft_weights_hash": serving["draft_weights_hash"],
+                "served_model_alias": serving["served_model_alias"],
                 "resumed_from": result["resumed_from"] or "",
                 "init": {"raw_value": result["init"], "type": "json"},
                 "tokens_per_s": round(float(result["tokens_per_s"]), 1),

