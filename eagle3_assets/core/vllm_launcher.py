@@ -84,16 +84,12 @@ class VLLMServer:
         log_path: Path | None = None,
         startup_timeout_s: float = 600.0,
         fast_start: bool = True,
-        dtype: str = "float32",
-        trust_remote_code: bool = False,
     ):
         self.model = str(model)
         self.served_model_name = served_model_name
         self.port = port or free_port()
         self.reasoning_parser = reasoning_parser
         self.max_model_len = max_model_len
-        self.dtype = dtype
-        self.trust_remote_code = trust_remote_code
         self.extra_args = list(extra_args)
         self.kv_cache_gib = kv_cache_gib
         self.python = python
