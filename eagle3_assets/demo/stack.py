@@ -4,7 +4,8 @@ Everything is derived from seeds and cached under the data directory, so a
 fresh machine builds it once (about a minute) and later runs reuse it.
 ``EAGLE3_TINY_TARGET_DIR`` points several data directories (the tests') at one
 cached target; ``EAGLE3_KIMI_TARGET_DIR`` does the same for the second built-in
-target, of the DeepSeek-V3 / Kimi-K2 family (about two minutes to build).
+target, of the DeepSeek-V3 / Kimi-K2 family (about two minutes to build), and
+``EAGLE3_QWEN3_TARGET_DIR`` for the Qwen3 one.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ from pathlib import Path
 from eagle3_assets.core.storage import data_dir
 from eagle3_assets.demo.kimi_target import KimiTargetSpec, ensure_kimi_target
 from eagle3_assets.demo.prompt_set import demo_prompts, eval_prompts, write_jsonl
+from eagle3_assets.demo.qwen3_target import Qwen3TargetSpec, ensure_qwen3_target
 from eagle3_assets.demo.tiny_target import TinyTargetSpec, ensure_tiny_target
 from eagle3_assets.settings import DEMO_SHARD_SIZE
 
-__all__ = ["DEMO_SHARD_SIZE", "demo_eval_prompts_path", "demo_prompts_path", "kimi_target_dir", "tiny_target_dir"]
+__all__ = ["DEMO_SHARD_SIZE", "demo_eval_prompts_path", "demo_prompts_path", "kimi_target_dir", "qwen3_target_dir", "tiny_target_dir"]
 
 
 def tiny_target_dir(spec: TinyTargetSpec = TinyTargetSpec(), log=print) -> Path:
@@ -29,6 +31,11 @@ def tiny_target_dir(spec: TinyTargetSpec = TinyTargetSpec(), log=print) -> Path:
 def kimi_target_dir(spec: KimiTargetSpec = KimiTargetSpec(), log=print) -> Path:
     override = os.environ.get("EAGLE3_KIMI_TARGET_DIR")
     return ensure_kimi_target(Path(override) if override else data_dir() / "demo" / "kimi_target", spec, log=log)
+
+
+def qwen3_target_dir(spec: Qwen3TargetSpec = Qwen3TargetSpec(), log=print) -> Path:
+    override = os.environ.get("EAGLE3_QWEN3_TARGET_DIR")
+    return ensure_qwen3_target(Path(override) if override else data_dir() / "demo" / "qwen3_target", spec, log=log)
 
 
 def demo_prompts_path() -> Path:

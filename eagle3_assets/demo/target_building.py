@@ -130,3 +130,15 @@ def cached_build(out_dir: Path, fingerprint: str, build: Callable[[Path], Path])
     if info.is_file() and json.loads(info.read_text()).get("fingerprint") == fingerprint:
         return Path(out_dir)
     return build(Path(out_dir))
+
+
+def generation_prompt(chat_template: str, question: str) -> str:
+    """The generation prompt ``chat_template`` renders for one user question, before any tokenizer exists.
+
+    The tokenizer is trained on these prompts, so they are rendered from the
+    template itself with jinja2 (as transformers does) rather than written out
+    by hand a second time.
+    """
+    import jinja2
+
+    return jinja2.Template(chat_template).render(messages=[{"role": "user", "content": question}], add_generation_prompt=True)

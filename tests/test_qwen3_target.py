@@ -1,0 +1,119 @@
+"""The Qwen3-architecture built-in target: reproducible, Qwen3's markup in which the model opens its own
+think block, and served in reasoning format by real vLLM with its ``qwen3`` reasoning parser."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from eagle3_assets.core.chat_rendering import ChatRenderer
+from eagle3_assets.core.storage import file_hash
+from eagle3_assets.core.target import default_aux_layer_ids
+from eagle3_assets.demo.prompt_set import demo_prompts, training_traces
+from eagle3_assets.demo.qwen3_target import (
+    IM_END,
+    QWEN3_REASONING_PARSER,
+    THINK_CLOSE,
+    THINK_OPEN,
+    Qwen3TargetSpec,
+    build_qwen3_target,
+    response_text,
+)
+from tests.test_tiny_target import chat
+
+
+def load_tokenizer(path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def test_same_seed_builds_the_same_qwen3_target(tmp_path):
+    spec = dataclasses.replace(Qwen3TargetSpec(), train_steps=4)
+    first = build_qwen3_target(tmp_path / "a", spec, log=lambda _: None)
+    second = build_qwen3_target(tmp_path / "b", spec, log=lambda _: None)
+    for name in ("model.safetensors", "tokenizer.json", "config.json"):
+        assert file_hash(first / name) == file_hash(second / name), name
+    other = build_qwen3_target(tmp_path / "c", dataclasses.replace(spec, seed=1), log=lambda _: None)
+    assert file_hash(other / "model.safetensors") != file_hash(first / "model.safetensors")
+
+
+def test_config_is_a_qwen3_with_grouped_query_attention(qwen3_target):
+    config = json.loads((qwen3_target / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3ForCausalLM"] and config["model_type"] == "qwen3"
+    assert config["num_attention_heads"] > config["num_key_value_heads"]  # GQA
+    assert config["head_dim"] == 64  # vLLM's CPU attention crashes with 16
+    tok = load_tokenizer(qwen3_target)
+    assert config["eos_token_id"] == tok.convert_tokens_to_ids(IM_END) == tok.eos_token_id  # stops at end of turn
+    # 6 layers: vLLM's default ids (2, 3, 3) repeat, so the platform picks three distinct ones.
+    assert config["num_hidden_layers"] == 6
+    ids = default_aux_layer_ids(config["num_hidden_layers"])
+    assert len(set(ids)) == 3 and all(0 < i <= 6 for i in ids), ids
+
+
+def test_qwen3_model_writes_its_own_think_block(qwen3_target):
+    tok = load_tokenizer(qwen3_target)
+    for marker in (THINK_OPEN, THINK_CLOSE):
+        ids = tok(marker, add_special_tokens=False)["input_ids"]
+        assert len(ids) == 1, marker
+        assert marker not in tok.all_special_tokens
+        assert tok.decode(ids, skip_special_tokens=True) == marker  # the reasoning parser sees it in the text
+    messages = [{"role": "user", "content": "What is 3 plus 4?"}]
+    prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert prompt == "<|im_start|>user\nWhat is 3 plus 4?<|im_end|>\n<|im_start|>assistant\n"
+    history = tok.apply_chat_template(
+        [*messages, {"role": "assistant", "content": "7.", "reasoning_content": "3 and 4 make 7."}], tokenize=False
+    )
+    assert history.endswith("<|im_start|>assistant\n<think>\n3 and 4 make 7.\n</think>\n\n7.<|im_end|>\n")
+
+    renderer = ChatRenderer(tok)
+    assert (renderer.think_open, renderer.think_close, renderer.end_of_turn) == (THINK_OPEN, THINK_CLOSE, IM_END)
+    assert not renderer.template_opens_think_block()
+    question, reasoning, answer = training_traces()[1]
+    # What vLLM's qwen3 parser returns for the text the model was trained to write (see the served test).
+    trace = renderer.render([{"role": "user", "content": question}], f"\n{reasoning}\n", f"\n\n{answer}")
+    assert trace.completion_text == response_text(reasoning, answer)
+    supervised = [i for i, m in zip(trace.input_ids, trace.loss_mask) if m]
+    assert supervised[0] == tok.convert_tokens_to_ids(THINK_OPEN) and supervised[-1] == tok.convert_tokens_to_ids(IM_END)
+
+
+@pytest.fixture(scope="module")
+def qwen3_vllm_server(qwen3_target, tmp_path_factory):
+    from eagle3_assets.core.vllm_launcher import VLLMServer
+
+    log = tmp_path_factory.mktemp("vllm-qwen3") / "server.log"
+    with VLLMServer(qwen3_target, served_model_name="qwen3-tiny", log_path=log, reasoning_parser=QWEN3_REASONING_PARSER) as server:
+        yield server
+
+
+@pytest.mark.vllm
+def test_vllm_serves_the_qwen3_target_in_reasoning_format(qwen3_vllm_server, qwen3_target):
+    from eagle3_assets.settings import DEMO_MAX_TOKENS, DEMO_TEMPERATURE
+
+    questions = [p["conversations"][0]["value"] for p in demo_prompts()[:96]]
+    with ThreadPoolExecutor(16) as pool:
+        choices = list(
+            pool.map(
+                lambda q: chat(qwen3_vllm_server, q, timeout_s=600, max_tokens=DEMO_MAX_TOKENS, temperature=DEMO_TEMPERATURE),
+                questions,
+            )
+        )
+    complete = [
+        (q, c) for q, c in zip(questions, choices)
+        if c["finish_reason"] == "stop" and (c["message"]["reasoning"] or "").strip() and (c["message"]["content"] or "").strip()
+    ]  # fmt: skip
+    print(f"qwen3 target under vLLM: {len(complete)}/{len(choices)} responses complete reasoning + answer")
+    assert len(complete) / len(choices) >= 0.9, f"{len(complete)}/{len(choices)} complete"
+
+    # The qwen3 parser dropped the <think> the model wrote and split at </think>: neither marker is left
+    # in either field, and the platform rebuilds from the two fields the token sequence the model wrote.
+    renderer = ChatRenderer(load_tokenizer(qwen3_target))
+    for question, choice in complete:
+        reasoning, content = choice["message"]["reasoning"], choice["message"]["content"]
+        assert THINK_OPEN not in reasoning + content and THINK_CLOSE not in reasoning + content, choice
+        messages = [{"role": "user", "content": question}]
+        trace = renderer.render(messages, reasoning, content)
+        assert renderer.supervised_text_problem(trace.input_ids, trace.loss_mask, messages, reasoning, content) is None
