@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -26,7 +25,7 @@ from eagle3_assets.demo.kimi_target import (
     response_text,
 )
 from eagle3_assets.demo.prompt_set import demo_prompts, training_traces
-from tests.test_tiny_target import chat
+from tests.test_tiny_target import complete_reasoning_answers
 
 
 def load_tokenizer(path, **kwargs):
@@ -136,22 +135,7 @@ def kimi_vllm_server(kimi_target, tmp_path_factory):
 
 @pytest.mark.vllm
 def test_vllm_serves_the_kimi_target_in_reasoning_format(kimi_vllm_server, kimi_target):
-    from eagle3_assets.settings import DEMO_MAX_TOKENS, DEMO_TEMPERATURE
-
-    questions = [p["conversations"][0]["value"] for p in demo_prompts()[:96]]
-    with ThreadPoolExecutor(16) as pool:
-        choices = list(
-            pool.map(
-                lambda q: chat(kimi_vllm_server, q, timeout_s=900, max_tokens=DEMO_MAX_TOKENS, temperature=DEMO_TEMPERATURE),
-                questions,
-            )
-        )
-    complete = [
-        (q, c) for q, c in zip(questions, choices)
-        if c["finish_reason"] == "stop" and (c["message"]["reasoning"] or "").strip() and (c["message"]["content"] or "").strip()
-    ]  # fmt: skip
-    print(f"kimi target under vLLM: {len(complete)}/{len(choices)} responses complete reasoning + answer")
-    assert len(complete) / len(choices) >= 0.9, f"{len(complete)}/{len(choices)} complete"
+    complete = complete_reasoning_answers(kimi_vllm_server, "kimi target", timeout_s=900)
 
     # kimi_k2 split the model's own <think>...</think>: neither marker is left in either field, and the
     # platform rebuilds from the two fields the token sequence the model wrote.

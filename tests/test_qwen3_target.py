@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from eagle3_assets.core.chat_rendering import ChatRenderer
 from eagle3_assets.core.storage import file_hash
 from eagle3_assets.core.target import default_aux_layer_ids
-from eagle3_assets.demo.prompt_set import demo_prompts, training_traces
+from eagle3_assets.demo.prompt_set import training_traces
 from eagle3_assets.demo.qwen3_target import (
     IM_END,
     QWEN3_REASONING_PARSER,
@@ -22,7 +21,7 @@ from eagle3_assets.demo.qwen3_target import (
     build_qwen3_target,
     response_text,
 )
-from tests.test_tiny_target import chat
+from tests.test_tiny_target import complete_reasoning_answers
 
 
 def load_tokenizer(path):
@@ -91,22 +90,7 @@ def qwen3_vllm_server(qwen3_target, tmp_path_factory):
 
 @pytest.mark.vllm
 def test_vllm_serves_the_qwen3_target_in_reasoning_format(qwen3_vllm_server, qwen3_target):
-    from eagle3_assets.settings import DEMO_MAX_TOKENS, DEMO_TEMPERATURE
-
-    questions = [p["conversations"][0]["value"] for p in demo_prompts()[:96]]
-    with ThreadPoolExecutor(16) as pool:
-        choices = list(
-            pool.map(
-                lambda q: chat(qwen3_vllm_server, q, timeout_s=600, max_tokens=DEMO_MAX_TOKENS, temperature=DEMO_TEMPERATURE),
-                questions,
-            )
-        )
-    complete = [
-        (q, c) for q, c in zip(questions, choices)
-        if c["finish_reason"] == "stop" and (c["message"]["reasoning"] or "").strip() and (c["message"]["content"] or "").strip()
-    ]  # fmt: skip
-    print(f"qwen3 target under vLLM: {len(complete)}/{len(choices)} responses complete reasoning + answer")
-    assert len(complete) / len(choices) >= 0.9, f"{len(complete)}/{len(choices)} complete"
+    complete = complete_reasoning_answers(qwen3_vllm_server, "qwen3 target", timeout_s=600)
 
     # The qwen3 parser dropped the <think> the model wrote and split at </think>: neither marker is left
     # in either field, and the platform rebuilds from the two fields the token sequence the model wrote.

@@ -42,7 +42,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,10 +50,8 @@ from eagle3_assets.core.target import CPU_MLA_COMPILATION_CONFIG
 from eagle3_assets.demo.prompt_set import training_traces
 from eagle3_assets.demo.target_building import (
     cached_build,
-    conversation_batches,
+    train_and_save,
     train_byte_level_bpe,
-    train_on_completions,
-    write_model_dir,
 )
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -237,27 +234,14 @@ def build_kimi_target(out_dir: Path, spec: KimiTargetSpec = KimiTargetSpec(), lo
     import torch
     from transformers import DeepseekV3ForCausalLM
 
-    started = time.monotonic()
     torch.manual_seed(spec.seed)
     tokenizer = build_tokenizer(spec)
     model = DeepseekV3ForCausalLM(model_config(spec, tokenizer))
-    ids, mask = conversation_batches(tokenizer, _training_conversations(spec))
-    final_loss = train_on_completions(
-        model, ids, mask,
-        seed=spec.seed, steps=spec.train_steps, batch_size=spec.batch_size, learning_rate=spec.learning_rate,
-        label="kimi target", log=log,
+    return train_and_save(
+        out_dir, spec, tokenizer, model, _training_conversations(spec), label="kimi target", log=log,
+        save_tokenizer=lambda tok, path: save_tokenizer(tok, spec, path),
+        after_training=lambda trained: trained.to(torch.bfloat16),  # what vLLM serves; trained in fp32
     )  # fmt: skip
-    model = model.to(torch.bfloat16)  # what vLLM serves; trained in fp32
-
-    def write(staging: Path) -> None:
-        model.save_pretrained(staging, safe_serialization=True)
-        save_tokenizer(tokenizer, spec, staging)
-
-    build_s = time.monotonic() - started
-    info = {"fingerprint": spec.fingerprint, "spec": dataclasses.asdict(spec), "final_loss": final_loss}
-    write_model_dir(out_dir, write, info)
-    log(f"kimi target: built in {build_s:.0f}s at {out_dir}")
-    return Path(out_dir)
 
 
 def ensure_kimi_target(out_dir: Path, spec: KimiTargetSpec = KimiTargetSpec(), log=print) -> Path:

@@ -29,7 +29,6 @@ built-in targets (``target_building.py``) on the demo's reasoning traces.
 from __future__ import annotations
 
 import dataclasses
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,11 +36,9 @@ from eagle3_assets.core.storage import stable_hash
 from eagle3_assets.demo.prompt_set import training_traces
 from eagle3_assets.demo.target_building import (
     cached_build,
-    conversation_batches,
     generation_prompt,
+    train_and_save,
     train_byte_level_bpe,
-    train_on_completions,
-    write_model_dir,
 )
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -143,24 +140,10 @@ def build_qwen3_target(out_dir: Path, spec: Qwen3TargetSpec = Qwen3TargetSpec(),
     import torch
     from transformers import Qwen3ForCausalLM
 
-    started = time.monotonic()
     torch.manual_seed(spec.seed)
     tokenizer = build_tokenizer(spec)
     model = Qwen3ForCausalLM(model_config(spec, tokenizer))
-    ids, mask = conversation_batches(tokenizer, _training_conversations(spec))
-    final_loss = train_on_completions(
-        model, ids, mask,
-        seed=spec.seed, steps=spec.train_steps, batch_size=spec.batch_size, learning_rate=spec.learning_rate,
-        label="qwen3 target", log=log,
-    )  # fmt: skip
-
-    def write(staging: Path) -> None:
-        model.save_pretrained(staging, safe_serialization=True)
-        tokenizer.save_pretrained(staging)
-
-    write_model_dir(out_dir, write, {"fingerprint": spec.fingerprint, "spec": dataclasses.asdict(spec), "final_loss": final_loss})
-    log(f"qwen3 target: built in {time.monotonic() - started:.0f}s at {out_dir}")
-    return Path(out_dir)
+    return train_and_save(out_dir, spec, tokenizer, model, _training_conversations(spec), label="qwen3 target", log=log)
 
 
 def ensure_qwen3_target(out_dir: Path, spec: Qwen3TargetSpec = Qwen3TargetSpec(), log=print) -> Path:

@@ -11,6 +11,7 @@ targets stay reproducible from their seed in exactly the same sense.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -102,6 +103,43 @@ def train_on_completions(
             log(f"{label}: step {step + 1}/{steps} loss {loss.item():.3f} ({time.monotonic() - started:.0f}s)")
     model.eval()
     return loss.item()
+
+
+def train_and_save(
+    out_dir: Path,
+    spec,
+    tokenizer,
+    model,
+    conversations: Sequence[tuple[str, str]],
+    *,
+    label: str,
+    log: Callable[[str], None],
+    save_tokenizer: Callable[[object, Path], None] | None = None,
+    after_training: Callable[[object], object] | None = None,
+) -> Path:
+    """Train ``model`` on the completions of ``conversations`` as ``spec`` says, then save model and tokenizer atomically.
+
+    ``spec`` carries ``seed``, ``train_steps``, ``batch_size``, ``learning_rate`` and
+    ``fingerprint``; ``after_training`` may convert the model (e.g. to the dtype
+    vLLM serves), ``save_tokenizer`` replaces ``tokenizer.save_pretrained``.
+    """
+    started = time.monotonic()
+    ids, mask = conversation_batches(tokenizer, conversations)
+    final_loss = train_on_completions(
+        model, ids, mask,
+        seed=spec.seed, steps=spec.train_steps, batch_size=spec.batch_size, learning_rate=spec.learning_rate,
+        label=label, log=log,
+    )  # fmt: skip
+    if after_training is not None:
+        model = after_training(model)
+
+    def write(staging: Path) -> None:
+        model.save_pretrained(staging, safe_serialization=True)
+        (save_tokenizer or (lambda tok, path: tok.save_pretrained(path)))(tokenizer, staging)
+
+    write_model_dir(out_dir, write, {"fingerprint": spec.fingerprint, "spec": dataclasses.asdict(spec), "final_loss": final_loss})
+    log(f"{label}: trained and saved in {time.monotonic() - started:.0f}s at {out_dir}")
+    return Path(out_dir)
 
 
 def write_model_dir(out_dir: Path, write: Callable[[Path], None], build_info: dict) -> Path:

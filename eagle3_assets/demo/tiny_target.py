@@ -15,7 +15,6 @@ Head size is 64: vLLM's CPU attention backend crashes with 16.
 from __future__ import annotations
 
 import dataclasses
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,10 +22,8 @@ from eagle3_assets.core.storage import stable_hash
 from eagle3_assets.demo.prompt_set import training_traces
 from eagle3_assets.demo.target_building import (
     cached_build,
-    conversation_batches,
+    train_and_save,
     train_byte_level_bpe,
-    train_on_completions,
-    write_model_dir,
 )
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -105,7 +102,6 @@ def build_tiny_target(out_dir: Path, spec: TinyTargetSpec = TinyTargetSpec(), lo
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    started = time.monotonic()
     torch.manual_seed(spec.seed)
     tokenizer = build_tokenizer(spec)
     config = LlamaConfig(
@@ -126,20 +122,7 @@ def build_tiny_target(out_dir: Path, spec: TinyTargetSpec = TinyTargetSpec(), lo
         torch_dtype="float32",
     )
     model = LlamaForCausalLM(config)
-    ids, mask = conversation_batches(tokenizer, _training_conversations(tokenizer, spec))
-    final_loss = train_on_completions(
-        model, ids, mask,
-        seed=spec.seed, steps=spec.train_steps, batch_size=spec.batch_size, learning_rate=spec.learning_rate,
-        label="tiny target", log=log,
-    )  # fmt: skip
-
-    def write(staging: Path) -> None:
-        model.save_pretrained(staging, safe_serialization=True)
-        tokenizer.save_pretrained(staging)
-
-    write_model_dir(out_dir, write, {"fingerprint": spec.fingerprint, "spec": dataclasses.asdict(spec), "final_loss": final_loss})
-    log(f"tiny target: built in {time.monotonic() - started:.0f}s at {out_dir}")
-    return Path(out_dir)
+    return train_and_save(out_dir, spec, tokenizer, model, _training_conversations(tokenizer, spec), label="tiny target", log=log)
 
 
 def ensure_tiny_target(out_dir: Path, spec: TinyTargetSpec = TinyTargetSpec(), log=print) -> Path:
