@@ -11,7 +11,6 @@ bound is checked here against real rounding, not assumed.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import polars as pl
 import pytest
@@ -32,7 +31,6 @@ from eagle3_assets.core.extraction import (
     quantise_rows,
     read_sidecar,
     read_traces,
-    rms_norm,
     verify_part,
 )
 from eagle3_assets.core.hidden_state_checks import (
@@ -46,20 +44,13 @@ from eagle3_assets.core.hidden_state_checks import (
 from eagle3_assets.core.state_layout import FP8_DTYPE, bytes_per_token, state_bytes_per_token
 from eagle3_assets.core.training import TrainConfig, export_trained_draft, index_hidden_states, run_training
 from tests.extraction_helpers import write_validated_traces
+from tests.test_extraction import one_torch_thread  # noqa: F401  the same autouse fixture: one torch thread for this module
 from tests.test_training import mapping_from_hidden_states
 
 LAYER_IDS = (2, 3, 4)  # vLLM's default for the tiny target: the exported draft then needs no override
 HIDDEN = 64
 SHARD = "shard-00000"
 PRECISIONS = ("bfloat16", FP8_DTYPE)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
