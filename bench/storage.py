@@ -80,7 +80,9 @@ def vocab_mapping(traces_path: Path, out: Path, size: int) -> Path:
 
 
 def train_and_export(shard: Path, mapping: Path, target: Path, work: Path, epochs: int) -> tuple[Path, float]:
-    from eagle3_assets.core.training import TrainConfig, export_trained_draft, run_training
+    from eagle3_assets.core.training.checkpoints import export_trained_draft
+    from eagle3_assets.core.training.config import TrainConfig
+    from eagle3_assets.core.training.launch import run_training
 
     config = TrainConfig(
         hidden_state_dirs=[str(shard)], vocab_mapping=str(mapping), target_path=str(target),

@@ -42,7 +42,8 @@ def child(spec: dict) -> dict:
     import torch
 
     from eagle3_assets.core.draft_model import DraftConfig, Eagle3Draft
-    from eagle3_assets.core.training import TargetHead, TrainingTimeTest
+    from eagle3_assets.core.training.loss import TrainingTimeTest
+    from eagle3_assets.core.training.target_head import TargetHead
     from eagle3_assets.core.vocab import build_vocab_mapping
 
     device = torch.device(spec["device"])

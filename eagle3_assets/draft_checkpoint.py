@@ -32,10 +32,13 @@ from dagster import (
     MetadataValue,
     asset,
 )
-from pydantic import Field
 
+from eagle3_assets.config_fields import config_field, settings_of
 from eagle3_assets.core.preflight import StageRequirements
+from eagle3_assets.core.stage_jobs import ExportGates, TrainingJob
 from eagle3_assets.core.storage import asset_dir, stable_hash
+from eagle3_assets.core.training.config import TrainConfig
+from eagle3_assets.core.training.curves import epoch_means, expected_accepted_tokens, render_accuracy, render_curve
 from eagle3_assets.partitions import SAMPLE_SHARDS
 from eagle3_assets.vocab_mapping import vocab_mapping
 from resources.gpu_host import GPU_POOL, GPUHost, register_stage
@@ -49,29 +52,29 @@ TRAIN_DRAFT_REQUIREMENTS = register_stage(
 
 
 class DraftTrainingConfig(Config):
-    """Training knobs: published EAGLE-3 recipes, with the schedule fitted to the data where it is left unset."""
+    """Training knobs: published EAGLE-3 recipes, with the schedule fitted to the data where it is left unset.
 
-    epochs: Optional[int] = Field(default=None, description="passes over all samples; default: 10, more when that is under 400 optimizer steps")
-    learning_rate: Optional[float] = Field(
-        default=None, description="peak AdamW learning rate; default: 1e-4 for a published-size draft, scaled to the draft's width and batch"
-    )
-    warmup_ratio: float = Field(default=0.02, description="share of steps with linear warm-up")
-    min_lr_ratio: float = Field(default=0.0, description="cosine decay ends at learning_rate * min_lr_ratio")
-    weight_decay: float = 0.0
-    grad_clip: float = Field(default=0.5, description="gradient norm clip")
-    ttt_steps: int = Field(default=7, description="training-time test: draft steps unrolled on the draft's own states")
-    step_weight: float = Field(default=0.8, description="loss weight of unrolled step i is step_weight**i")
-    batch_tokens: Optional[int] = Field(
-        default=None, description="padded tokens per micro-batch per process; default: up to 16,384, at least 64 micro-batches an epoch"
-    )
-    grad_accumulation: int = Field(default=1, description="micro-batches per process per optimizer step")
-    max_seq_len: int = Field(default=4096, description="longer samples are truncated")
-    seed: int = 0
-    init_from: Optional[str] = Field(default=None, description="an existing EAGLE-3 directory (on the GPU host) to fine-tune")
-    nproc_per_node: int = Field(default=1, description="training processes (GPUs); above 1 runs under torchrun with DDP")
-    export_dtype: Optional[str] = Field(default=None, description="float32, bfloat16 or float16; default: the target's dtype")
-    draft_intermediate_size: Optional[int] = Field(default=None, description="MLP width of the draft layer (default: the target's)")
-    vllm_check_num_speculative_tokens: int = Field(default=3, description="num_speculative_tokens of the loads_in_vllm check")
+    Defaults and descriptions: :class:`~eagle3_assets.core.training.config.TrainConfig` and
+    :class:`~eagle3_assets.core.stage_jobs.TrainingJob`.
+    """
+
+    epochs: Optional[int] = config_field(TrainConfig, "epochs")
+    learning_rate: Optional[float] = config_field(TrainConfig, "learning_rate")
+    warmup_ratio: float = config_field(TrainConfig, "warmup_ratio")
+    min_lr_ratio: float = config_field(TrainConfig, "min_lr_ratio")
+    weight_decay: float = config_field(TrainConfig, "weight_decay")
+    grad_clip: float = config_field(TrainConfig, "grad_clip")
+    ttt_steps: int = config_field(TrainConfig, "ttt_steps")
+    step_weight: float = config_field(TrainConfig, "step_weight")
+    batch_tokens: Optional[int] = config_field(TrainConfig, "batch_tokens")
+    grad_accumulation: int = config_field(TrainConfig, "grad_accumulation")
+    max_seq_len: int = config_field(TrainConfig, "max_seq_len")
+    seed: int = config_field(TrainConfig, "seed")
+    init_from: Optional[str] = config_field(TrainConfig, "init_from")
+    nproc_per_node: int = config_field(TrainingJob, "nproc_per_node")
+    export_dtype: Optional[str] = config_field(TrainingJob, "export_dtype")
+    draft_intermediate_size: Optional[int] = config_field(TrainConfig, "draft_intermediate_size")
+    vllm_check_num_speculative_tokens: int = config_field(TrainingJob, "vllm_check_num_speculative_tokens")
 
 
 # The demo's tiny draft, over the demo's ~300 traces (~17k tokens). Seen here on 2 cores: 49 s of training
@@ -92,39 +95,6 @@ def hidden_state_shards(keys: list[str]) -> tuple[list[Path], list[dict]]:
     if incomplete:
         raise FileNotFoundError(f"hidden_states of shards {incomplete} are missing or incomplete (no metadata.json under {root})")
     return dirs, [json.loads((d / "metadata.json").read_text()) for d in dirs]
-
-
-def render_curve(values: list[float], width: int = 60, height: int = 12) -> str:
-    """A text plot of ``values`` (markdown code block): the UI shows it as is, no image needed."""
-    if not values:
-        return "(no steps)"
-    if len(values) > width:  # mean of equal slices
-        edges = [round(i * len(values) / width) for i in range(width + 1)]
-        values = [sum(values[a:b]) / (b - a) for a, b in zip(edges, edges[1:]) if b > a]
-    low, high = min(values), max(values)
-    span = (high - low) or 1.0
-    rows = [[" "] * len(values) for _ in range(height)]
-    for x, v in enumerate(values):
-        rows[height - 1 - round((v - low) / span * (height - 1))][x] = "*"
-    lines = [f"{high:8.3f} |" + "".join(rows[0])]
-    lines += ["         |" + "".join(r) for r in rows[1:-1]]
-    lines += [f"{low:8.3f} |" + "".join(rows[-1]), "         +" + "-" * len(values) + " steps"]
-    return "```\n" + "\n".join(lines) + "\n```"
-
-
-def render_accuracy(accuracy: list[float]) -> str:
-    rows = ["| draft position | top-1 accuracy | |", "| --- | --- | --- |"]
-    rows += [f"| {i + 1} | {a:.3f} | {'#' * round(a * 30)} |" for i, a in enumerate(accuracy)]
-    return "\n".join(rows)
-
-
-def epoch_means(history: list[dict], key: str) -> list:
-    by_epoch: dict[int, list] = {}
-    for record in history:
-        by_epoch.setdefault(record["epoch"], []).append(record[key])
-    if key == "loss":
-        return [sum(v) / len(v) for _, v in sorted(by_epoch.items())]
-    return [[sum(col) / len(col) for col in zip(*v)] for _, v in sorted(by_epoch.items())]
 
 
 @asset(
@@ -169,44 +139,26 @@ def draft_checkpoint(
     out = asset_dir("draft_checkpoint")
     model_dir, training_dir = out / "model", out / "training"
     mapping_file = asset_dir("vocab_mapping") / "vocab_mapping.safetensors"
-    train_settings = {
-        "hidden_state_dirs": [str(d) for d in shard_dirs],
-        "vocab_mapping": str(mapping_file),
-        "target_path": str(target_model.resolved_path()),
-        "training_dir": str(training_dir),
-        "init_from": config.init_from,
-        "epochs": config.epochs,
-        "learning_rate": config.learning_rate,
-        "warmup_ratio": config.warmup_ratio,
-        "min_lr_ratio": config.min_lr_ratio,
-        "weight_decay": config.weight_decay,
-        "grad_clip": config.grad_clip,
-        "ttt_steps": config.ttt_steps,
-        "step_weight": config.step_weight,
-        "batch_tokens": config.batch_tokens,
-        "grad_accumulation": config.grad_accumulation,
-        "max_seq_len": config.max_seq_len,
-        "seed": config.seed,
-        "draft_intermediate_size": config.draft_intermediate_size,
-    }
-    invocation = gpu_host.run_stage(
-        context,
-        STAGE,
-        {
-            "train": train_settings,
-            "nproc_per_node": config.nproc_per_node,
-            "export_dir": str(model_dir),
-            "export_dtype": config.export_dtype,
-            # The gates run in the stage: loads_in_vllm serves the target, which needs the GPU host's GPUs.
-            "gates": {
-                "aux_layer_ids": layer_ids,
-                "target_vocab_size": int(sidecars[0]["vocab_size"]),
-                "num_speculative_tokens": config.vllm_check_num_speculative_tokens,
-                "trust_remote_code": target_model.trust_remote_code,
-                "log_path": str(out / "loads_in_vllm.log"),
-            },
-        },
+    train = TrainConfig(
+        hidden_state_dirs=[str(d) for d in shard_dirs],
+        vocab_mapping=str(mapping_file),
+        target_path=str(target_model.resolved_path()),
+        training_dir=str(training_dir),
+        **settings_of(config, TrainConfig),
     )
+    job = TrainingJob(
+        train=train,
+        export_dir=str(model_dir),
+        # The gates run in the stage: loads_in_vllm serves the target, which needs the GPU host's GPUs.
+        gates=ExportGates(
+            aux_layer_ids=layer_ids,
+            target_vocab_size=int(sidecars[0]["vocab_size"]),
+            trust_remote_code=target_model.trust_remote_code,
+            log_path=str(out / "loads_in_vllm.log"),
+        ),
+        **settings_of(config, TrainingJob),
+    )
+    invocation = gpu_host.run_stage(context, STAGE, job.to_dict())
     reported = invocation.get_materialize_result()
     stage_metadata = dict(reported.metadata or {})
     problems = list(stage_metadata.pop("config_problems").value)
@@ -216,11 +168,6 @@ def draft_checkpoint(
     history = json.loads((training_dir / "history.json").read_text())["history"]
     losses = epoch_means(history, "loss")
     accuracy = epoch_means(history, "accuracy")[-1] if history else []
-    # Expected accepted tokens per draft if positions were independent: a rough guide, not a measurement.
-    expected_accepted, chain = 0.0, 1.0
-    for a in accuracy:
-        chain *= a
-        expected_accepted += chain
 
     # -- the gates (computed by the stage, on the GPU host)
     if problems:
@@ -254,7 +201,7 @@ def draft_checkpoint(
             "last_epoch_loss": losses[-1] if losses else None,
             "loss_by_epoch": MetadataValue.json([round(x, 5) for x in losses]),
             "accuracy_by_position": MetadataValue.json([round(a, 4) for a in accuracy]),
-            "expected_accepted_tokens_per_draft": round(expected_accepted, 3),
+            "expected_accepted_tokens_per_draft": round(expected_accepted_tokens(accuracy), 3),
             "training_curve": MetadataValue.md(
                 "Loss per optimizer step (all unrolled steps, weighted):\n\n" + render_curve([r["loss"] for r in history])
             ),

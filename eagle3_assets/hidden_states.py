@@ -31,11 +31,12 @@ from dagster import (
     asset,
 )
 from dagster._core.definitions.data_version import extract_data_version_from_entry
-from pydantic import Field
 
-from eagle3_assets.core.state_layout import BACKENDS, DEFAULT_PART_BYTES, FP8_DTYPE, STORAGE_DTYPE_BYTES, bytes_per_token
+from eagle3_assets.config_fields import config_field, settings_of
 from eagle3_assets.core.preflight import StageRequirements
 from eagle3_assets.core.shard_files import read_shard_parquet
+from eagle3_assets.core.stage_jobs import ExtractionJob, StageTarget
+from eagle3_assets.core.state_layout import BACKENDS, STORAGE_DTYPE_BYTES, bytes_per_token
 from eagle3_assets.core.storage import asset_dir, data_dir, file_hash, stable_hash
 from eagle3_assets.partitions import sample_shards
 from resources.gpu_host import GPU_POOL, GPUHost, register_stage
@@ -61,33 +62,25 @@ CHECKS = {
 
 
 class HiddenStatesConfig(Config):
-    """How a shard is extracted; every field is editable per run in the launchpad."""
+    """How a shard is extracted; every field is editable per run in the launchpad (defaults: ``ExtractionJob``)."""
 
-    backend: str = Field(default="transformers", description=f"one of {BACKENDS}; 'vllm' for targets too large for transformers")
-    dtype: str = Field(
-        default="bfloat16",
-        description=f"storage precision of the states, one of {sorted(STORAGE_DTYPE_BYTES)}; '{FP8_DTYPE}' stores 8-bit codes "
-        "with a float32 scale per token and state: half the bytes of bfloat16, dequantised to float32 for training",
-    )
-    part_size_bytes: int = Field(default=DEFAULT_PART_BYTES, gt=0, description="a shard's states are split into files of at most this size")
-    max_batch_tokens: int = Field(default=16384, gt=0, description="padded tokens per forward batch (transformers) or tokens per request chunk (vLLM)")
-    max_batch_size: int = Field(default=64, gt=0, description="samples per forward batch (transformers)")
-    cpu_threads: int = Field(default=0, ge=0, description="torch threads on a CPU host; 0: torch's default")
-    vllm_dtype: str = Field(default="auto", description="vLLM backend: the engine's dtype")
-    vllm_max_model_len: int = Field(default=0, ge=0, description="vLLM backend: max_model_len; 0: the longest trace + 1")
-    vllm_tensor_parallel_size: int = Field(default=1, gt=0, description="vLLM backend: GPUs per engine")
-    vllm_gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1, description="vLLM backend: share of GPU memory for the engine")
-    vllm_enforce_eager: Optional[bool] = Field(default=None, description="vLLM backend: no CUDA graphs; default: eager on CPU only")
-    logits_check_samples: int = Field(default=8, gt=0, description="samples drawn for final_state_reproduces_logits")
-    logits_check_positions: int = Field(default=4096, gt=0, description="at most this many positions compared over those samples")
-    min_argmax_agreement: float = Field(default=0.999, ge=0, le=1, description="final_state_reproduces_logits passes at or above this share")
-    aux_check_samples: int = Field(default=4, gt=0, description="samples drawn for aux_states_match_layer_ids")
-    recompute: bool = Field(
-        default=False, description="discard the shard's stored files and extract it again (a rerun otherwise keeps durable parts and re-checks them)"
-    )
-    aux_check_reference: str = Field(
-        default="auto", description="'transformers' (a transformers forward), 'none' (sidecar only) or 'auto' (transformers unless backend is vllm)"
-    )
+    backend: str = config_field(ExtractionJob, "backend")
+    dtype: str = config_field(ExtractionJob, "dtype")
+    part_size_bytes: int = config_field(ExtractionJob, "part_size_bytes")
+    max_batch_tokens: int = config_field(ExtractionJob, "max_batch_tokens")
+    max_batch_size: int = config_field(ExtractionJob, "max_batch_size")
+    cpu_threads: int = config_field(ExtractionJob, "cpu_threads")
+    vllm_dtype: str = config_field(ExtractionJob, "vllm_dtype")
+    vllm_max_model_len: int = config_field(ExtractionJob, "vllm_max_model_len")
+    vllm_tensor_parallel_size: int = config_field(ExtractionJob, "vllm_tensor_parallel_size")
+    vllm_gpu_memory_utilization: float = config_field(ExtractionJob, "vllm_gpu_memory_utilization")
+    vllm_enforce_eager: Optional[bool] = config_field(ExtractionJob, "vllm_enforce_eager")
+    logits_check_samples: int = config_field(ExtractionJob, "logits_check_samples")
+    logits_check_positions: int = config_field(ExtractionJob, "logits_check_positions")
+    min_argmax_agreement: float = config_field(ExtractionJob, "min_argmax_agreement")
+    aux_check_samples: int = config_field(ExtractionJob, "aux_check_samples")
+    recompute: bool = config_field(ExtractionJob, "recompute")
+    aux_check_reference: str = config_field(ExtractionJob, "aux_check_reference")
 
 
 def upstream_version(context: AssetExecutionContext, key: str) -> str:
@@ -154,35 +147,15 @@ def hidden_states(
     }
     version = stable_hash(lineage)
     output = asset_dir(ASSET) / key
-    extras = {
-        "shard": key,
-        "traces": f"{UPSTREAM}/{key}.parquet",
-        "output": f"{ASSET}/{key}",
-        "target": target_model.stage_extras(),
-        "backend": config.backend,
-        "dtype": config.dtype,
-        "part_bytes": config.part_size_bytes,
-        "max_batch_tokens": config.max_batch_tokens,
-        "max_batch_size": config.max_batch_size,
-        "cpu_threads": config.cpu_threads,
-        "recompute": config.recompute,
-        "vllm": {
-            "dtype": config.vllm_dtype,
-            "max_model_len": config.vllm_max_model_len,
-            "tensor_parallel_size": config.vllm_tensor_parallel_size,
-            "gpu_memory_utilization": config.vllm_gpu_memory_utilization,
-            "enforce_eager": config.vllm_enforce_eager,
-        },
-        "checks": {
-            "logits_samples": config.logits_check_samples,
-            "logits_positions": config.logits_check_positions,
-            "min_argmax_agreement": config.min_argmax_agreement,
-            "aux_samples": config.aux_check_samples,
-            "aux_reference": config.aux_check_reference,
-            "seed": int(stable_hash(key, 8), 16),
-        },
-        "data_version": version,
-    }
+    job = ExtractionJob(
+        shard=key,
+        traces=f"{UPSTREAM}/{key}.parquet",
+        output=f"{ASSET}/{key}",
+        target=StageTarget(**target_model.stage_extras()),
+        data_version=version,
+        check_seed=int(stable_hash(key, 8), 16),
+        **settings_of(config, ExtractionJob),
+    )
     disk_bytes, disk_note = disk_estimate(key, target_model.hidden_size(), config.dtype)
     context.log.info(f"{key}: the shard's hidden states will take {disk_note}; the pre-flight checks the GPU host can hold them")
     requirements = StageRequirements(
@@ -192,7 +165,7 @@ def hidden_states(
         disk_note=disk_note,
     )
     context.log.info(f"{key}: extracting hidden states at layer ids {layer_ids} with the {config.backend} backend into {output}")
-    invocation = gpu_host.run_stage(context, STAGE, extras, requirements=requirements)
+    invocation = gpu_host.run_stage(context, STAGE, job.to_dict(), requirements=requirements)
     reported = invocation.get_materialize_result()
 
     metadata = dict(reported.metadata or {})

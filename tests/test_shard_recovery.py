@@ -22,7 +22,7 @@ from dagster import DagsterEventType, DagsterInstance, RunConfig, materialize
 
 from eagle3_assets.core.extraction import SIDECAR, HiddenStateFileError, read_sidecar
 from eagle3_assets.core.shard_lease import ShardBusyError, ShardLease, lease_path
-from eagle3_assets.core.training import index_hidden_states, load_batch
+from eagle3_assets.core.training.data import index_hidden_states, load_batch
 from eagle3_assets.partitions import register_shards
 from resources.target_model import TargetModel
 from tests.extraction_helpers import write_validated_traces

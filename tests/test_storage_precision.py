@@ -42,7 +42,10 @@ from eagle3_assets.core.hidden_state_checks import (
     storage_unit_roundoff,
 )
 from eagle3_assets.core.state_layout import FP8_DTYPE, bytes_per_token, state_bytes_per_token
-from eagle3_assets.core.training import TrainConfig, export_trained_draft, index_hidden_states, run_training
+from eagle3_assets.core.training.checkpoints import export_trained_draft
+from eagle3_assets.core.training.config import TrainConfig
+from eagle3_assets.core.training.data import index_hidden_states
+from eagle3_assets.core.training.launch import run_training
 from tests.extraction_helpers import write_validated_traces
 from tests.test_extraction import one_torch_thread  # noqa: F401  the same autouse fixture: one torch thread for this module
 from tests.test_training import mapping_from_hidden_states

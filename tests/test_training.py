@@ -22,18 +22,12 @@ from safetensors.torch import load_file
 from eagle3_assets.core.draft_model import DraftConfig, Eagle3Draft
 from eagle3_assets.core.export import export_draft, read_draft_dir
 from eagle3_assets.core.storage import write_json_atomic
-from eagle3_assets.core.training import (
-    HiddenStateIndex,
-    TargetHead,
-    TrainConfig,
-    index_hidden_states,
-    initial_draft,
-    latest_checkpoint,
-    load_batch,
-    load_target_tensors,
-    run_fingerprint,
-    run_training,
-)
+from eagle3_assets.core.training.checkpoints import latest_checkpoint, run_fingerprint
+from eagle3_assets.core.training.config import TrainConfig
+from eagle3_assets.core.training.data import HiddenStateIndex, index_hidden_states, load_batch
+from eagle3_assets.core.training.initial_weights import initial_draft
+from eagle3_assets.core.training.launch import run_training
+from eagle3_assets.core.training.target_head import TargetHead, load_target_tensors
 from eagle3_assets.core.vocab import VocabMapping, build_vocab_mapping, save_vocab_mapping
 from tests.demo_hidden_states import cached_demo_hidden_states
 
@@ -184,7 +178,7 @@ def test_killed_training_resumes_from_its_last_complete_checkpoint_to_the_same_w
     Path(interrupted.training_dir).mkdir(parents=True)
     launch = Path(interrupted.training_dir) / "launch.json"
     write_json_atomic(launch, interrupted.to_dict())
-    process = subprocess.Popen([sys.executable, "-m", "eagle3_assets.core.training", "--config", str(launch)], stdout=subprocess.DEVNULL)
+    process = subprocess.Popen([sys.executable, "-m", "eagle3_assets.core.training.launch", "--config", str(launch)], stdout=subprocess.DEVNULL)
     checkpoints = Path(interrupted.training_dir) / "checkpoints"
     deadline = time.monotonic() + 300
     try:

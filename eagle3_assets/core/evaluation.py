@@ -21,12 +21,12 @@ from pathlib import Path
 
 import aiohttp
 
+from eagle3_assets.core.stage_jobs import EVAL_MAX_TOKENS
 from eagle3_assets.core.target import vllm_serving
 from eagle3_assets.core.vllm_launcher import VLLMServer
 from eagle3_assets.core.vllm_metrics import SpecDecodeCounters, fetch_metrics_text
 
 
-EVAL_MAX_TOKENS = 128  # completion tokens per held-out prompt: enough decode steps to measure acceptance
 
 
 @dataclass(frozen=True)

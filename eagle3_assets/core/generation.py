@@ -60,6 +60,7 @@ from typing import Any
 import aiohttp
 import polars as pl
 
+from eagle3_assets.core.job_schema import JobSchema, given, setting
 from eagle3_assets.core.journal import ShardJournal, keep_superseded, parquet_fingerprint, parquet_generation, superseded_path
 from eagle3_assets.core.markdown import markdown_histogram
 from eagle3_assets.core.redaction import has_credentials, redact_credentials, redact_url
@@ -96,6 +97,8 @@ _JSON = json.JSONEncoder(ensure_ascii=False)  # one encoder for every request bo
 SAMPLE_ID_HEADER = "X-Eagle3-Sample-Id"  # lets server logs (and the tests' fault proxy) name the sample
 CANARY_ID = "eagle3-canary"
 DEFAULT_CANARY_PROMPT = "What is 17 + 25? Think it through step by step, then give the answer."
+DEFAULT_CANARY_MAX_TOKENS = 512
+DEFAULT_PROGRESS_INTERVAL_S = 5.0
 # A server that refused a connection gets no new request for this long while another server is up,
 # then one request at a time until one is answered (a circuit breaker's half-open state). Without it
 # a dead server, having nothing in flight, is the "fewest in flight" choice for every new request:
@@ -110,34 +113,67 @@ MALFORMED_RESPONSE = "malformed_response"
 
 
 @dataclass(frozen=True)
-class GenerationConfig:
+class Sampling(JobSchema):
+    """How the target samples; unset fields are left to the server (vLLM's extensions included)."""
+
+    temperature: float = setting(0.6, "sampling temperature (match how the target is served)", ge=0)
+    top_p: float = setting(0.95, "nucleus sampling: the smallest set of tokens whose probability reaches top_p", gt=0, le=1)
+    top_k: int | None = setting(None, "vLLM extension; unset: the server's default")
+    min_p: float | None = setting(None, "vLLM extension; unset: the server's default")
+    presence_penalty: float | None = setting(None, "OpenAI presence penalty; unset: the server's default")
+    frequency_penalty: float | None = setting(None, "OpenAI frequency penalty; unset: the server's default")
+    repetition_penalty: float | None = setting(None, "vLLM extension; unset: the server's default")
+    seed: int | None = setting(None, "per-request sampling seed; unset: random")
+
+    def request_fields(self) -> dict[str, Any]:
+        """The fields a request carries: the ones that are set."""
+        return {name: value for name, value in self.to_dict().items() if value is not None}
+
+
+@dataclass(frozen=True)
+class GenerationConfig(JobSchema):
     """Everything the client needs; the Dagster resource builds one (``VLLMServerResource.generation_config``)."""
 
-    base_urls: tuple[str, ...]
-    model: str
-    api_key: str | None = field(default=None, repr=False)  # never printed, never part of a fingerprint
-    concurrency: int = 128
-    max_tokens: int = 8192
-    sampling: Mapping[str, Any] = field(default_factory=lambda: {"temperature": 0.6, "top_p": 0.95})
-    extra_body: Mapping[str, Any] = field(default_factory=dict)
-    connect_timeout_s: float = 10.0
-    read_timeout_s: float = 1800.0
+    base_urls: tuple[str, ...] = given("base URLs of the servers (no /v1); requests are spread over them")
+    model: str = given("the model name the server serves (vLLM's --served-model-name)")
+    # Never printed, never part of a fingerprint.
+    api_key: str | None = setting(None, "bearer token; set it with EnvVar('VLLM_API_KEY'), never as a literal", repr=False)
+    concurrency: int = setting(128, "requests in flight per run (per shard being generated)", gt=0)
+    max_tokens: int = setting(8192, "completion token limit per request, reasoning included", gt=0)
+    sampling: Mapping[str, Any] = setting(Sampling().request_fields(), "sampling fields of every request (see Sampling)")
+    extra_body: Mapping[str, Any] = setting({}, "merged into every request body, e.g. {'chat_template_kwargs': {'thinking': true}}")
+    connect_timeout_s: float = setting(10.0, "to open a connection; failures are retried", gt=0)
+    read_timeout_s: float = setting(1800.0, "for one whole generation; a read timeout is not retried", gt=0)
     # /tokenize answers in milliseconds; it must not inherit the read timeout of a whole generation, or one stuck
     # call would hold a worker for half an hour. On a timeout the server judges the prompt itself.
-    tokenize_timeout_s: float = 30.0
-    max_retries: int = 5
-    backoff_initial_s: float = 1.0
-    backoff_max_s: float = 60.0
+    tokenize_timeout_s: float = setting(
+        30.0, "for one /tokenize call (exact count of a prompt that may not fit); on a timeout the server judges the prompt", gt=0
+    )
+    max_retries: int = setting(5, "retries on connection errors, 408, 429 and 5xx (never on other 4xx)", ge=0)
+    retry_backoff_s: float = setting(1.0, "first backoff; doubles per retry, with jitter", ge=0)
+    retry_backoff_max_s: float = setting(60.0, "the longest backoff between two tries of a request", ge=0)
     # So many samples in a row ending with retries exhausted means the server is gone:
     # stop (the journal keeps what is done) rather than fill the shard with error rows.
-    max_consecutive_failures: int = 64
-    # Whether a generation cut by max_tokens is usable; validation reads the same setting from the shard's file.
-    allow_truncated: bool = False
-    # A rerun sends a content failure again only while the sample has had fewer requests than this.
-    max_attempts_per_sample: int = DEFAULT_MAX_ATTEMPTS_PER_SAMPLE
-    # Ask for the prompt's and the generation's token ids (vLLM's ``return_token_ids``). Off for servers that
-    # refuse unknown request fields. Not part of :meth:`identity`: the responses are the same either way.
-    return_token_ids: bool = True
+    max_consecutive_failures: int = setting(64, "samples in a row failing all retries before the run stops", gt=0)
+    # Validation reads the same setting from the shard's file.
+    allow_truncated: bool = setting(
+        False,
+        "generations cut by max_tokens are usable: a rerun does not send them again, and validated_traces keeps them "
+        "(its own allow_truncated, when set, overrides)",
+    )
+    max_attempts_per_sample: int = setting(
+        DEFAULT_MAX_ATTEMPTS_PER_SAMPLE,
+        "requests per sample over all runs after which a response validation rejects (no reasoning, no answer, "
+        "cut, aborted) is kept as it is instead of being sent again on the next run of the shard",
+        gt=0,
+    )
+    # Not part of :meth:`identity`: the responses are the same either way.
+    return_token_ids: bool = setting(
+        True,
+        "ask the server for the prompt's and the generation's token ids (vLLM's return_token_ids), kept in "
+        "raw_responses so that validated_traces checks the supervised tokens against what the target generated. Turn off "
+        "only for a server that refuses unknown request fields; it changes no response and no shard's identity",
+    )
 
     def __post_init__(self) -> None:
         if not self.base_urls:
@@ -349,16 +385,16 @@ class GenerationClient:
 
     def _backoff_s(self, attempt: int, retry_after: str | None) -> float:
         """Exponential backoff with jitter (half fixed, half random), or the server's Retry-After if longer."""
-        ceiling = min(self.config.backoff_max_s, self.config.backoff_initial_s * 2 ** (attempt - 1))
+        ceiling = min(self.config.retry_backoff_max_s, self.config.retry_backoff_s * 2 ** (attempt - 1))
         delay = ceiling / 2 + random.uniform(0, ceiling / 2)
         try:
-            delay = max(delay, min(float(retry_after), self.config.backoff_max_s)) if retry_after else delay
+            delay = max(delay, min(float(retry_after), self.config.retry_backoff_max_s)) if retry_after else delay
         except ValueError:
             pass  # an HTTP-date Retry-After: keep our own backoff
         return delay
 
     # ------------------------------------------------------------ pre-flight
-    async def preflight(self, canary_prompt: str = DEFAULT_CANARY_PROMPT, canary_max_tokens: int = 512) -> PreflightReport:
+    async def preflight(self, canary_prompt: str = DEFAULT_CANARY_PROMPT, canary_max_tokens: int = DEFAULT_CANARY_MAX_TOKENS) -> PreflightReport:
         """``/health``, ``/v1/models`` and one canary completion with reasoning on every server, or PreflightError."""
         models: dict[str, dict[str, Any]] = {}
         for server in self.config.servers:
@@ -568,9 +604,9 @@ def generate_shard(
     parquet_path: Path,
     *,
     log: Callable[[str], None] = print,
-    progress_interval_s: float = 5.0,
+    progress_interval_s: float = DEFAULT_PROGRESS_INTERVAL_S,
     canary_prompt: str = DEFAULT_CANARY_PROMPT,
-    canary_max_tokens: int = 512,
+    canary_max_tokens: int = DEFAULT_CANARY_MAX_TOKENS,
 ) -> ShardOutcome:
     """Pre-flight, then generate every sample of a shard not yet durable, then write the shard's Parquet.
 
