@@ -394,7 +394,9 @@ class GenerationClient:
         return delay
 
     # ------------------------------------------------------------ pre-flight
-    async def preflight(self, canary_prompt: str = DEFAULT_CANARY_PROMPT, canary_max_tokens: int = DEFAULT_CANARY_MAX_TOKENS) -> PreflightReport:
+    async def preflight(
+        self, canary_prompt: str = DEFAULT_CANARY_PROMPT, canary_max_tokens: int = DEFAULT_CANARY_MAX_TOKENS
+    ) -> PreflightReport:
         """``/health``, ``/v1/models`` and one canary completion with reasoning on every server, or PreflightError."""
         models: dict[str, dict[str, Any]] = {}
         for server in self.config.servers:
