@@ -48,6 +48,7 @@ from eagle3_assets.core.export import draft_config_from_hf, export_draft, read_d
 from eagle3_assets.core.extraction import PartStates, open_part, verify_part
 from eagle3_assets.core.schedule import Schedule, fit_schedule
 from eagle3_assets.core.storage import file_hash, fsync_dir, stable_hash, staging_dir, write_json_atomic
+from eagle3_assets.core.target import TargetHead, load_head_weights, text_config, vllm_default_aux_layer_ids
 from eagle3_assets.core.vocab import VocabMapping, load_vocab_mapping
 
 EVENT_PREFIX = "EAGLE3_TRAIN_EVENT "
@@ -272,74 +273,6 @@ def epoch_steps(lengths: list[int], config: TrainConfig, world_size: int, epoch:
     return [micro[i : i + per_step] for i in range(0, len(micro), per_step)]
 
 
-# --------------------------------------------------------------------------- the target's head
-
-
-def _target_weight_names(target_dir: Path) -> dict[str, str]:
-    """Tensor name -> safetensors file, for a single or sharded checkpoint."""
-    index = target_dir / "model.safetensors.index.json"
-    if index.is_file():
-        return {name: str(target_dir / file) for name, file in json.loads(index.read_text())["weight_map"].items()}
-    names: dict[str, str] = {}
-    for file in sorted(target_dir.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as fh:
-            names.update({name: str(file) for name in fh.keys()})
-    if not names:
-        raise FileNotFoundError(f"target {target_dir}: no safetensors weights")
-    return names
-
-
-def load_target_tensors(target_dir: str | Path) -> dict[str, torch.Tensor]:
-    """The target's ``embed_tokens``, final ``norm`` and ``lm_head`` weights (only those), as float32."""
-    target_dir = Path(target_dir)
-    names = _target_weight_names(target_dir)
-
-    def find(suffix: str, exclude: str = "\0") -> str | None:
-        hits = [n for n in names if n.endswith(suffix) and exclude not in n]
-        return min(hits, key=len) if hits else None
-
-    wanted = {"embed": find("embed_tokens.weight"), "norm": find("norm.weight", exclude="layers."), "lm_head": find("lm_head.weight")}
-    config = json.loads((target_dir / "config.json").read_text())
-    text = config.get("text_config", config)
-    if wanted["lm_head"] is None and text.get("tie_word_embeddings", config.get("tie_word_embeddings")):
-        wanted["lm_head"] = wanted["embed"]
-    missing = [k for k, v in wanted.items() if v is None]
-    if missing:
-        raise ValueError(f"target {target_dir}: cannot find its {missing} weights")
-    out = {}
-    for key, name in wanted.items():
-        with safe_open(names[name], framework="pt") as fh:
-            out[key] = fh.get_tensor(name).float()
-    out["rms_norm_eps"] = torch.tensor(float(text.get("rms_norm_eps", 1e-6)))
-    return out
-
-
-class TargetHead(nn.Module):
-    """The target's next-token distribution from its stored final states."""
-
-    def __init__(self, tensors: dict[str, torch.Tensor], mapping: VocabMapping, final_state: str):
-        super().__init__()
-        self.apply_norm = final_state == "pre_norm"  # vLLM stores the last layer's output before the norm
-        self.eps = float(tensors["rms_norm_eps"])
-        self.register_buffer("norm_weight", tensors["norm"])
-        self.register_buffer("lm_head", tensors["lm_head"])
-        self.register_buffer("draft_to_target", mapping.draft_to_target)
-
-    @torch.no_grad()
-    def forward(self, final: torch.Tensor, chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits over the draft vocabulary [.., Vd], the target's top-1 target id [..])."""
-        if self.apply_norm:
-            final = final * torch.rsqrt(final.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm_weight
-        flat = final.reshape(-1, final.shape[-1])
-        restricted, top = [], []
-        for part in flat.split(chunk):  # full-vocabulary logits only a chunk at a time (160k-wide for Kimi)
-            logits = part @ self.lm_head.T
-            top.append(logits.argmax(-1))
-            restricted.append(logits[:, self.draft_to_target])
-        shape = final.shape[:-1]
-        return torch.cat(restricted).view(*shape, -1), torch.cat(top).view(shape)
-
-
 # --------------------------------------------------------------------------- the unrolled loss
 
 
@@ -440,7 +373,7 @@ def _fine_tune_start(path: Path, index: HiddenStateIndex, mapping: VocabMapping,
     if old.vocab_size != mapping.target_vocab_size:
         problems.append(f"its vocab_size {old.vocab_size} is not the target's {mapping.target_vocab_size}")
     if layer_ids is None:
-        default = [2, index.num_layers // 2, index.num_layers - 3]
+        default = vllm_default_aux_layer_ids(index.num_layers)
         if default != index.aux_layer_ids:
             problems.append(
                 f"its config names no eagle_aux_hidden_state_layer_ids, so vLLM used its default {default}, "
@@ -651,7 +584,7 @@ def train(config: TrainConfig, on_event: OnEvent | None = None) -> TrainResult:
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
     elif device.type == "cpu":
-        # CPU training is the demo's and the tests': a tiny draft whose matrices are too small to split.
+        # CPU training is for tiny targets and the tests: a tiny draft whose matrices are too small to split.
         # Measured here (2 busy cores): 1 thread ran 3-10x faster than 2, which mostly wait on each other.
         torch.set_num_threads(1)
     if distributed and not dist.is_initialized():
@@ -677,13 +610,15 @@ def _train(config: TrainConfig, emit: OnEvent, device: torch.device, distributed
     mapping = load_vocab_mapping(Path(config.vocab_mapping))
     if mapping.target_vocab_size != index.vocab_size:
         raise ValueError(f"vocab mapping covers {mapping.target_vocab_size} target ids, the hidden states' target has {index.vocab_size}")
-    target = load_target_tensors(config.target_path)
+    target = load_head_weights(config.target_path)
     if target["lm_head"].shape[0] != index.vocab_size or target["lm_head"].shape[1] != index.hidden_size:
         raise ValueError(f"target {config.target_path}: lm_head {tuple(target['lm_head'].shape)} does not fit the hidden states")
     draft, init_report = initial_draft(config, index, mapping, target)
     draft.embed_tokens.weight.requires_grad_(False)  # the target's embedding: frozen, shared by vLLM
     draft.to(device)
-    head = TargetHead(target, mapping, index.final_state).to(device)
+    target_head, draft_to_target = TargetHead.from_weights(target).to(device), mapping.draft_to_target.to(device)
+    # the target's logits over the draft vocabulary and its top-1 token, from a batch's final states
+    head = lambda final: target_head.draft_logits(final, index.final_state, draft_to_target)  # noqa: E731
     ttt = TrainingTimeTest(draft, config.ttt_steps, config.step_weight).to(device)
     model = ttt
     if distributed:
@@ -849,18 +784,18 @@ def draft_from_checkpoint(checkpoint: Path, target_path: str | Path, target_embe
         _, tensors = read_draft_dir(Path(init_from))
         embed = tensors.get("embed_tokens.weight")
     if embed is None:
-        embed = target_embedding if target_embedding is not None else load_target_tensors(target_path)["embed"]
+        embed = target_embedding if target_embedding is not None else load_head_weights(target_path)["embed"]
     draft.load_state_dict({**load_file(str(checkpoint / "model.safetensors")), "embed_tokens.weight": embed.float()})
     return draft
 
 
 def export_trained_draft(result_checkpoint: str | Path, target_path: str | Path, out_dir: Path, dtype: str | None = None) -> Path:
     """Export the final checkpoint as vLLM's native directory, in the target's dtype unless told otherwise."""
-    target_embed = load_target_tensors(target_path)["embed"]
+    target_embed = load_head_weights(target_path)["embed"]
     draft = draft_from_checkpoint(Path(result_checkpoint), target_path, target_embed)
     if dtype is None:
         target_config = json.loads((Path(target_path) / "config.json").read_text())
-        text = target_config.get("text_config", target_config)
+        text = text_config(target_config)
         dtype = text.get("dtype") or text.get("torch_dtype") or target_config.get("dtype") or "bfloat16"
         dtype = dtype if dtype in ("float32", "bfloat16", "float16") else "bfloat16"
     return export_draft(draft, out_dir, dtype=dtype, target_embedding=target_embed)
