@@ -42,6 +42,7 @@ from eagle3_assets.core.generation import (
     generate_shard,
     shard_summary,
 )
+from eagle3_assets.check_results import check_result
 from eagle3_assets.core.evaluation import EVAL_MAX_TOKENS
 from eagle3_assets.core.redaction import redact_credentials, redact_url
 from eagle3_assets.core.response_rules import DEFAULT_MIN_REASONING_SHARE
@@ -221,19 +222,7 @@ def _generate(context: AssetExecutionContext, vllm_server: VLLMServerResource, p
                     "examples": MetadataValue.json(summary["error_examples"]),
                 },
             ),
-            AssetCheckResult(
-                check_name="reasoning_present",
-                passed=reasoning.passed,
-                severity=AssetCheckSeverity.ERROR,
-                description=reasoning.description,
-                metadata={
-                    reasoning.figure_name: reasoning.figure,
-                    "threshold": reasoning.threshold,
-                    "offending_ids": MetadataValue.json(reasoning.offending_ids),
-                    "reasoning_fields": MetadataValue.json(summary["reasoning_fields"]),
-                    **reasoning.counts,
-                },
-            ),
+            check_result(reasoning.with_evidence(reasoning_fields=summary["reasoning_fields"])),
         ],
     )
 

@@ -10,7 +10,7 @@ same outcome through Dagster Pipes (:meth:`CheckOutcome.pipes_metadata`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 
@@ -50,6 +50,14 @@ class CheckOutcome:
     @property
     def offending_ids(self) -> list[str]:
         return list(self.metadata.get("offending_ids", []))
+
+    @property
+    def counts(self) -> dict[str, Any]:
+        """The evidence beside the figure, threshold and offending ids."""
+        return {k: v for k, v in self.metadata.items() if k not in (self.figure_name, "threshold", "offending_ids")}
+
+    def with_evidence(self, **more: Any) -> CheckOutcome:
+        return replace(self, metadata={**self.metadata, **more})
 
     def pipes_metadata(self) -> dict[str, Any]:
         """The metadata of ``report_asset_check`` over Dagster Pipes: the description as ``summary``, lists and dicts as JSON."""

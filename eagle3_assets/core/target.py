@@ -209,8 +209,11 @@ def head_weight_names(path: Path | str, names: Sequence[str] | None = None) -> H
     lm_head = shortest(lambda n: n.endswith("lm_head.weight"))
     sibling = embed[: -len("embed_tokens.weight")] + "norm.weight" if embed else None
     norm = sibling if sibling in names else shortest(lambda n: n.split(".")[-2:] == ["norm", "weight"] and ".layers." not in n)
-    if lm_head is None and text_config(read_config(root)).get("tie_word_embeddings", True):
-        lm_head = embed
+    if lm_head is None:
+        config = read_config(root)
+        # transformers ties the two unless told otherwise (a wrapper may say so at its top level)
+        if text_config(config).get("tie_word_embeddings", config.get("tie_word_embeddings", True)):
+            lm_head = embed
     missing = [what for what, name in (("embed_tokens", embed), ("final norm", norm), ("lm_head", lm_head)) if name is None]
     if missing:
         raise TargetError(f"target model {root}: cannot find its {', '.join(missing)} weights among {len(names)} tensors")
