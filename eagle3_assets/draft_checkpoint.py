@@ -35,6 +35,7 @@ from dagster import (
 
 from eagle3_assets.config_fields import config_field, settings_of
 from eagle3_assets.core.preflight import StageRequirements
+from eagle3_assets.core.shard_paths import SIDECAR, ShardPaths
 from eagle3_assets.core.stage_jobs import ExportGates, TrainingJob
 from eagle3_assets.core.storage import asset_dir, stable_hash
 from eagle3_assets.core.training.config import TrainConfig
@@ -77,24 +78,15 @@ class DraftTrainingConfig(Config):
     vllm_check_num_speculative_tokens: int = config_field(TrainingJob, "vllm_check_num_speculative_tokens")
 
 
-# The demo's tiny draft, over the demo's ~300 traces (~17k tokens). Seen here on 2 cores: 49 s of training
-# (~7,500 tokens/s), then acceptance length 3.12 at 3 speculative tokens on 16 held-out prompts through
-# vLLM (12 epochs: 26 s, 2.75).
-DEMO_TRAINING_CONFIG = DraftTrainingConfig(
-    epochs=20, learning_rate=3e-3, warmup_ratio=0.05, ttt_steps=3, batch_tokens=1024, max_seq_len=512
-)
-
-
 def hidden_state_shards(keys: list[str]) -> tuple[list[Path], list[dict]]:
     """Every registered shard's hidden-state directory and sidecar; an error names incomplete shards."""
     if not keys:
         raise ValueError(f"no sample shards are registered ({SAMPLE_SHARDS}): materialise the per-shard assets first")
-    root = asset_dir("hidden_states")
-    dirs = [root / key for key in keys]
-    incomplete = [key for key, d in zip(keys, dirs) if not (d / "metadata.json").is_file()]
+    shards = [ShardPaths("hidden_states", key) for key in keys]
+    incomplete = [s.shard for s in shards if not s.sidecar.is_file()]
     if incomplete:
-        raise FileNotFoundError(f"hidden_states of shards {incomplete} are missing or incomplete (no metadata.json under {root})")
-    return dirs, [json.loads((d / "metadata.json").read_text()) for d in dirs]
+        raise FileNotFoundError(f"hidden_states of shards {incomplete} are missing or incomplete (no {SIDECAR} under {shards[0].asset_dir})")
+    return [s.directory for s in shards], [json.loads(s.sidecar.read_text()) for s in shards]
 
 
 @asset(

@@ -26,15 +26,16 @@ from pydantic import Field
 
 from eagle3_assets.config_fields import config_field, settings_of
 from eagle3_assets.core.evaluation import load_conversations
-from eagle3_assets.core.heldout import HELDOUT_SUFFIX, held_out_prompts
+from eagle3_assets.core.heldout import held_out_prompts
 from eagle3_assets.core.preflight import StageRequirements
 from eagle3_assets.core.shard_files import read_shard_parquet
+from eagle3_assets.core.shard_paths import training_shards
 from eagle3_assets.core.speculation_depth import validated_k_values
 from eagle3_assets.core.stage_jobs import EvaluationJob
 from eagle3_assets.core.storage import asset_dir, write_bytes_atomic
 from eagle3_assets.draft_checkpoint import draft_checkpoint
 from resources.gpu_host import GPU_POOL, GPUHost, register_stage
-from resources.target_model import DEMO_TARGET, TargetModel
+from resources.target_model import TargetModel
 
 STAGE = "evaluate_draft"
 register_stage(STAGE, StageRequirements(modules=["vllm", "torch", "aiohttp", "dagster_pipes"], output_dirs=["draft_evaluation"]))
@@ -45,8 +46,8 @@ class DraftEvaluationConfig(Config):
 
     eval_prompts: str = Field(
         default="",
-        description="held-out prompt set (JSONL/Parquet path), 'demo' for the demo target's built-in one, "
-        "or empty: the rows the prompts asset held out of training (prompt_dataset.holdout_share)",
+        description="held-out prompt set (JSONL/Parquet path), or empty: the target's own held-out set where it comes "
+        "with one, else the rows the prompts asset held out of training (prompt_dataset.holdout_share)",
     )
     max_eval_prompts: int = Field(default=64, gt=0, description="at most this many held-out prompts are served")
     k_values: list[int] = config_field(EvaluationJob, "k_values")
@@ -60,18 +61,13 @@ class DraftEvaluationConfig(Config):
 
 
 def resolve_eval_prompts(source: str, target_model: TargetModel, limit: int) -> str:
-    """The path of the evaluation prompt set, writing the held-out rows to a file when ``source`` is empty."""
-    if source == "demo" or (not source and target_model.path == DEMO_TARGET):  # the demo target's held-out set is built in
-        if target_model.path != DEMO_TARGET:
-            raise ValueError(
-                f"draft_evaluation eval_prompts 'demo' is the demo target's built-in set, not prompts for {target_model.path}: "
-                "leave eval_prompts empty (the prompts held out of your dataset) or give a held-out JSONL/Parquet file"
-            )
-        from eagle3_assets.demo.stack import demo_eval_prompts_path
-
-        return str(demo_eval_prompts_path())
+    """The path of the evaluation prompt set, writing the held-out rows to a file when ``source`` is empty
+    and the target comes with no held-out set of its own."""
     if source:
         return source
+    builtin = target_model.builtin_eval_prompts()
+    if builtin:
+        return builtin
     rows = held_out_prompts(asset_dir("prompts"), limit)
     if rows.is_empty():
         raise ValueError(
@@ -86,7 +82,7 @@ def resolve_eval_prompts(source: str, target_model: TargetModel, limit: int) -> 
 
 def training_overlap(eval_ids: list[str], eval_conversations: list[list[dict]], prompts_dir: Path) -> list[str]:
     """Held-out prompts that also occur (by id or by text) in a training shard."""
-    shards = sorted(p for p in prompts_dir.glob("shard-*.parquet") if not p.name.endswith((".rejected.parquet", HELDOUT_SUFFIX)))
+    shards = training_shards(prompts_dir)
     if not shards:
         return []
     seen = pl.concat([read_shard_parquet(p, asset="prompts", columns=["id", "messages"]) for p in shards])

@@ -19,8 +19,6 @@ not depend on how validation is implemented.
 from typing import Optional
 
 from dagster import (
-    AssetCheckResult,
-    AssetCheckSeverity,
     AssetCheckSpec,
     AssetExecutionContext,
     AssetKey,
@@ -32,12 +30,15 @@ from dagster import (
 )
 from dagster._core.definitions.data_version import extract_data_version_from_entry
 
+from eagle3_assets.check_results import check_result
 from eagle3_assets.config_fields import config_field, settings_of
+from eagle3_assets.core.checks import CheckOutcome
 from eagle3_assets.core.preflight import StageRequirements
 from eagle3_assets.core.shard_files import read_shard_parquet
+from eagle3_assets.core.shard_paths import ShardPaths
 from eagle3_assets.core.stage_jobs import ExtractionJob, StageTarget
 from eagle3_assets.core.state_layout import BACKENDS, STORAGE_DTYPE_BYTES, bytes_per_token
-from eagle3_assets.core.storage import asset_dir, data_dir, file_hash, stable_hash
+from eagle3_assets.core.storage import file_hash, stable_hash
 from eagle3_assets.partitions import sample_shards
 from resources.gpu_host import GPU_POOL, GPUHost, register_stage
 from resources.target_model import TargetModel
@@ -89,13 +90,13 @@ def upstream_version(context: AssetExecutionContext, key: str) -> str:
     version = extract_data_version_from_entry(record.event_log_entry) if record else None
     if version is not None:
         return version.value
-    traces = data_dir() / UPSTREAM / f"{key}.parquet"
+    traces = ShardPaths(UPSTREAM, key).parquet
     return f"file:{file_hash(traces)}" if traces.is_file() else "unknown"
 
 
 def shard_tokens(key: str) -> int | None:
     """Tokens of the shard's validated traces, or None when the traces are not on this machine."""
-    traces = data_dir() / UPSTREAM / f"{key}.parquet"
+    traces = ShardPaths(UPSTREAM, key).parquet
     if not traces.is_file():
         return None
     return int(read_shard_parquet(traces, asset=UPSTREAM, shard=key, columns=["num_tokens"])["num_tokens"].sum() or 0)
@@ -108,10 +109,6 @@ def disk_estimate(key: str, hidden_size: int, dtype: str) -> tuple[int, str]:
         return 0, f"{key}: traces not on this machine, no disk estimate"
     per_token = bytes_per_token(hidden_size, dtype)
     return tokens * per_token, f"{key}: {tokens} tokens x {per_token} B/token ({dtype}, H={hidden_size}) = {tokens * per_token} B"
-
-
-def _value(entry):
-    return getattr(entry, "value", entry)
 
 
 @asset(
@@ -132,7 +129,7 @@ def hidden_states(
         raise ValueError(f"hidden_states config backend {config.backend!r}: one of {BACKENDS}")
     if config.dtype not in STORAGE_DTYPE_BYTES:
         raise ValueError(f"hidden_states config dtype {config.dtype!r}: one of {sorted(STORAGE_DTYPE_BYTES)}")
-    traces_file = data_dir() / UPSTREAM / f"{key}.parquet"
+    traces_file = ShardPaths(UPSTREAM, key).parquet
     if gpu_host.mode == "local" and not traces_file.is_file():
         raise FileNotFoundError(f"validated_traces for {key}: {traces_file} does not exist (materialise validated_traces for this shard first)")
 
@@ -146,11 +143,11 @@ def hidden_states(
         "dtype": config.dtype,
     }
     version = stable_hash(lineage)
-    output = asset_dir(ASSET) / key
+    output = ShardPaths(ASSET, key).directory
     job = ExtractionJob(
         shard=key,
-        traces=f"{UPSTREAM}/{key}.parquet",
-        output=f"{ASSET}/{key}",
+        traces=ShardPaths.relative(UPSTREAM, key).parquet.as_posix(),
+        output=ShardPaths.relative(ASSET, key).directory.as_posix(),
         target=StageTarget(**target_model.stage_extras()),
         data_version=version,
         check_seed=int(stable_hash(key, 8), 16),
@@ -175,19 +172,9 @@ def hidden_states(
         raise RuntimeError(f"stage {STAGE} reported no result for the checks {missing}")
     check_results = []
     for name in CHECKS:
-        result = returned[name]
-        check_metadata = {k: v for k, v in (result.metadata or {}).items() if k != "summary"}
-        summary = (result.metadata or {}).get("summary")
-        check_results.append(
-            AssetCheckResult(
-                check_name=name,
-                passed=result.passed,
-                severity=AssetCheckSeverity.ERROR,
-                description=str(_value(summary)) if summary is not None else None,
-                metadata=check_metadata,
-            )
-        )
-        if not result.passed:
-            context.log.error(f"{key}: {name} failed: {_value(summary)}")
+        outcome = CheckOutcome.from_pipes(name, returned[name].passed, dict(returned[name].metadata or {}))
+        check_results.append(check_result(outcome))
+        if not outcome.passed:
+            context.log.error(f"{key}: {name} failed: {outcome.description}")
     metadata["data_version_inputs"] = MetadataValue.json(lineage)
     return MaterializeResult(data_version=DataVersion(version), metadata=metadata, check_results=check_results)

@@ -14,9 +14,9 @@ recycled pid started later). ``deploy/dagster-dev.yaml`` names it and turns
 monitoring on, so ``make dev``'s daemon marks a dead run failed and frees its
 slots a few seconds later.
 
-``make demo`` runs without a daemon (``materialize`` in its own process), so
-it calls :func:`fail_dead_runs` before it starts, and so does ``make dev``:
-the same decision, taken once.
+A script that runs the graph without a daemon (``materialize`` in its own
+process) calls :func:`fail_dead_runs` before it starts, and so does ``make
+dev``: the same decision, taken once.
 
 Only runs of this host can be judged: the local instance (SQLite under
 ``$DAGSTER_HOME``) is one machine's. The production instance runs its workers

@@ -45,11 +45,12 @@ from eagle3_assets.core import preflight as preflight_module
 from eagle3_assets.core.preflight import STAGE_PACKAGE, StageRequirements, build_spec, validate_stage_name
 from eagle3_assets.core.remote import HostConnection, HostError, SSHTarget, StageProcess
 from eagle3_assets.core.storage import DATA_DIR_ENV, PARTIAL_SUFFIX, data_dir
+from resources.pools import ensure_pool_limit
 
 # The pool every GPU stage's asset joins: ``@asset(pool=GPU_POOL)``. One pool per GPU host;
 # a deployment with two hosts gives the second one its own pool name (EAGLE3_GPU_POOL).
 GPU_POOL = os.environ.get("EAGLE3_GPU_POOL") or "gpu_host"
-DEFAULT_GPU_POOL_LIMIT = 1
+GPU_POOL_LIMIT_ENV = "EAGLE3_GPU_POOL_LIMIT"
 MODES = ("local", "ssh")
 
 # What each GPU stage needs from the host. A stage's asset module declares its entry with
@@ -67,21 +68,9 @@ def register_stage(stage: str, requirements: StageRequirements) -> StageRequirem
 
 
 def ensure_gpu_pool_limit(instance: DagsterInstance, limit: int | None = None) -> int:
-    """Give the GPU pool its limit on ``instance`` unless one was set already; return the limit in force.
-
-    The default is ``$EAGLE3_GPU_POOL_LIMIT`` or 1: one GPU stage at a time on
-    the host. A limit set by hand (``dagster instance concurrency set gpu_host
-    N`` or the UI) is kept. ``make dev`` and the demo call this.
-    """
-    wanted = limit if limit is not None else int(os.environ.get("EAGLE3_GPU_POOL_LIMIT") or DEFAULT_GPU_POOL_LIMIT)
-    storage = instance.event_log_storage
-    if not storage.supports_global_concurrency_limits:
-        return wanted
-    current = {pool.name: pool.limit for pool in storage.get_pool_limits()}
-    if current.get(GPU_POOL) is not None:
-        return current[GPU_POOL]
-    storage.set_concurrency_slots(GPU_POOL, wanted)
-    return wanted
+    """The GPU pool's limit (``$EAGLE3_GPU_POOL_LIMIT`` or 1: one GPU stage at a time on the host) unless one was
+    set by hand; the limit in force. ``make dev`` calls this, and so does anything that runs the graph without it."""
+    return ensure_pool_limit(instance, GPU_POOL, GPU_POOL_LIMIT_ENV, limit)
 
 
 class _RunnerStdoutMessageReader(PipesMessageReader):
@@ -122,7 +111,7 @@ class GPUHost(ConfigurableResource):
     working_dir: str = Field(default=".", description="working directory of stage processes on the host")
     data_dir: str = Field(default="", description=f"data directory on the host; empty: ${DATA_DIR_ENV} of this process (local mode only)")
     lock_dir: str = Field(default="", description="where stage locks live on the host; empty: <data_dir>/.locks")
-    allow_cpu: bool = Field(default=True, description="let every stage run on CPU when the host has no GPU (demo, tests); false: only stages that declare cpu_allowed")
+    allow_cpu: bool = Field(default=True, description="let every stage run on CPU when the host has no GPU (small local targets, tests); false: only stages that declare cpu_allowed")
     remove_partial_files: bool = Field(default=False, description="delete partial files left by an aborted run instead of failing the pre-flight")
     preflight_timeout_s: float = Field(default=300.0, description="limit for the pre-flight (imports of large modules included)")
     termination_grace_s: float = Field(default=20.0, description="time a stage gets to stop after the run is terminated, before SIGKILL")

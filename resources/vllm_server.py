@@ -6,7 +6,7 @@ defaults come from the environment (:meth:`VLLMServerResource.from_env`):
 
 - ``EAGLE3_VLLM_URLS``: comma-separated base URLs (default ``http://127.0.0.1:8000``);
   requests are spread over them, fewest in flight first;
-- ``EAGLE3_SERVED_MODEL``: the served model name (default ``tiny-reasoner``, the demo's);
+- ``EAGLE3_SERVED_MODEL``: the served model name (default ``tiny-reasoner``, what the local launcher serves by default);
 - ``VLLM_API_KEY``: the API key, passed as a Dagster ``EnvVar`` so that the
   value is never shown in the launchpad, the logs or the metadata.
 
@@ -40,6 +40,7 @@ from eagle3_assets.core.generation import (
 )
 from eagle3_assets.core.redaction import has_credentials, redact_url
 from eagle3_assets.core.vllm_launcher import DEFAULT_SERVED_NAME
+from resources.pools import ensure_pool_limit
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 URLS_ENV = "EAGLE3_VLLM_URLS"
@@ -48,7 +49,6 @@ API_KEY_ENV = "VLLM_API_KEY"
 
 GENERATION_POOL = "vllm_generation"
 POOL_LIMIT_ENV = "EAGLE3_GENERATION_POOL_LIMIT"
-DEFAULT_POOL_LIMIT = 1
 
 
 def urls_from_env() -> list[str]:
@@ -136,17 +136,5 @@ class VLLMServerResource(ConfigurableResource):
 
 
 def ensure_generation_pool_limit(instance: DagsterInstance, limit: int | None = None) -> int:
-    """Give the generation pool its limit unless someone already set one; return the limit in force.
-
-    The default is ``$EAGLE3_GENERATION_POOL_LIMIT`` or 1. A limit set by hand
-    (``dagster instance concurrency set vllm_generation N`` or the UI) is kept.
-    """
-    wanted = limit if limit is not None else int(os.environ.get(POOL_LIMIT_ENV) or DEFAULT_POOL_LIMIT)
-    storage = instance.event_log_storage
-    if not storage.supports_global_concurrency_limits:
-        return wanted
-    current = {pool.name: pool.limit for pool in storage.get_pool_limits()}
-    if GENERATION_POOL in current and current[GENERATION_POOL] is not None:
-        return current[GENERATION_POOL]
-    storage.set_concurrency_slots(GENERATION_POOL, wanted)
-    return wanted
+    """The generation pool's limit (``$EAGLE3_GENERATION_POOL_LIMIT`` or 1) unless one was set by hand; the limit in force."""
+    return ensure_pool_limit(instance, GENERATION_POOL, POOL_LIMIT_ENV, limit)

@@ -22,8 +22,8 @@ from safetensors.torch import load_file, save_file
 
 from eagle3_assets.core.draft_model import DraftConfig, Eagle3Draft
 from eagle3_assets.core.export import export_draft
+from eagle3_assets.core.target import load_head_weights
 from eagle3_assets.core.training.loss import shift_left
-from eagle3_assets.core.training.target_head import load_target_tensors
 from eagle3_assets.core.vocab import (
     build_vocab_mapping,
     count_supervised_tokens,
@@ -47,7 +47,7 @@ def random_draft(target_dir: Path, draft_vocab_size: int, seed: int) -> Eagle3Dr
         for name, param in draft.named_parameters():
             if "norm" in name:
                 param.uniform_(0.5, 1.5, generator=generator)
-        draft.embed_tokens.weight.copy_(load_target_tensors(target_dir)["embed"])
+        draft.embed_tokens.weight.copy_(load_head_weights(target_dir)["embed"])
     draft.set_vocab_mapping(mapping.d2t, mapping.t2d)
     return draft
 

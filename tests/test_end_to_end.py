@@ -22,7 +22,7 @@ from eagle3_assets.core.evaluation import evaluate, load_conversations
 from eagle3_assets.core.export import config_problems
 from eagle3_assets.draft_evaluation import DraftEvaluationConfig, resolve_eval_prompts
 from eagle3_assets.demo.pipeline import run_per_shard, run_whole_dataset
-from resources.target_model import TargetModel
+from eagle3_assets.demo.plugin import DemoTargetModel
 
 # The whole graph: generation, extraction, training, a vLLM start with the draft, three for evaluation.
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(3600)]
@@ -118,7 +118,7 @@ def test_wrong_layer_ids_score_clearly_below_and_are_rejected_before_evaluation(
 
     # Served anyway, on the same held-out prompts and settings as draft_evaluation's defaults.
     report = json.loads((data / "draft_evaluation" / "report.json").read_text())
-    _, conversations = load_conversations(resolve_eval_prompts("demo", TargetModel(path="demo"), DraftEvaluationConfig().max_eval_prompts))
+    _, conversations = load_conversations(resolve_eval_prompts("", DemoTargetModel(), DraftEvaluationConfig().max_eval_prompts))
     (wrong,) = evaluate(
         tiny_target,
         {"wrong": wrong_dir},

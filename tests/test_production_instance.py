@@ -280,9 +280,9 @@ def test_backfill_through_the_production_instance(postgres, vllm_server, data_di
 
         from eagle3_assets.definitions import defs
         from eagle3_assets.partitions import register_shards
-        from resources.prompt_dataset import PromptDataset
+        from eagle3_assets.demo.plugin import DemoPromptDataset
 
-        keys = PromptDataset(source="demo", shard_size=SHARD_SIZE).shard_keys()[:SHARDS]
+        keys = DemoPromptDataset(shard_size=SHARD_SIZE).shard_keys()[:SHARDS]
         register_shards(instance, keys)
 
         # Hold generation: no slot in the pool until every run of the backfill is in progress and

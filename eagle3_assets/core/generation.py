@@ -61,7 +61,8 @@ import aiohttp
 import polars as pl
 
 from eagle3_assets.core.job_schema import JobSchema, given, setting
-from eagle3_assets.core.journal import ShardJournal, keep_superseded, parquet_fingerprint, parquet_generation, superseded_path
+from eagle3_assets.core.journal import ShardJournal, keep_superseded, parquet_fingerprint, parquet_generation
+from eagle3_assets.core.shard_paths import superseded_path
 from eagle3_assets.core.markdown import markdown_histogram
 from eagle3_assets.core.redaction import has_credentials, redact_credentials, redact_url
 from eagle3_assets.core.response_rules import (

@@ -11,6 +11,10 @@ from __future__ import annotations
 import re
 
 DEFAULT_SHARD_SIZE = 128
+
+# The partitions of the per-sample assets, and those assets, materialised together one shard at a time.
+SAMPLE_SHARDS = "sample_shards"
+PER_SHARD_ASSETS = ("prompts", "raw_responses", "validated_traces", "hidden_states")
 _KEY = re.compile(r"^shard-(\d{5,})$")
 
 

@@ -105,7 +105,8 @@ def run(job: ExtractionJob, log=print, run_id: str | None = None) -> tuple[dict[
     import torch
 
     from eagle3_assets.core.extraction import TargetFacts, read_traces
-    from eagle3_assets.core.hidden_state_checks import GATES, CheckOutcome, check_target_matches_traces
+    from eagle3_assets.core.checks import CheckOutcome
+    from eagle3_assets.core.hidden_state_checks import GATES, check_target_matches_traces
     from eagle3_assets.core.shard_lease import ShardLease
     from eagle3_assets.core.target import identity_in_parquet, target_identity
 
@@ -135,12 +136,12 @@ def _extract_and_check(job: ExtractionJob, log, facts, traces, shard_dir: Path, 
 
     from eagle3_assets.core.extraction import ExtractionSettings, TransformersBackend, extract_shard, state_bytes_per_token
     from eagle3_assets.core.hidden_state_checks import (
-        TargetHead,
         check_aux_states_match_layer_ids,
         check_final_state_reproduces_logits,
         check_states_finite,
         check_states_match_traces,
     )
+    from eagle3_assets.core.target import TargetHead
 
     target = job.target
     identity = target_check.metadata["extracting_target"]
@@ -233,13 +234,6 @@ def _extract_and_check(job: ExtractionJob, log, facts, traces, shard_dir: Path, 
     return metadata, outcomes
 
 
-def _check_metadata(outcome) -> dict[str, Any]:
-    metadata: dict[str, Any] = {"summary": outcome.description}
-    for key, value in outcome.metadata.items():
-        metadata[key] = {"raw_value": value, "type": "json"} if isinstance(value, (list, dict)) else value
-    return metadata
-
-
 def main() -> None:
     from dagster_pipes import open_dagster_pipes
 
@@ -250,7 +244,7 @@ def main() -> None:
         for outcome in outcomes:
             log = pipes.log.info if outcome.passed else pipes.log.error
             log(f"{STAGE}: {outcome.name}: {'passed' if outcome.passed else 'FAILED'}: {outcome.description}")
-            pipes.report_asset_check(check_name=outcome.name, passed=outcome.passed, severity="ERROR", metadata=_check_metadata(outcome))
+            pipes.report_asset_check(check_name=outcome.name, passed=outcome.passed, severity="ERROR", metadata=outcome.pipes_metadata())
 
 
 if __name__ == "__main__":

@@ -15,9 +15,9 @@ from safetensors.torch import load_file, save_file
 from eagle3_assets.core.draft_model import DraftConfig, Eagle3Draft
 from eagle3_assets.core.export import export_draft, read_draft_dir
 from eagle3_assets.core.storage import file_hash, fsync_dir, stable_hash, staging_dir
+from eagle3_assets.core.target import load_head_weights, text_config
 from eagle3_assets.core.training.config import TrainConfig
 from eagle3_assets.core.training.data import HiddenStateIndex
-from eagle3_assets.core.training.target_head import load_target_tensors
 
 
 CHECKPOINT_GLOB = "epoch-*"
@@ -154,18 +154,18 @@ def draft_from_checkpoint(checkpoint: Path, target_path: str | Path, target_embe
         _, tensors = read_draft_dir(Path(init_from))
         embed = tensors.get("embed_tokens.weight")
     if embed is None:
-        embed = target_embedding if target_embedding is not None else load_target_tensors(target_path)["embed"]
+        embed = target_embedding if target_embedding is not None else load_head_weights(target_path)["embed"]
     draft.load_state_dict({**load_file(str(checkpoint / "model.safetensors")), "embed_tokens.weight": embed.float()})
     return draft
 
 
 def export_trained_draft(result_checkpoint: str | Path, target_path: str | Path, out_dir: Path, dtype: str | None = None) -> Path:
     """Export the final checkpoint as vLLM's native directory, in the target's dtype unless told otherwise."""
-    target_embed = load_target_tensors(target_path)["embed"]
+    target_embed = load_head_weights(target_path)["embed"]
     draft = draft_from_checkpoint(Path(result_checkpoint), target_path, target_embed)
     if dtype is None:
         target_config = json.loads((Path(target_path) / "config.json").read_text())
-        text = target_config.get("text_config", target_config)
+        text = text_config(target_config)
         dtype = text.get("dtype") or text.get("torch_dtype") or target_config.get("dtype") or "bfloat16"
         dtype = dtype if dtype in ("float32", "bfloat16", "float16") else "bfloat16"
     return export_draft(draft, out_dir, dtype=dtype, target_embedding=target_embed)

@@ -10,6 +10,7 @@ import torch
 
 from eagle3_assets.core.draft_model import DraftConfig, Eagle3Draft
 from eagle3_assets.core.export import draft_config_from_hf, read_draft_dir
+from eagle3_assets.core.target import vllm_default_aux_layer_ids
 from eagle3_assets.core.training.config import TrainConfig
 from eagle3_assets.core.training.data import HiddenStateIndex
 from eagle3_assets.core.vocab import VocabMapping
@@ -61,7 +62,7 @@ def _fine_tune_start(path: Path, index: HiddenStateIndex, mapping: VocabMapping,
     if old.vocab_size != mapping.target_vocab_size:
         problems.append(f"its vocab_size {old.vocab_size} is not the target's {mapping.target_vocab_size}")
     if layer_ids is None:
-        default = [2, index.num_layers // 2, index.num_layers - 3]
+        default = vllm_default_aux_layer_ids(index.num_layers)
         if default != index.aux_layer_ids:
             problems.append(
                 f"its config names no eagle_aux_hidden_state_layer_ids, so vLLM used its default {default}, "

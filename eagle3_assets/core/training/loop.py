@@ -28,16 +28,18 @@ from torch import nn
 from eagle3_assets.core.draft_model import Eagle3Draft
 from eagle3_assets.core.schedule import Schedule, fit_schedule, lr_lambda
 from eagle3_assets.core.storage import write_json_atomic
+from eagle3_assets.core.target import TargetHead, load_head_weights
 from eagle3_assets.core.training.checkpoints import latest_checkpoint, restore_checkpoint, run_fingerprint, save_checkpoint
 from eagle3_assets.core.training.config import TrainConfig
 from eagle3_assets.core.training.data import Batch, HiddenStateIndex, epoch_steps, index_hidden_states, load_batch, supervised_token_count
 from eagle3_assets.core.training.initial_weights import initial_draft
 from eagle3_assets.core.training.loss import TrainingTimeTest
-from eagle3_assets.core.training.target_head import TargetHead, load_target_tensors
 from eagle3_assets.core.vocab import load_vocab_mapping
 
 Event = dict
 OnEvent = Callable[[Event], None]
+# The target's logits over the draft vocabulary and its top-1 token, from a batch's final states.
+DraftHead = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass
@@ -58,7 +60,7 @@ class TrainResult:
 class Trainer:
     """The draft's loss and optimizer: :meth:`step` makes one optimizer step over the micro-batches it is given."""
 
-    def __init__(self, draft: Eagle3Draft, head: TargetHead, config: TrainConfig, device: torch.device, total_steps: int, distributed: bool):
+    def __init__(self, draft: Eagle3Draft, head: DraftHead, config: TrainConfig, device: torch.device, total_steps: int, distributed: bool):
         self.draft, self.head, self.config, self.device, self.distributed = draft, head, config, device, distributed
         ttt = TrainingTimeTest(draft, config.ttt_steps, config.step_weight).to(device)
         self.model: nn.Module = ttt
@@ -142,7 +144,7 @@ def train(config: TrainConfig, on_event: OnEvent | None = None) -> TrainResult:
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
     elif device.type == "cpu":
-        # CPU training is the demo's and the tests': a tiny draft whose matrices are too small to split
+        # CPU training is for tiny targets and the tests: a tiny draft whose matrices are too small to split
         # over threads, which then mostly wait on each other.
         torch.set_num_threads(1)
     if distributed and not dist.is_initialized():
@@ -169,13 +171,14 @@ def _train(config: TrainConfig, emit: OnEvent, device: torch.device, distributed
     mapping = load_vocab_mapping(Path(config.vocab_mapping))
     if mapping.target_vocab_size != index.vocab_size:
         raise ValueError(f"vocab mapping covers {mapping.target_vocab_size} target ids, the hidden states' target has {index.vocab_size}")
-    target = load_target_tensors(config.target_path)
+    target = load_head_weights(config.target_path)
     if target["lm_head"].shape[0] != index.vocab_size or target["lm_head"].shape[1] != index.hidden_size:
         raise ValueError(f"target {config.target_path}: lm_head {tuple(target['lm_head'].shape)} does not fit the hidden states")
     draft, init_report = initial_draft(config, index, mapping, target)
     draft.embed_tokens.weight.requires_grad_(False)  # the target's embedding: frozen, shared by vLLM
     draft.to(device)
-    head = TargetHead(target, mapping, index.final_state).to(device)
+    target_head, draft_to_target = TargetHead.from_weights(target).to(device), mapping.draft_to_target.to(device)
+    head = lambda final: target_head.draft_logits(final, index.final_state, draft_to_target)  # noqa: E731
 
     # -- the schedule: every epoch's optimizer steps, planned up front
     lengths = [min(s.length, config.max_seq_len) for s in index.samples]
