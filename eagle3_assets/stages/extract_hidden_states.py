@@ -146,7 +146,8 @@ def run(extras: dict[str, Any], log=print) -> tuple[dict[str, Any], list]:
 def _extract_and_check(extras: dict[str, Any], log, facts, traces, shard_dir: Path, target_check) -> tuple[dict[str, Any], list]:
     import torch
 
-    from eagle3_assets.core.extraction import ExtractionSettings, TransformersBackend, extract_shard, state_bytes_per_token
+    from eagle3_assets.core.extraction import ExtractionSettings, TransformersBackend, extract_shard
+    from eagle3_assets.core.state_layout import state_bytes_per_token
     from eagle3_assets.core.hidden_state_checks import (
         TargetHead,
         check_aux_states_match_layer_ids,
