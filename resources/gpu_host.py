@@ -33,12 +33,14 @@ from dagster import (
     Failure,
     MetadataValue,
     OpExecutionContext,
+    PipesClientCompletedInvocation,
     PipesEnvContextInjector,
     PipesMessageReader,
     open_pipes_session,
 )
+
+# The error Dagster's own Pipes clients raise for a failed external process; Dagster does not export it.
 from dagster._core.errors import DagsterPipesExecutionError
-from dagster._core.pipes.client import PipesClientCompletedInvocation
 from pydantic import Field
 
 from eagle3_assets.core import preflight as preflight_module
