@@ -30,7 +30,7 @@ WHOLE_DATASET_ASSETS = [vocab_mapping, draft_checkpoint, draft_evaluation]
 
 
 # How the demo's tiny target is sampled: its server's context is 4,096 tokens, so the production
-# max_tokens (8192) would fail the pre-flight, and 64 requests in flight is what 2 CPU cores take.
+# max_tokens (8192) would fail the pre-flight, and 64 requests in flight keep a CPU server busy.
 DEMO_SAMPLING = {"max_tokens": settings.DEMO_MAX_TOKENS, "temperature": settings.DEMO_TEMPERATURE, "concurrency": 64}
 
 
@@ -52,8 +52,8 @@ def default_resources() -> dict:
 
 
 # Steps run in the run's own process: each asset depends on the one before it, so a shard run
-# has nothing to run in parallel, and a process per step loaded the code location again (~3 s
-# per step on 2 cores, most of a shard run's fixed cost). Pools hold either way. The GPU
+# has nothing to run in parallel, and a process per step loaded the code location again (seconds
+# per step, most of a shard run's fixed cost). Pools hold either way. The GPU
 # stages are their own processes anyway (the gpu_host resource).
 defs = Definitions(
     # deployed_draft is observed (sensor deployed_draft_watch), never materialised here.

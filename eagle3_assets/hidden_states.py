@@ -30,7 +30,7 @@ from dagster import (
     MetadataValue,
     asset,
 )
-from dagster._core.definitions.data_version import extract_data_version_from_entry
+from dagster._core.definitions.data_version import extract_data_version_from_entry  # no public reader of the tag
 from pydantic import Field
 
 from eagle3_assets.core.state_layout import BACKENDS, DEFAULT_PART_BYTES, FP8_DTYPE, STORAGE_DTYPE_BYTES, bytes_per_token

@@ -652,7 +652,7 @@ def train(config: TrainConfig, on_event: OnEvent | None = None) -> TrainResult:
         torch.set_num_threads(config.torch_threads)
     elif device.type == "cpu":
         # CPU training is the demo's and the tests': a tiny draft whose matrices are too small to split.
-        # Measured here (2 busy cores): 1 thread ran 3-10x faster than 2, which mostly wait on each other.
+        # Threads splitting such small matrices mostly wait on each other: one thread runs several times faster.
         torch.set_num_threads(1)
     if distributed and not dist.is_initialized():
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
