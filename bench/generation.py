@@ -12,7 +12,8 @@ P2: against an instant local stub server (its own process), responses/s of
 Each figure is also given for the ``openai`` SDK on its aiohttp transport
 (``DefaultAioHttpClient``, reading the raw JSON as the stage does, no journal):
 the measurement that keeps the stage on its own aiohttp client while the SDK
-misses the goals.
+misses the goals. The SDK's transport needs the ``openai[aiohttp]`` extra's
+aiohttp (``pip install 'openai[aiohttp]'``).
 
 Prints the figures of every run and the ratios (the median of per-round ratios;
 rounds alternate ABBA). Usage: ``.venv/bin/python bench/generation.py [--url http://...]
