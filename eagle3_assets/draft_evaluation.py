@@ -38,7 +38,7 @@ from resources.gpu_host import GPU_POOL, GPUHost, register_stage
 from resources.target_model import TargetModel
 
 STAGE = "evaluate_draft"
-register_stage(STAGE, StageRequirements(modules=["vllm", "torch", "aiohttp", "dagster_pipes"], output_dirs=["draft_evaluation"]))
+register_stage(STAGE, StageRequirements(modules=["vllm", "torch", "openai", "dagster_pipes"], output_dirs=["draft_evaluation"]))
 
 
 class DraftEvaluationConfig(Config):

@@ -28,7 +28,7 @@ from dagster import (
     MetadataValue,
     asset,
 )
-from dagster._core.definitions.data_version import extract_data_version_from_entry
+from dagster._core.definitions.data_version import extract_data_version_from_entry  # no public reader of the tag
 
 from eagle3_assets.check_results import check_result
 from eagle3_assets.config_fields import config_field, settings_of

@@ -128,6 +128,7 @@ def _generate(context: AssetExecutionContext, vllm_server: VLLMServerResource, p
             progress_interval_s=vllm_server.progress_interval_s,
             canary_prompt=vllm_server.canary_prompt,
             canary_max_tokens=vllm_server.canary_max_tokens,
+            canary_client=vllm_server.get_async_client,
         )
     except PreflightError as exc:
         raise Failure(f"raw_responses {key}: pre-flight failed, nothing was sent: {exc}") from None

@@ -30,15 +30,18 @@ from dagster import (
     AssetExecutionContext,
     ConfigurableResource,
     DagsterInstance,
+    EnvVar,
     Failure,
     MetadataValue,
     OpExecutionContext,
+    PipesClientCompletedInvocation,
     PipesEnvContextInjector,
     PipesMessageReader,
     open_pipes_session,
 )
+
+# The error Dagster's own Pipes clients raise for a failed external process; Dagster does not export it.
 from dagster._core.errors import DagsterPipesExecutionError
-from dagster._core.pipes.client import PipesClientCompletedInvocation
 from pydantic import Field
 
 from eagle3_assets.core import preflight as preflight_module
@@ -52,6 +55,7 @@ from resources.pools import ensure_pool_limit
 GPU_POOL = os.environ.get("EAGLE3_GPU_POOL") or "gpu_host"
 GPU_POOL_LIMIT_ENV = "EAGLE3_GPU_POOL_LIMIT"
 MODES = ("local", "ssh")
+HF_TOKEN_ENV = "HF_TOKEN"  # what huggingface_hub reads; a gated target on the hub needs it on the GPU host
 
 # What each GPU stage needs from the host. A stage's asset module declares its entry with
 # ``register_stage(...)``; ``run_stage`` uses it when no requirements are passed, and the
@@ -115,6 +119,11 @@ class GPUHost(ConfigurableResource):
     remove_partial_files: bool = Field(default=False, description="delete partial files left by an aborted run instead of failing the pre-flight")
     preflight_timeout_s: float = Field(default=300.0, description="limit for the pre-flight (imports of large modules included)")
     termination_grace_s: float = Field(default=20.0, description="time a stage gets to stop after the run is terminated, before SIGKILL")
+    hf_token: str | None = Field(
+        default=None,
+        description=f"Hugging Face token for a gated or private target on the hub, given to every stage as ${HF_TOKEN_ENV} on the "
+        f"runner's stdin (never on a command line, never logged); set it with EnvVar('{HF_TOKEN_ENV}'), never as a literal",
+    )
 
     # -- where and how
 
@@ -147,6 +156,10 @@ class GPUHost(ConfigurableResource):
 
     def host_lock_dir(self) -> str:
         return self.lock_dir or os.path.join(self.host_data_dir(), ".locks")
+
+    def stage_secrets(self) -> dict[str, str]:
+        """The secrets every stage gets in its environment: those set."""
+        return {HF_TOKEN_ENV: self.hf_token} if self.hf_token else {}
 
     def requirements_for(self, stage: str, requirements: StageRequirements | None = None) -> StageRequirements:
         return requirements or STAGE_REQUIREMENTS.get(stage) or StageRequirements()
@@ -216,7 +229,7 @@ class GPUHost(ConfigurableResource):
         context.log.info(f"GPU host {label}: pre-flight for {stage} passed ({preflight_summary(report)})")
 
         cpu_allowed = requirements.cpu_allowed or self.allow_cpu
-        stage_env = {**(env or {}), DATA_DIR_ENV: self.host_data_dir(), "EAGLE3_ALLOW_CPU": "1" if cpu_allowed else "0"}
+        stage_env = {**self.stage_secrets(), **(env or {}), DATA_DIR_ENV: self.host_data_dir(), "EAGLE3_ALLOW_CPU": "1" if cpu_allowed else "0"}
         runner = [
             self.python, "-m", STAGE_PACKAGE, stage,
             "--lock", report["lock"]["path"],
@@ -331,6 +344,8 @@ def gpu_host_from_env() -> GPUHost:
     ):
         if os.environ.get(variable):
             fields[field_name] = os.environ[variable]
+    if os.environ.get(HF_TOKEN_ENV):  # an EnvVar of an unset variable fails the run: only pass it when set
+        fields["hf_token"] = EnvVar(HF_TOKEN_ENV)
     if os.environ.get("EAGLE3_GPU_HOST_ALLOW_CPU"):
         fields["allow_cpu"] = os.environ["EAGLE3_GPU_HOST_ALLOW_CPU"].lower() in {"1", "true", "yes"}
     return GPUHost(**fields)

@@ -17,6 +17,26 @@ launchpad), and :meth:`VLLMServerResource.request_urls` puts them back for the
 requests only. A URL typed with credentials into run config works too, but
 Dagster then stores it with the run: the asset warns.
 
+In a notebook (or any script), the resource gives a configured ``openai``
+client of the first server (or of the one named): base URL ``<server>/v1``, the
+API key of ``VLLM_API_KEY`` (or a placeholder the server ignores when it has no
+key), this resource's connect and read timeouts and ``max_retries``::
+
+    from resources.vllm_server import VLLMServerResource
+
+    server = VLLMServerResource.from_env()  # or VLLMServerResource(base_urls=["http://gpu-host:8000"])
+    with server.get_client() as client:
+        reply = client.chat.completions.create(
+            model=server.served_model_name, messages=[{"role": "user", "content": "What is 17 + 25?"}], max_tokens=256
+        )
+    # vLLM's reasoning parser puts the thinking beside the answer (older vLLM: reasoning_content).
+    print(reply.choices[0].message.model_extra.get("reasoning"), reply.choices[0].message.content)
+
+``get_async_client()`` is the asyncio twin (``async with server.get_async_client() as client``).
+The generation pre-flight's canary goes through it; the generation itself uses
+its own aiohttp client, which ``bench/generation.py`` measures faster than the
+SDK at the concurrency a GPU server needs.
+
 The Dagster pool :data:`GENERATION_POOL` holds generation steps: with its limit
 at 1 (the default), a backfill of many shards generates one shard at a time, so
 in-flight requests stay at ``concurrency`` instead of shards x concurrency.
@@ -25,7 +45,7 @@ in-flight requests stay at ``concurrency`` instead of shards x concurrency.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dagster import ConfigurableResource, DagsterInstance, EnvVar
 from pydantic import Field
@@ -38,9 +58,13 @@ from eagle3_assets.core.generation import (
     GenerationConfig,
     Sampling,
 )
+from eagle3_assets.core.openai_client import async_openai_client, openai_client
 from eagle3_assets.core.redaction import has_credentials, redact_url
 from eagle3_assets.core.vllm_launcher import DEFAULT_SERVED_NAME
 from resources.pools import ensure_pool_limit
+
+if TYPE_CHECKING:
+    import openai
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 URLS_ENV = "EAGLE3_VLLM_URLS"
@@ -59,6 +83,14 @@ def urls_from_env() -> list[str]:
 def shown_urls_from_env() -> list[str]:
     """``EAGLE3_VLLM_URLS`` without credentials: what config, the launchpad and the instance's records hold."""
     return [redact_url(u) for u in urls_from_env()]
+
+
+def with_env_credentials(url: str) -> str:
+    """``url`` with the credentials ``EAGLE3_VLLM_URLS`` gives for it (matched by the URL without them), else as it is."""
+    if has_credentials(url):
+        return url
+    secret = {redact_url(u).rstrip("/"): u for u in urls_from_env() if has_credentials(u)}
+    return secret.get(url.rstrip("/"), url)
 
 
 def served_model_from_env() -> str:
@@ -115,19 +147,38 @@ class VLLMServerResource(ConfigurableResource):
 
     def request_urls(self) -> list[str]:
         """``base_urls`` with the credentials ``EAGLE3_VLLM_URLS`` gives for them (matched by the URL without them)."""
-        secret = {redact_url(u).rstrip("/"): u for u in urls_from_env() if has_credentials(u)}
-        return [u if has_credentials(u) else secret.get(u.rstrip("/"), u) for u in self.base_urls]
+        return [with_env_credentials(u) for u in self.base_urls]
 
     def credentials_in_config(self) -> bool:
         """Whether run config itself carries URL credentials (Dagster stores run config with the run)."""
         return any(has_credentials(u) for u in self.base_urls)
 
+    def request_api_key(self) -> str | None:
+        """The key requests carry; unset in run config (a launchpad override of other fields drops it): the run's own environment."""
+        key = self.api_key
+        if isinstance(key, EnvVar):  # outside a run (a notebook): only a run resolves it, when it initialises the resource
+            key = key.get_value()
+        return key or os.environ.get(API_KEY_ENV) or None
+
+    def get_client(self, base_url: str | None = None) -> openai.OpenAI:
+        """An ``openai.OpenAI`` client of ``base_url`` (default: the first server), configured as this resource is."""
+        return openai_client(self._client_url(base_url), self.request_api_key(), **self._client_settings())
+
+    def get_async_client(self, base_url: str | None = None) -> openai.AsyncOpenAI:
+        """An ``openai.AsyncOpenAI`` client of ``base_url`` (default: the first server), configured as this resource is."""
+        return async_openai_client(self._client_url(base_url), self.request_api_key(), **self._client_settings())
+
+    def _client_url(self, base_url: str | None) -> str:
+        return self.request_urls()[0] if base_url is None else with_env_credentials(base_url)
+
+    def _client_settings(self) -> dict[str, Any]:
+        return {"connect_timeout_s": self.connect_timeout_s, "read_timeout_s": self.read_timeout_s, "max_retries": self.max_retries}
+
     def generation_config(self) -> GenerationConfig:
         return GenerationConfig(
             base_urls=tuple(self.request_urls()),
             model=self.served_model_name,
-            # Unset in run config (a launchpad override of other fields drops it): the run's own environment.
-            api_key=self.api_key or os.environ.get(API_KEY_ENV) or None,
+            api_key=self.request_api_key(),
             sampling=self.sampling(),
             extra_body=dict(self.extra_body),
             # The rest by name: concurrency, max_tokens, timeouts, retries, what a rerun resends.

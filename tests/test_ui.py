@@ -55,7 +55,7 @@ VALIDATION_CHECKS = [  # the blocking gates first
 BLOCKING_VALIDATION_CHECKS = 5
 GROUPS = ["generation", "validation", "extraction", "training", "evaluation"]
 
-RUN_TIMEOUT_S = 900  # one shard: a run worker loads the code, generates 64 answers on 2 CPU cores, validates
+RUN_TIMEOUT_S = 900  # one shard: a run worker loads the code, generates 64 answers on a CPU, validates
 BACKFILL_TIMEOUT_S = 1800  # three shards, one generating at a time (the vllm_generation pool)
 UI_TIMEOUT_MS = 60_000  # a loaded 2-core machine renders slowly
 

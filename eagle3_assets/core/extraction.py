@@ -57,16 +57,13 @@ from eagle3_assets.core.shard_files import ShardFileError, quarantine, read_shar
 from eagle3_assets.core.shard_paths import SIDECAR
 from eagle3_assets.core.storage import PARTIAL_SUFFIX, atomic_path, file_hash, stable_hash, write_json_atomic
 from eagle3_assets.core.target import LAYER_IDS_SETTING, TargetError, layer_id_problem, read_config, text_config
-from eagle3_assets.core.state_layout import (  # noqa: F401  re-exported: the stages and tests import them from here
-    BACKENDS,
+from eagle3_assets.core.state_layout import (
     DEFAULT_DTYPE,
     DEFAULT_PART_BYTES,
     FINAL_STATES,
-    FP8_DTYPE,
     STORAGE_DTYPE_BYTES,
     bytes_per_token,
     is_scaled,
-    state_bytes_per_token,
 )
 
 FORMAT_VERSION = 1

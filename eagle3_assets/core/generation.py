@@ -1,10 +1,12 @@
 """Regenerate reasoning traces through an OpenAI-compatible server (vLLM, SGLang), fast and resumably.
 
-Why a hand-written client and not the ``openai`` SDK: the SDK's httpx transport
-becomes the bottleneck at the concurrency a GPU server needs (measured here at
-concurrency 64 against an instant stub: plain aiohttp ~3,100 requests/s, the
-SDK ~217/s; see DESIGN.md section 3 and ``bench/generation.py``). The wire
-format is still exactly OpenAI's chat completions, so any server that speaks it
+Why a hand-written aiohttp client for the samples and not the ``openai`` SDK:
+the SDK, on its default transport and on its aiohttp one alike, becomes the
+bottleneck at the concurrency a GPU server needs: against an instant stub it
+answers a small fraction of what plain aiohttp does (``bench/generation.py``
+prints both figures; DESIGN.md section 3). The pre-flight's single canary
+request does go through the SDK (:mod:`.openai_client`). The wire format is
+exactly OpenAI's chat completions either way, so any server that speaks it
 works.
 
 What the client gets right, because the story this project comes from got it wrong:
@@ -55,7 +57,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import polars as pl
@@ -64,6 +66,7 @@ from eagle3_assets.core.job_schema import JobSchema, given, setting
 from eagle3_assets.core.journal import ShardJournal, keep_superseded, parquet_fingerprint, parquet_generation
 from eagle3_assets.core.shard_paths import superseded_path
 from eagle3_assets.core.markdown import markdown_histogram
+from eagle3_assets.core.openai_client import async_openai_client
 from eagle3_assets.core.redaction import has_credentials, redact_credentials, redact_url
 from eagle3_assets.core.response_rules import (
     DEFAULT_MAX_ATTEMPTS_PER_SAMPLE,
@@ -72,6 +75,12 @@ from eagle3_assets.core.response_rules import (
     content_failures,
 )
 from eagle3_assets.core.storage import stable_hash
+
+if TYPE_CHECKING:
+    import openai
+
+# Makes the pre-flight's canary client for a server's base URL (credentials included; the caller closes it).
+CanaryClient = Callable[[str], "openai.AsyncOpenAI"]
 
 # The contract of ``<data>/raw_responses/<shard>.parquet`` (one row per prompt).
 ROW_SCHEMA: dict[str, pl.DataType] = {
@@ -396,9 +405,14 @@ class GenerationClient:
 
     # ------------------------------------------------------------ pre-flight
     async def preflight(
-        self, canary_prompt: str = DEFAULT_CANARY_PROMPT, canary_max_tokens: int = DEFAULT_CANARY_MAX_TOKENS
+        self, canary_prompt: str = DEFAULT_CANARY_PROMPT, canary_max_tokens: int = DEFAULT_CANARY_MAX_TOKENS, canary_client: CanaryClient | None = None
     ) -> PreflightReport:
-        """``/health``, ``/v1/models`` and one canary completion with reasoning on every server, or PreflightError."""
+        """``/health``, ``/v1/models`` and one canary completion with reasoning on every server, or PreflightError.
+
+        The canary goes through the ``openai`` SDK: ``canary_client`` makes one
+        for a server's base URL (the Dagster resource passes its
+        ``get_async_client``); by default one is built from this client's config.
+        """
         models: dict[str, dict[str, Any]] = {}
         for server in self.config.servers:
             shown = self._shown[server]
@@ -427,11 +441,12 @@ class GenerationClient:
                 f"vllm_server.max_tokens={self.config.max_tokens} exceeds the server's max_model_len={max_model_len} "
                 "(vLLM rejects every such request): lower max_tokens or serve with a longer --max-model-len"
             )
-        canary = Sample(CANARY_ID, [{"role": "user", "content": canary_prompt}])
         canary_row: dict[str, Any] = {}
         for server in self.config.servers:
             shown = self._shown[server]
-            canary_row = await self.complete(canary, max_tokens=min(self.config.max_tokens, canary_max_tokens), server=server)
+            sdk = (canary_client or self._sdk_client)(server)
+            async with sdk:
+                canary_row = await self._canary(sdk, canary_prompt, min(self.config.max_tokens, canary_max_tokens))
             if canary_row["error"]:
                 raise PreflightError(f"vLLM server {shown}: the canary request failed: {canary_row['error']}")
             if not (canary_row["reasoning"] or "").strip():
@@ -447,6 +462,42 @@ class GenerationClient:
             canary_reasoning_field=canary_row["reasoning_field"],
             canary_reasoning=canary_row["reasoning"][:200],
         )
+
+    def _sdk_client(self, server: str) -> openai.AsyncOpenAI:
+        config = self.config
+        return async_openai_client(
+            server, config.api_key, connect_timeout_s=config.connect_timeout_s, read_timeout_s=config.read_timeout_s, max_retries=config.max_retries
+        )
+
+    async def _canary(self, sdk: openai.AsyncOpenAI, prompt: str, max_tokens: int) -> dict[str, Any]:
+        """The canary's completion as a row's fields (``error`` set when it failed); read from the raw JSON as every row is.
+
+        The SDK retries what :meth:`complete` retries (connection errors, 408, 429, 5xx); the request body is the
+        samples' own (sampling, ``extra_body``, ``return_token_ids``), sent as the SDK's ``extra_body``.
+        """
+        import openai
+
+        fields = dict(self._fields)
+        fields["max_tokens"] = max_tokens
+        model = fields.pop("model")
+        try:
+            raw = await sdk.chat.completions.with_raw_response.create(
+                model=model,
+                messages=[{"role": "user", "content": prompt}],
+                extra_body=fields,
+                extra_headers={SAMPLE_ID_HEADER: CANARY_ID},
+            )
+            payload = raw.content
+        except openai.APIStatusError as exc:
+            return {"error": f"{HTTP_ERROR} {exc.status_code}: {_error_message(exc.response.content)}"}
+        except openai.APITimeoutError:
+            return {"error": f"{READ_TIMEOUT}: no response within {self.config.read_timeout_s:g}s"}
+        except openai.APIConnectionError as exc:
+            return {"error": f"{CONNECTION_ERROR}: {_describe(exc.__cause__ or exc)}"}
+        try:
+            return {**parse_completion(json.loads(payload)), "error": None}
+        except ValueError as exc:  # JSONDecodeError is a ValueError
+            return {"error": f"{MALFORMED_RESPONSE}: {exc}; body starts {_excerpt(payload)}"}
 
     async def _get(self, server: str, path: str) -> tuple[int, bytes]:
         try:
@@ -610,6 +661,7 @@ def generate_shard(
     progress_interval_s: float = DEFAULT_PROGRESS_INTERVAL_S,
     canary_prompt: str = DEFAULT_CANARY_PROMPT,
     canary_max_tokens: int = DEFAULT_CANARY_MAX_TOKENS,
+    canary_client: CanaryClient | None = None,
 ) -> ShardOutcome:
     """Pre-flight, then generate every sample of a shard not yet durable, then write the shard's Parquet.
 
@@ -617,7 +669,9 @@ def generate_shard(
     and ServerUnavailableError (journal kept) when the server goes away mid-shard.
     """
     return asyncio.run(
-        _generate_shard(config, samples, Path(journal_path), Path(parquet_path), log, progress_interval_s, canary_prompt, canary_max_tokens)
+        _generate_shard(
+            config, samples, Path(journal_path), Path(parquet_path), log, progress_interval_s, canary_prompt, canary_max_tokens, canary_client
+        )
     )
 
 
@@ -630,13 +684,14 @@ async def _generate_shard(
     progress_interval_s: float,
     canary_prompt: str,
     canary_max_tokens: int,
+    canary_client: CanaryClient | None = None,
 ) -> ShardOutcome:
     ids = [s.id for s in samples]
     duplicated = [i for i, n in Counter(ids).items() if n > 1]
     if duplicated:
         raise ValueError(f"{len(duplicated)} sample ids occur more than once in the shard (first: {duplicated[:5]}); ids must be unique")
     async with GenerationClient(config, log=log) as client:
-        report = await client.preflight(canary_prompt, canary_max_tokens)
+        report = await client.preflight(canary_prompt, canary_max_tokens, canary_client)
         log(
             f"pre-flight ok: {', '.join(report.servers)} serve {config.model!r} (max_model_len {report.max_model_len}); "
             f"canary reasoning in message.{report.canary_reasoning_field}"

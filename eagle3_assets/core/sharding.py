@@ -29,10 +29,6 @@ def shard_index(key: str) -> int:
     return int(match.group(1))
 
 
-def shard_of_row(row_index: int, shard_size: int) -> str:
-    return shard_key(row_index // shard_size)
-
-
 def shard_keys_for(num_rows: int, shard_size: int) -> list[str]:
     """Every shard key a dataset of ``num_rows`` rows spans."""
     if shard_size <= 0:

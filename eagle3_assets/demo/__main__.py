@@ -46,7 +46,7 @@ def main() -> int:
         print(f"demo: vLLM serving the {demo.name} target at {server.base_url}", flush=True)
         if not run_per_shard(instance, server.base_url, server.served_model_name, demo=demo).ok:
             return 1
-    # The whole-dataset assets start vLLM servers of their own (target + draft): the 2 cores go to them.
+    # The whole-dataset assets start vLLM servers of their own (target + draft): the machine's cores go to them.
     if not run_whole_dataset(instance, demo=demo).ok:
         return 1
     print(f"demo: done in {time.monotonic() - started:.0f}s; outputs under {data_dir()}:")

@@ -134,7 +134,8 @@ def run(job: ExtractionJob, log=print, run_id: str | None = None) -> tuple[dict[
 def _extract_and_check(job: ExtractionJob, log, facts, traces, shard_dir: Path, target_check) -> tuple[dict[str, Any], list]:
     import torch
 
-    from eagle3_assets.core.extraction import ExtractionSettings, TransformersBackend, extract_shard, state_bytes_per_token
+    from eagle3_assets.core.extraction import ExtractionSettings, TransformersBackend, extract_shard
+    from eagle3_assets.core.state_layout import state_bytes_per_token
     from eagle3_assets.core.hidden_state_checks import (
         check_aux_states_match_layer_ids,
         check_final_state_reproduces_logits,

@@ -44,7 +44,7 @@ def initial_draft(config: TrainConfig, index: HiddenStateIndex, mapping: VocabMa
             if config.head_from_target:
                 # The draft's head starts as the target's own (final norm, lm_head rows of the draft
                 # vocabulary): the draft then only has to learn to produce the target's final state.
-                # Seen here on the tiny target: acceptance 2.19 instead of 1.88 after the same training.
+                # On a tiny target this gave a clearly longer acceptance after the same training.
                 draft.norm.weight.copy_(target["norm"])
                 draft.lm_head.weight.copy_(target["lm_head"][mapping.draft_to_target])
         draft.set_vocab_mapping(mapping.d2t, mapping.t2d)
