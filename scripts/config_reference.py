@@ -188,11 +188,39 @@ def config_class(node_def):
     from dagster import Config, ConfigurableResource
 
     fn = getattr(node_def.compute_fn, "decorated_fn", node_def.compute_fn)
-    parameter = inspect.signature(fn).parameters.get("config")
-    annotation = parameter.annotation if parameter is not None else None
+    try:
+        annotation = typing.get_type_hints(fn).get("config")
+    except Exception:  # an annotation that does not resolve: read the signature as written
+        parameter = inspect.signature(fn).parameters.get("config")
+        annotation = parameter.annotation if parameter is not None else None
     if inspect.isclass(annotation) and issubclass(annotation, Config) and not issubclass(annotation, ConfigurableResource):
         return annotation
     return None
+
+
+def schema_type(config_type) -> str:
+    kind = config_type.kind.name
+    if kind == "NONEABLE":
+        return f"{schema_type(config_type.inner_type)} | None"
+    if kind == "ARRAY":
+        return f"list[{schema_type(config_type.inner_type)}]"
+    if kind == "SCALAR_UNION":  # a scalar that may also be given as a selector: show the scalar
+        return schema_type(config_type.scalar_type)
+    return config_type.given_name or kind.lower()
+
+
+def schema_rows(node_def) -> list[dict]:
+    """The op's config fields as Dagster's schema has them: for config given without a ``Config`` class."""
+    config_type = node_def.config_schema.config_type
+    rows = []
+    for name, field in (getattr(config_type, "fields", None) or {}).items():
+        rows.append({
+            "name": name,
+            "type": schema_type(field.config_type),
+            "default": show(field.default_value) if field.default_provided else ("required" if field.is_required else "None"),
+            "description": field.description or "",
+        })  # fmt: skip
+    return rows
 
 
 def env_reads() -> dict[str, list[str]]:
@@ -230,14 +258,17 @@ def collect_here() -> dict:
     nodes = [(".".join(a.key.path), a.op) for a in defs.assets if getattr(a, "op", None) is not None and hasattr(a, "key")]
     nodes += [(f"{job.name}: {node.name}", node) for job in defs.jobs for node in job.graph.node_defs]
     for where, node_def in nodes:
-        cls = config_class(node_def)
-        if cls is None or (where, cls) in seen:
+        if where in seen:
             continue
-        seen.add((where, cls))
-        configs.append({
-            "where": where, "op": node_def.name, "class": f"{cls.__module__}.{cls.__qualname__}",
-            "doc": inspect.getdoc(cls) if cls.__doc__ else "", "fields": field_rows(cls),
-        })  # fmt: skip
+        seen.add(where)
+        cls = config_class(node_def)
+        if cls is not None:
+            configs.append({
+                "where": where, "op": node_def.name, "class": f"{cls.__module__}.{cls.__qualname__}",
+                "doc": inspect.getdoc(cls) if cls.__doc__ else "", "fields": field_rows(cls),
+            })  # fmt: skip
+        elif schema_rows(node_def):  # config without a Config class: still on the page, from Dagster's schema
+            configs.append({"where": where, "op": node_def.name, "class": "Dagster config schema", "doc": "", "fields": schema_rows(node_def)})
 
     sensors = [
         {

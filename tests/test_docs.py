@@ -56,6 +56,18 @@ def test_defaults_do_not_depend_on_the_environment(generator, monkeypatch):
     assert "EAGLE3_VLLM_URLS" not in generator.clean_env() and "EAGLE3_SHARD_SIZE" not in generator.clean_env()
 
 
+def test_run_config_classes_are_what_dagster_accepts(generator, collected):
+    """The classes found from the compute functions' signatures have the fields of Dagster's own config schema."""
+    from eagle3_assets.definitions import defs
+
+    nodes = {a.op.name: a.op for a in defs.assets if getattr(a, "op", None) is not None}
+    nodes.update({node.name: node for job in defs.jobs for node in job.graph.node_defs})
+    with_config = {name for name, node in nodes.items() if generator.schema_rows(node)}
+    assert {c["op"] for c in collected["configs"]} == with_config
+    for config in collected["configs"]:
+        assert [f["name"] for f in config["fields"]] == [r["name"] for r in generator.schema_rows(nodes[config["op"]])]
+
+
 def test_check_reports_a_stale_page(generator, collected, tmp_path, monkeypatch, capsys):
     stale = tmp_path / "configuration.md"
     stale.write_text(generator.render(collected).replace("| `max_tokens` |", "| `max_tokens_old` |"), encoding="utf-8")
