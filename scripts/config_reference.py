@@ -94,8 +94,11 @@ Every knob is one of three things:
   deployment; secrets are bound as Dagster `EnvVar`s and never shown in the launchpad or logs;
 - a **resource field**, set per run under `resources: <key>: config:` in the launchpad. Run
   config for a resource *replaces* the values the code location gave it as a whole: fields it
-  does not name take the class defaults below, except those whose default is read from the
-  environment (the servers, the model, the target), which keep the environment's value;
+  does not name take their class defaults. Where the class default is itself read from the
+  environment (`vllm_server`'s servers and model, `target_model`, `production_servers`' URLs;
+  `VLLM_API_KEY` is read again at run time), an override keeps the environment's value; values
+  the code location passes in (the GPU host's, the alert channel's, the prompt dataset's, the
+  demo's sampling) it does not, so an override names every field it needs;
 - an asset's **run config**, set per run under `ops: <asset>: config:`.
 
 ```yaml
