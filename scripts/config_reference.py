@@ -226,6 +226,12 @@ def schema_rows(node_def) -> list[dict]:
     return rows
 
 
+def own_doc(cls) -> str:
+    """The first paragraph of the class's own docstring (not one inherited from Dagster's base classes)."""
+    doc = cls.__dict__.get("__doc__")
+    return " ".join(inspect.cleandoc(doc).split("\n\n")[0].split()) if doc else ""
+
+
 def env_reads() -> dict[str, list[str]]:
     """Every project environment variable named in the source, with the files that name it."""
     found: dict[str, set[str]] = {}
@@ -237,6 +243,8 @@ def env_reads() -> dict[str, list[str]]:
 
 
 def collect_here() -> dict:
+    from dagster import AssetsDefinition
+
     from eagle3_assets.definitions import defs
 
     resources = []
@@ -253,12 +261,12 @@ def collect_here() -> dict:
             if show(value) != row["default"] and row["default"] != "required":
                 configured[row["name"]] = show(value)
         resources.append({
-            "key": key, "class": f"{cls.__module__}.{cls.__qualname__}", "doc": inspect.getdoc(cls) or "",
+            "key": key, "class": f"{cls.__module__}.{cls.__qualname__}", "doc": own_doc(cls),
             "fields": rows, "configured": configured,
         })  # fmt: skip
 
     configs, seen = [], set()
-    nodes = [(".".join(a.key.path), a.op) for a in defs.assets if getattr(a, "op", None) is not None and hasattr(a, "key")]
+    nodes = [(a.op.name, a.op) for a in defs.assets if isinstance(a, AssetsDefinition) and a.is_executable]
     nodes += [(f"{job.name}: {node.name}", node) for job in defs.jobs for node in job.graph.node_defs]
     for where, node_def in nodes:
         if where in seen:
@@ -268,7 +276,7 @@ def collect_here() -> dict:
         if cls is not None:
             configs.append({
                 "where": where, "op": node_def.name, "class": f"{cls.__module__}.{cls.__qualname__}",
-                "doc": inspect.getdoc(cls) if cls.__doc__ else "", "fields": field_rows(cls),
+                "doc": own_doc(cls), "fields": field_rows(cls),
             })  # fmt: skip
         elif schema_rows(node_def):  # config without a Config class: still on the page, from Dagster's schema
             configs.append({"where": where, "op": node_def.name, "class": "Dagster config schema", "doc": "", "fields": schema_rows(node_def)})
