@@ -98,7 +98,7 @@ def test_wrong_layer_ids_score_clearly_below_and_are_rejected_before_evaluation(
     vLLM feeds the draft the wrong states and nothing fails, only acceptance
     drops (2.89 -> 2.33 measured here). An off-by-one export costs far less
     on a 7-layer target (2.75 -> 2.69), whose neighbouring layers' states are
-    close, so for that one only the gate tells them apart (README, Evaluating).
+    close, so for that one only the gate tells them apart (docs/evaluation.md).
     vLLM treats the ids as a set: the same ids reversed score the same.
     """
     instance, data = demo_graph

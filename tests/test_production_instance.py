@@ -164,7 +164,7 @@ class PostgresServer:
             shutil.rmtree(self.root, ignore_errors=True)
 
     def env(self) -> dict[str, str]:
-        """What deploy/dagster.yaml reads (see deploy/README.md)."""
+        """What deploy/dagster.yaml reads (see docs/production.md)."""
         return {
             "DAGSTER_PG_USERNAME": self.user,
             "DAGSTER_PG_PASSWORD": self.password,
@@ -270,7 +270,7 @@ def test_backfill_through_the_production_instance(postgres, vllm_server, data_di
         assert type(instance.schedule_storage).__name__ == "PostgresScheduleStorage"
         assert type(instance.run_coordinator).__name__ == "QueuedRunCoordinator"
 
-        # The deployment step deploy/README.md prescribes: give the project's pools their limits.
+        # The deployment step docs/production.md prescribes: give the project's pools their limits.
         from resources.gpu_host import GPU_POOL, ensure_gpu_pool_limit
         from resources.vllm_server import GENERATION_POOL, ensure_generation_pool_limit
 

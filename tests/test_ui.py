@@ -281,7 +281,7 @@ def test_backfill_three_shards_from_the_partitions_dialog(stack, page):
         shot(page, "06-backfill-completed")
 
     with evidence(page, stack, "asset-graph"):
-        # The whole graph, every group unfolded: the README's screenshot (docs/ui-asset-graph.png).
+        # The whole graph, every group unfolded: the screenshot in docs/ui.md (docs/ui-asset-graph.png).
         expanded = "%2C".join(f"global%40global%3A{group}" for group in GROUPS)
         page.goto(f"{stack.url}/asset-groups?expanded={expanded}")
         for asset in ALL_ASSETS:
