@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 import shutil
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -511,6 +511,20 @@ def _first(ids: Iterable[str]) -> list[str]:
     return out
 
 
+def _none_allowed(name: str, figure_name: str, offending: Collection[str], description: str, counts: dict[str, Any] | None = None) -> CheckOutcome:
+    """A gate that allows no offending row: it passes only when ``offending`` is empty, and its figure is how many there are."""
+    return CheckOutcome.measured(
+        name,
+        passed=not offending,
+        figure_name=figure_name,
+        figure=len(offending),
+        threshold=0,
+        offending_ids=_first(offending),
+        description=description,
+        counts=counts,
+    )
+
+
 def check_traces_present(kept: int, rejected_by_reason: dict[str, int], rejected_examples: Sequence[str] = ()) -> CheckOutcome:
     rejected = sum(rejected_by_reason.values())
     description = (
@@ -597,14 +611,11 @@ def check_request_errors_rare(raw_rows: int, error_ids: Sequence[str], errors_by
 
 def check_prompts_fit_context(raw_rows: int, too_long_ids: Sequence[str]) -> CheckOutcome:
     """Prompts longer than the server's context can never be generated: counted and named, never blocking by themselves."""
-    return CheckOutcome.measured(
+    return _none_allowed(
         "prompts_fit_context",
-        passed=not too_long_ids,
-        figure_name="prompts_too_long",
-        figure=len(too_long_ids),
-        threshold=0,
-        offending_ids=_first(too_long_ids),
-        description=(
+        "prompts_too_long",
+        too_long_ids,
+        (
             f"{len(too_long_ids)} of {raw_rows} prompts are longer than the server's context (max_model_len) and were "
             f"never sent; they are rejected as {PROMPT_TOO_LONG}. No rerun can generate them: serve the model with a "
             "longer --max-model-len, or leave them out of the prompt set"
@@ -664,14 +675,11 @@ def check_loss_mask_aligned(alignment: MaskAlignment) -> CheckOutcome:
     against_server = alignment.rows_checked_against_server_ids
     examples = [f"{i}: {p}" for i, p in list(problems.items())[:3]]
     how = f"{against_server} of them token by token against the server's output_token_ids"
-    return CheckOutcome.measured(
+    return _none_allowed(
         "loss_mask_aligned",
-        passed=not problems,
-        figure_name="misaligned_rows",
-        figure=len(problems),
-        threshold=0,
-        offending_ids=_first(problems),
-        description=f"{len(problems)} of {checked} kept rows misaligned ({how}): {examples}" if problems else f"all {checked} kept rows aligned ({how})",
+        "misaligned_rows",
+        problems,
+        f"{len(problems)} of {checked} kept rows misaligned ({how}): {examples}" if problems else f"all {checked} kept rows aligned ({how})",
         counts={"rows_checked": checked, "rows_checked_against_server_ids": against_server},
     )
 
@@ -692,14 +700,11 @@ def check_truncation_rate_low(raw_rows: int, truncated_ids: Sequence[str], max_r
 
 
 def check_think_markers_absent(raw_rows: int, marker_ids: Sequence[str], markers: Sequence[str]) -> CheckOutcome:
-    return CheckOutcome.measured(
+    return _none_allowed(
         "think_markers_absent",
-        passed=not marker_ids,
-        figure_name="rows_with_think_markers",
-        figure=len(marker_ids),
-        threshold=0,
-        offending_ids=_first(marker_ids),
-        description=(
+        "rows_with_think_markers",
+        marker_ids,
+        (
             f"{len(marker_ids)} of {raw_rows} raw rows still hold {' / '.join(markers)} in their reasoning or answer: "
             "is the server's reasoning parser the target's?"
             if marker_ids
