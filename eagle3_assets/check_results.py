@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from dagster import AssetCheckResult, AssetCheckSeverity, MetadataValue
 
 from eagle3_assets.core.checks import CheckOutcome
@@ -15,4 +17,14 @@ def check_result(outcome: CheckOutcome, severity: AssetCheckSeverity = AssetChec
         severity=severity,
         description=outcome.description,
         metadata={k: MetadataValue.json(v) if isinstance(v, (list, dict)) else v for k, v in outcome.metadata.items()},
+    )
+
+
+def share_at_most(check_name: str, share_name: str, share: float, threshold: float, **evidence: Any) -> AssetCheckResult:
+    """A warning gate: ``share`` (of rejected rows, of failed requests) must stay at most ``threshold``; ``evidence`` follows it in the metadata."""
+    return AssetCheckResult(
+        check_name=check_name,
+        passed=share <= threshold,
+        severity=AssetCheckSeverity.WARN,
+        metadata={share_name: share, "threshold": threshold, **evidence},
     )

@@ -19,6 +19,7 @@ from dagster import (
     asset,
 )
 
+from eagle3_assets.check_results import share_at_most
 from eagle3_assets.core.shard_files import quarantine_if_corrupt
 from eagle3_assets.core.shard_lease import ShardLease
 from eagle3_assets.core.heldout import split_held_out
@@ -85,15 +86,6 @@ def prompts(context: AssetExecutionContext, prompt_dataset: PromptDataset) -> Ma
                 description=None if accepted else f"shard {key} has no usable prompt ({rejected} rows rejected)",
                 metadata={"accepted": accepted, "rejected": rejected},
             ),
-            AssetCheckResult(
-                check_name="rejected_rows_rare",
-                passed=rejected_share <= MAX_REJECTED_SHARE,
-                severity=AssetCheckSeverity.WARN,
-                metadata={
-                    "rejected_share": rejected_share,
-                    "threshold": MAX_REJECTED_SHARE,
-                    "examples": MetadataValue.json(examples),
-                },
-            ),
+            share_at_most("rejected_rows_rare", "rejected_share", rejected_share, MAX_REJECTED_SHARE, examples=MetadataValue.json(examples)),
         ],
     )

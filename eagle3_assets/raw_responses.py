@@ -42,7 +42,7 @@ from eagle3_assets.core.generation import (
     generate_shard,
     shard_summary,
 )
-from eagle3_assets.check_results import check_result
+from eagle3_assets.check_results import check_result, share_at_most
 from eagle3_assets.core.redaction import redact_credentials, redact_url
 from eagle3_assets.core.response_rules import DEFAULT_MIN_REASONING_SHARE
 from eagle3_assets.core.shard_files import quarantine_if_corrupt, read_shard_parquet
@@ -210,18 +210,15 @@ def _generate(context: AssetExecutionContext, vllm_server: VLLMServerResource, p
                     "unexpected_ids": MetadataValue.json(extra[:10]),
                 },
             ),
-            AssetCheckResult(
-                check_name="errors_rare",
-                passed=error_share <= MAX_ERROR_SHARE,
-                severity=AssetCheckSeverity.WARN,
-                metadata={
-                    "error_share": error_share,
-                    "threshold": MAX_ERROR_SHARE,
-                    "request_errors": summary["request_errors"],
-                    "prompts_too_long": summary["prompts_too_long"],
-                    "errors_by_kind": MetadataValue.json(summary["errors_by_kind"]),
-                    "examples": MetadataValue.json(summary["error_examples"]),
-                },
+            share_at_most(
+                "errors_rare",
+                "error_share",
+                error_share,
+                MAX_ERROR_SHARE,
+                request_errors=summary["request_errors"],
+                prompts_too_long=summary["prompts_too_long"],
+                errors_by_kind=MetadataValue.json(summary["errors_by_kind"]),
+                examples=MetadataValue.json(summary["error_examples"]),
             ),
             check_result(reasoning.with_evidence(reasoning_fields=summary["reasoning_fields"])),
         ],
