@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,17 +20,13 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from eagle3_assets.core.vllm_launcher import free_port, read_log_tail, start_logged
+
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
 _LOCATIONS = """{ workspaceOrError { __typename ... on Workspace { locationEntries {
   name loadStatus locationOrLoadError { __typename ... on PythonError { message } } } } } }"""
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def write_instance_yaml(home: Path) -> Path:
@@ -66,11 +61,7 @@ class DagsterDev:
         serve = ["-w", "workspace.yaml", "-h", "127.0.0.1", "-p", str(self.port)]
         cmd = [str(BIN / "dagster"), "dev", *serve] if self.daemon else [str(BIN / "dagster-webserver"), *serve]
         env = {**os.environ, **self.env, "DAGSTER_HOME": str(self.home)}
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(
-                cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_sigint_default
-            )
+        self.process = start_logged(cmd, self.log_path, env=env, preexec_fn=_sigint_default, cwd=REPO)
         try:
             self._wait_ready()
         except BaseException:
@@ -129,10 +120,7 @@ class DagsterDev:
         self.process = None
 
     def log_tail(self, lines: int = 60) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
+        return read_log_tail(self.log_path, lines)
 
     def describe(self) -> str:
         return f"{'dagster dev' if self.daemon else 'dagster-webserver'} on {self.url} (log {self.log_path})"

@@ -39,7 +39,7 @@ from dagster import AssetKey, DagsterEventType, DagsterInstance, DagsterRunStatu
 from dagster._core.execution.backfill import BulkActionStatus, PartitionBackfill
 from dagster._core.utils import make_new_backfill_id
 
-from eagle3_assets.core.vllm_launcher import stop_process_group
+from eagle3_assets.core.vllm_launcher import read_log_tail, stop_process_group
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED_INSTANCE_YAML = REPO / "deploy" / "dagster.yaml"
@@ -120,10 +120,7 @@ class PostgresServer:
             raise RuntimeError(f"{' '.join(args[:2])} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}\n{self.log_tail()}")
 
     def log_tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
+        return read_log_tail(self.log, lines, missing="")
 
     def start(self) -> "PostgresServer":
         self.socket_dir.mkdir()

@@ -45,6 +45,22 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def start_logged(command: Sequence[str], log_path: Path, *, env: dict[str, str], preexec_fn, cwd: Path | None = None) -> subprocess.Popen:
+    """Start ``command`` in a session of its own, so that :func:`stop_process_group` reaches all it forks,
+    its stdout and stderr appended to ``log_path``."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=preexec_fn)
+
+
+def read_log_tail(log_path: Path, lines: int, missing: str = "(no log)") -> str:
+    """The last ``lines`` lines of the log at ``log_path``; ``missing`` when it cannot be read (not written yet)."""
+    try:
+        return "\n".join(log_path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return missing
+
+
 def stop_process_group(process: subprocess.Popen | None, grace_s: float) -> None:
     """SIGTERM the group that ``process`` leads (started with ``start_new_session``), SIGKILL what is left
     after ``grace_s``: children that outlive their leader (vLLM's engine, a daemon's run workers) go too."""
@@ -132,17 +148,7 @@ class VLLMServer:
         env["HF_HUB_OFFLINE"] = "1"  # never reach for a hub model: everything is local
         if self.fast_start:
             env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "ab")
-        self.process = subprocess.Popen(
-            self.command(),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-            preexec_fn=_die_with_parent,
-        )
-        log.close()
+        self.process = start_logged(self.command(), self.log_path, env=env, preexec_fn=_die_with_parent)
         try:
             self._wait_healthy()
         except BaseException:
@@ -168,10 +174,7 @@ class VLLMServer:
         raise TimeoutError(f"vLLM server on {self.base_url} not healthy after {self.startup_timeout_s:.0f}s:\n{self.log_tail()}")
 
     def log_tail(self, lines: int = 40) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
+        return read_log_tail(self.log_path, lines)
 
     def stop(self, grace_s: float = 20.0) -> None:
         """Stop the whole process group: SIGTERM, then SIGKILL after ``grace_s``."""
