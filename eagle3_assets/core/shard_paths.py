@@ -82,21 +82,25 @@ class ShardPaths:
     def asset_dir(self) -> Path:
         return self.root / self.asset
 
+    def _shard_file(self, suffix: str) -> Path:
+        """Every file of the shard is named after it: ``<asset dir>/<shard><suffix>``."""
+        return self.asset_dir / f"{self.shard}{suffix}"
+
     @property
     def parquet(self) -> Path:
-        return self.asset_dir / f"{self.shard}{PARQUET_SUFFIX}"
+        return self._shard_file(PARQUET_SUFFIX)
 
     @property
     def rejected(self) -> Path:
-        return self.asset_dir / f"{self.shard}{REJECTED_SUFFIX}"
+        return self._shard_file(REJECTED_SUFFIX)
 
     @property
     def heldout(self) -> Path:
-        return self.asset_dir / f"{self.shard}{HELDOUT_SUFFIX}"
+        return self._shard_file(HELDOUT_SUFFIX)
 
     @property
     def journal(self) -> Path:
-        return self.asset_dir / f"{self.shard}{JOURNAL_SUFFIX}"
+        return self._shard_file(JOURNAL_SUFFIX)
 
     @property
     def lease(self) -> Path:
