@@ -82,21 +82,22 @@ class FaultProxy:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def counts(self) -> Counter[str]:
+    def _copy(self, kind, observed):
+        """A copy of what the handlers observed so far, taken under their lock: they keep adding while a test reads."""
         with self._lock:
-            return Counter(self._counts)
+            return kind(observed)
+
+    def counts(self) -> Counter[str]:
+        return self._copy(Counter, self._counts)
 
     def tokenize_counts(self) -> Counter[str]:
-        with self._lock:
-            return Counter(self._tokenize_counts)
+        return self._copy(Counter, self._tokenize_counts)
 
     def injected(self) -> Counter[str]:
-        with self._lock:
-            return Counter(self._injected)
+        return self._copy(Counter, self._injected)
 
     def authorization_seen(self) -> set[str]:
-        with self._lock:
-            return set(self._authorization)
+        return self._copy(set, self._authorization)
 
     # ---------------------------------------------------------------- lifecycle
     def __enter__(self) -> FaultProxy:
