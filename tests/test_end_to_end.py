@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 from dagster import AssetCheckKey, AssetKey, DagsterInstance
@@ -28,18 +31,26 @@ from eagle3_assets.demo.plugin import DemoTargetModel
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(3600)]
 
 
+@contextmanager
+def data_dir_instance(data: Path) -> Iterator[DagsterInstance]:
+    """``data`` as ``EAGLE3_DATA_DIR`` until the block ends, and an ephemeral instance to materialise into.
+
+    The module-scoped graphs cannot use the function-scoped ``data_dir`` fixture.
+    """
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("EAGLE3_DATA_DIR", str(data))
+        yield DagsterInstance.ephemeral()
+
+
 @pytest.fixture(scope="module")
 def demo_graph(vllm_server, tmp_path_factory):
     data = tmp_path_factory.mktemp("e2e-data")
-    patch = pytest.MonkeyPatch()
-    patch.setenv("EAGLE3_DATA_DIR", str(data))
-    instance = DagsterInstance.ephemeral()
-    shards = run_per_shard(instance, vllm_server.base_url, vllm_server.served_model_name)
-    assert shards.ok, f"per-shard assets failed on {shards.failed}"
-    whole = run_whole_dataset(instance)
-    assert whole.ok, "vocab_mapping / draft_checkpoint / draft_evaluation failed"
-    yield instance, data
-    patch.undo()
+    with data_dir_instance(data) as instance:
+        shards = run_per_shard(instance, vllm_server.base_url, vllm_server.served_model_name)
+        assert shards.ok, f"per-shard assets failed on {shards.failed}"
+        whole = run_whole_dataset(instance)
+        assert whole.ok, "vocab_mapping / draft_checkpoint / draft_evaluation failed"
+        yield instance, data
 
 
 def latest_check(instance, asset: str, check: str):

@@ -21,7 +21,7 @@ import shutil
 
 import pytest
 import torch
-from dagster import AssetCheckKey, AssetKey, DagsterInstance, RunConfig, materialize
+from dagster import AssetKey, RunConfig, materialize
 
 from eagle3_assets.core.extraction import iter_samples, read_sidecar
 from eagle3_assets.core.vllm_launcher import VLLMServer
@@ -33,31 +33,24 @@ from eagle3_assets.draft_checkpoint import draft_checkpoint
 from eagle3_assets.hidden_states import HiddenStatesConfig, hidden_states
 from eagle3_assets.partitions import register_shards
 from eagle3_assets.vocab_mapping import vocab_mapping
+from tests.test_end_to_end import data_dir_instance, latest_check
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(3600)]
 KIMI = DEMO_TARGETS["kimi"]
 SHARDS = 2
 
 
-def check(instance, asset: str, name: str):
-    record = instance.event_log_storage.get_latest_asset_check_execution_by_key([AssetCheckKey(AssetKey(asset), name)])
-    return record[AssetCheckKey(AssetKey(asset), name)].event.dagster_event.event_specific_data
-
-
 @pytest.fixture(scope="module")
 def kimi_graph(kimi_target, tmp_path_factory):
     data = tmp_path_factory.mktemp("kimi-data")
-    patch = pytest.MonkeyPatch()
-    patch.setenv("EAGLE3_DATA_DIR", str(data))
-    instance = DagsterInstance.ephemeral()
-    with VLLMServer(kimi_target, log_path=data / "vllm.log", **kimi_serving()) as server:
-        shards = run_per_shard(instance, server.base_url, server.served_model_name, demo=KIMI, shards=SHARDS)
-    assert shards.ok, f"per-shard assets failed on {shards.failed}"
-    resources = demo_resources("http://127.0.0.1:0", "unused", KIMI)
-    run_config = RunConfig(ops={"vocab_mapping": VOCAB_MAPPING_CONFIG, "draft_checkpoint": TRAINING_CONFIG})
-    trained = materialize([vocab_mapping, draft_checkpoint], resources=resources, instance=instance, run_config=run_config, raise_on_error=False)
-    yield instance, data, trained
-    patch.undo()
+    with data_dir_instance(data) as instance:
+        with VLLMServer(kimi_target, log_path=data / "vllm.log", **kimi_serving()) as server:
+            shards = run_per_shard(instance, server.base_url, server.served_model_name, demo=KIMI, shards=SHARDS)
+        assert shards.ok, f"per-shard assets failed on {shards.failed}"
+        resources = demo_resources("http://127.0.0.1:0", "unused", KIMI)
+        run_config = RunConfig(ops={"vocab_mapping": VOCAB_MAPPING_CONFIG, "draft_checkpoint": TRAINING_CONFIG})
+        trained = materialize([vocab_mapping, draft_checkpoint], resources=resources, instance=instance, run_config=run_config, raise_on_error=False)
+        yield instance, data, trained
 
 
 def test_every_per_shard_gate_is_green_on_the_kimi_target(kimi_graph):
@@ -67,7 +60,7 @@ def test_every_per_shard_gate_is_green_on_the_kimi_target(kimi_graph):
     for asset, name in [("raw_responses", "reasoning_present"), ("validated_traces", "reasoning_present"),
                         ("validated_traces", "loss_mask_aligned"), ("hidden_states", "target_matches_traces"),
                         ("hidden_states", "final_state_reproduces_logits"), ("hidden_states", "aux_states_match_layer_ids")]:  # fmt: skip
-        assert check(instance, asset, name).passed, (asset, name)
+        assert latest_check(instance, asset, name).passed, (asset, name)
     sidecar = read_sidecar(data / "hidden_states" / keys[0])
     assert sidecar["aux_layer_ids"] == [2, 3, 4] and sidecar["hidden_size"] == 128
     # The model wrote <think> itself: it is the first supervised token of every kept trace.
@@ -87,18 +80,13 @@ def test_the_vllm_backend_stores_the_states_transformers_stores(kimi_graph, tmp_
     other = tmp_path / "vllm-data"
     (other / "validated_traces").mkdir(parents=True)
     shutil.copy(data / "validated_traces" / f"{key}.parquet", other / "validated_traces")
-    patch = pytest.MonkeyPatch()
-    patch.setenv("EAGLE3_DATA_DIR", str(other))
-    try:
-        separate = DagsterInstance.ephemeral()
+    with data_dir_instance(other) as separate:
         register_shards(separate, [key])
         result = materialize(
             [hidden_states], partition_key=key, instance=separate, resources=demo_resources("http://127.0.0.1:0", "unused", KIMI),
             run_config=RunConfig(ops={"hidden_states": HiddenStatesConfig(backend="vllm", vllm_max_model_len=1024)}),
             raise_on_error=False,
         )  # fmt: skip
-    finally:
-        patch.undo()
     checks = {e.check_name: e.passed for e in result.get_asset_check_evaluations()}
     # final_state_reproduces_logits is not asserted here: against vLLM's own bf16 logits its argmax
     # agreement on this bf16 MoE target was seen both above and below 99.9 % (docs/targets.md).
@@ -123,8 +111,8 @@ def test_the_draft_is_trained_and_exported_and_serving_it_is_a_gpu_matter_here(k
     instance, data, trained = kimi_graph
     config = json.loads((data / "draft_checkpoint" / "model" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 3, 4]
-    assert check(instance, "draft_checkpoint", "config_complete").passed
-    loads = check(instance, "draft_checkpoint", "loads_in_vllm")
+    assert latest_check(instance, "draft_checkpoint", "config_complete").passed
+    loads = latest_check(instance, "draft_checkpoint", "loads_in_vllm")
     if torch.cuda.is_available():
         assert loads.passed, loads.description
     else:  # the one reason documented above, not any failure
