@@ -47,11 +47,12 @@ from pathlib import Path
 
 from eagle3_assets.core.storage import file_hash, stable_hash
 from eagle3_assets.core.target import CPU_MLA_COMPILATION_CONFIG
-from eagle3_assets.demo.prompt_set import training_traces
 from eagle3_assets.demo.target_building import (
     cached_build,
+    generation_prompt,
     train_and_save,
-    train_byte_level_bpe,
+    trained_tokenizer,
+    training_conversations,
 )
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -149,30 +150,20 @@ def response_text(reasoning: str, answer: str) -> str:
 
 def prompt_text(question: str) -> str:
     """The generation prompt for one question, rendered from ``CHAT_TEMPLATE`` (before any tokenizer exists)."""
-    import jinja2
-
-    return jinja2.Template(CHAT_TEMPLATE).render(messages=[{"role": "user", "content": question}], add_generation_prompt=True)
+    return generation_prompt(CHAT_TEMPLATE, question)
 
 
 def _training_conversations(spec: KimiTargetSpec) -> list[tuple[str, str]]:
-    """(prompt, completion) texts: the generation prompt for each question and what the target should write."""
-    return [(prompt_text(question), response_text(reasoning, answer)) for question, reasoning, answer in training_traces(spec.seed)]
+    return training_conversations(CHAT_TEMPLATE, response_text, spec.seed)
 
 
 def build_tokenizer(spec: KimiTargetSpec):
     """The in-process tokenizer the model trains with; ``save_tokenizer`` writes it as remote code."""
-    from transformers import PreTrainedTokenizerFast
-
     corpus = [text for conversation in _training_conversations(spec) for text in conversation]
-    tok = train_byte_level_bpe(corpus, spec.vocab_size, special_tokens=SPECIAL_TOKENS, plain_added_tokens=[THINK_OPEN, THINK_CLOSE])
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token=BOS,
-        eos_token=EOS,
-        pad_token=PAD,
-        chat_template=CHAT_TEMPLATE,
-        model_max_length=spec.max_position_embeddings,
-    )
+    return trained_tokenizer(
+        corpus, spec, special_tokens=SPECIAL_TOKENS, think_markers=[THINK_OPEN, THINK_CLOSE], chat_template=CHAT_TEMPLATE,
+        bos_token=BOS, eos_token=EOS, pad_token=PAD,
+    )  # fmt: skip
 
 
 def save_tokenizer(tokenizer, spec: KimiTargetSpec, directory: Path) -> None:

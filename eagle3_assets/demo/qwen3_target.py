@@ -33,12 +33,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eagle3_assets.core.storage import stable_hash
-from eagle3_assets.demo.prompt_set import training_traces
 from eagle3_assets.demo.target_building import (
     cached_build,
-    generation_prompt,
     train_and_save,
-    train_byte_level_bpe,
+    trained_tokenizer,
+    training_conversations,
 )
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -90,26 +89,16 @@ def response_text(reasoning: str, answer: str) -> str:
 
 
 def _training_conversations(spec: Qwen3TargetSpec) -> list[tuple[str, str]]:
-    """(prompt, completion) texts: the generation prompt for each question and what the target should write."""
-    return [
-        (generation_prompt(CHAT_TEMPLATE, question), response_text(reasoning, answer))
-        for question, reasoning, answer in training_traces(spec.seed)
-    ]
+    return training_conversations(CHAT_TEMPLATE, response_text, spec.seed)
 
 
 def build_tokenizer(spec: Qwen3TargetSpec):
     """Qwen3's tokens: ``<|endoftext|>`` pads, ``<|im_end|>`` is eos; no bos (Qwen3 prepends nothing)."""
-    from transformers import PreTrainedTokenizerFast
-
     corpus = [text for conversation in _training_conversations(spec) for text in conversation]
-    tok = train_byte_level_bpe(corpus, spec.vocab_size, special_tokens=[ENDOFTEXT, IM_START, IM_END], plain_added_tokens=[THINK_OPEN, THINK_CLOSE])
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token=IM_END,
-        pad_token=ENDOFTEXT,
-        chat_template=CHAT_TEMPLATE,
-        model_max_length=spec.max_position_embeddings,
-    )
+    return trained_tokenizer(
+        corpus, spec, special_tokens=[ENDOFTEXT, IM_START, IM_END], think_markers=[THINK_OPEN, THINK_CLOSE], chat_template=CHAT_TEMPLATE,
+        eos_token=IM_END, pad_token=ENDOFTEXT,
+    )  # fmt: skip
 
 
 def model_config(spec: Qwen3TargetSpec, tokenizer):

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 from eagle3_assets.core.storage import staging_dir
+from eagle3_assets.demo.prompt_set import training_traces
 
 BUILD_INFO = "build_info.json"
 
@@ -45,6 +46,23 @@ def train_byte_level_bpe(corpus: Iterable[str], vocab_size: int, special_tokens:
     tok.train_from_iterator(corpus, trainer)
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in plain_added_tokens])
     return tok
+
+
+def trained_tokenizer(corpus: Iterable[str], spec, *, special_tokens: Sequence[str], think_markers: Sequence[str], chat_template: str, **named_tokens: str):
+    """A fast tokenizer whose byte-level BPE is trained on ``corpus``, as ``spec`` sizes it (``vocab_size``, ``max_position_embeddings``).
+
+    ``named_tokens`` (``bos_token``, ``eos_token``, ``pad_token``) say which of
+    ``special_tokens`` play which part; a target without a bos leaves it out.
+    """
+    from transformers import PreTrainedTokenizerFast
+
+    tok = train_byte_level_bpe(corpus, spec.vocab_size, special_tokens=special_tokens, plain_added_tokens=think_markers)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, **named_tokens, chat_template=chat_template, model_max_length=spec.max_position_embeddings)
+
+
+def training_conversations(chat_template: str, response_text: Callable[[str, str], str], seed: int) -> list[tuple[str, str]]:
+    """(prompt, completion) texts of the demo's training traces: the generation prompt for each question and what the target should write."""
+    return [(generation_prompt(chat_template, question), response_text(reasoning, answer)) for question, reasoning, answer in training_traces(seed)]
 
 
 def conversation_batches(tokenizer, conversations: Sequence[tuple[str, str]]):

@@ -23,7 +23,8 @@ from eagle3_assets.demo.prompt_set import training_traces
 from eagle3_assets.demo.target_building import (
     cached_build,
     train_and_save,
-    train_byte_level_bpe,
+    trained_tokenizer,
+    training_conversations,
 )
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -69,32 +70,16 @@ def response_text(reasoning: str, answer: str) -> str:
 
 
 def build_tokenizer(spec: TinyTargetSpec):
-    from transformers import PreTrainedTokenizerFast
-
+    # The BPE learns from the user turn as written here, without the generation prompt's `<think>\n`.
+    # The fingerprint does not cover the corpus: another one would make new builds differ from cached ones.
     corpus = []
     for question, reasoning, answer in training_traces(spec.seed):
         corpus.append(f"{IM_START}user\n{question}{IM_END}\n{IM_START}assistant\n")
         corpus.append(response_text(reasoning, answer))
-    tok = train_byte_level_bpe(corpus, spec.vocab_size, special_tokens=[BOS, IM_START, IM_END], plain_added_tokens=[THINK_OPEN, THINK_CLOSE])
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token=BOS,
-        eos_token=IM_END,
-        pad_token=BOS,
-        chat_template=CHAT_TEMPLATE,
-        model_max_length=spec.max_position_embeddings,
-    )
-
-
-def _training_conversations(tokenizer, spec: TinyTargetSpec) -> list[tuple[str, str]]:
-    """(prompt, completion) texts: the chat template's prompt for each question and what the target should write."""
-    return [
-        (
-            tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False),
-            response_text(reasoning, answer),
-        )
-        for question, reasoning, answer in training_traces(spec.seed)
-    ]
+    return trained_tokenizer(
+        corpus, spec, special_tokens=[BOS, IM_START, IM_END], think_markers=[THINK_OPEN, THINK_CLOSE], chat_template=CHAT_TEMPLATE,
+        bos_token=BOS, eos_token=IM_END, pad_token=BOS,
+    )  # fmt: skip
 
 
 def build_tiny_target(out_dir: Path, spec: TinyTargetSpec = TinyTargetSpec(), log=print) -> Path:
@@ -122,7 +107,7 @@ def build_tiny_target(out_dir: Path, spec: TinyTargetSpec = TinyTargetSpec(), lo
         torch_dtype="float32",
     )
     model = LlamaForCausalLM(config)
-    return train_and_save(out_dir, spec, tokenizer, model, _training_conversations(tokenizer, spec), label="tiny target", log=log)
+    return train_and_save(out_dir, spec, tokenizer, model, training_conversations(CHAT_TEMPLATE, response_text, spec.seed), label="tiny target", log=log)
 
 
 def ensure_tiny_target(out_dir: Path, spec: TinyTargetSpec = TinyTargetSpec(), log=print) -> Path:
