@@ -9,7 +9,6 @@ import json
 import pytest
 
 from eagle3_assets.core.chat_rendering import ChatRenderer
-from eagle3_assets.core.storage import file_hash
 from eagle3_assets.demo.kimi_target import (
     BPE_FILE,
     IM_END,
@@ -25,7 +24,7 @@ from eagle3_assets.demo.kimi_target import (
     response_text,
 )
 from eagle3_assets.demo.prompt_set import demo_prompts, training_traces
-from tests.test_tiny_target import complete_reasoning_answers
+from tests.test_tiny_target import assert_fields_rebuild_what_the_model_wrote, assert_same_seed_builds_the_same, complete_reasoning_answers
 
 
 def load_tokenizer(path, **kwargs):
@@ -36,12 +35,7 @@ def load_tokenizer(path, **kwargs):
 
 def test_same_seed_builds_the_same_kimi_target(tmp_path):
     spec = dataclasses.replace(KimiTargetSpec(), train_steps=4)
-    first = build_kimi_target(tmp_path / "a", spec, log=lambda _: None)
-    second = build_kimi_target(tmp_path / "b", spec, log=lambda _: None)
-    for name in ("model.safetensors", BPE_FILE, "config.json", "tokenizer_config.json"):
-        assert file_hash(first / name) == file_hash(second / name), name
-    other = build_kimi_target(tmp_path / "c", dataclasses.replace(spec, seed=1), log=lambda _: None)
-    assert file_hash(other / "model.safetensors") != file_hash(first / "model.safetensors")
+    assert_same_seed_builds_the_same(build_kimi_target, spec, tmp_path, ("model.safetensors", BPE_FILE, "config.json", "tokenizer_config.json"))
 
 
 def test_config_is_a_deepseek_v3_that_vllm_cpu_can_serve(kimi_target):
@@ -139,13 +133,7 @@ def test_vllm_serves_the_kimi_target_in_reasoning_format(kimi_vllm_server, kimi_
 
     # kimi_k2 split the model's own <think>...</think>: neither marker is left in either field, and the
     # platform rebuilds from the two fields the token sequence the model wrote.
-    renderer = ChatRenderer(load_tokenizer(kimi_target, trust_remote_code=True))
-    for question, choice in complete:
-        reasoning, content = choice["message"]["reasoning"], choice["message"]["content"]
-        assert THINK_OPEN not in reasoning + content and THINK_CLOSE not in reasoning + content, choice
-        messages = [{"role": "user", "content": question}]
-        trace = renderer.render(messages, reasoning, content)
-        assert renderer.supervised_text_problem(trace.input_ids, trace.loss_mask, messages, reasoning, content) is None
+    assert_fields_rebuild_what_the_model_wrote(ChatRenderer(load_tokenizer(kimi_target, trust_remote_code=True)), complete)
 
 
 @pytest.mark.vllm

@@ -9,7 +9,6 @@ import json
 import pytest
 
 from eagle3_assets.core.chat_rendering import ChatRenderer
-from eagle3_assets.core.storage import file_hash
 from eagle3_assets.core.target import default_aux_layer_ids
 from eagle3_assets.demo.prompt_set import training_traces
 from eagle3_assets.demo.qwen3_target import (
@@ -21,7 +20,7 @@ from eagle3_assets.demo.qwen3_target import (
     build_qwen3_target,
     response_text,
 )
-from tests.test_tiny_target import complete_reasoning_answers
+from tests.test_tiny_target import assert_fields_rebuild_what_the_model_wrote, assert_same_seed_builds_the_same, complete_reasoning_answers
 
 
 def load_tokenizer(path):
@@ -31,13 +30,7 @@ def load_tokenizer(path):
 
 
 def test_same_seed_builds_the_same_qwen3_target(tmp_path):
-    spec = dataclasses.replace(Qwen3TargetSpec(), train_steps=4)
-    first = build_qwen3_target(tmp_path / "a", spec, log=lambda _: None)
-    second = build_qwen3_target(tmp_path / "b", spec, log=lambda _: None)
-    for name in ("model.safetensors", "tokenizer.json", "config.json"):
-        assert file_hash(first / name) == file_hash(second / name), name
-    other = build_qwen3_target(tmp_path / "c", dataclasses.replace(spec, seed=1), log=lambda _: None)
-    assert file_hash(other / "model.safetensors") != file_hash(first / "model.safetensors")
+    assert_same_seed_builds_the_same(build_qwen3_target, dataclasses.replace(Qwen3TargetSpec(), train_steps=4), tmp_path)
 
 
 def test_config_is_a_qwen3_with_grouped_query_attention(qwen3_target):
@@ -94,10 +87,4 @@ def test_vllm_serves_the_qwen3_target_in_reasoning_format(qwen3_vllm_server, qwe
 
     # The qwen3 parser dropped the <think> the model wrote and split at </think>: neither marker is left
     # in either field, and the platform rebuilds from the two fields the token sequence the model wrote.
-    renderer = ChatRenderer(load_tokenizer(qwen3_target))
-    for question, choice in complete:
-        reasoning, content = choice["message"]["reasoning"], choice["message"]["content"]
-        assert THINK_OPEN not in reasoning + content and THINK_CLOSE not in reasoning + content, choice
-        messages = [{"role": "user", "content": question}]
-        trace = renderer.render(messages, reasoning, content)
-        assert renderer.supervised_text_problem(trace.input_ids, trace.loss_mask, messages, reasoning, content) is None
+    assert_fields_rebuild_what_the_model_wrote(ChatRenderer(load_tokenizer(qwen3_target)), complete)

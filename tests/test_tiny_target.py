@@ -15,14 +15,18 @@ from eagle3_assets.demo.prompt_set import demo_prompts, eval_prompts
 from eagle3_assets.demo.tiny_target import THINK_CLOSE, THINK_OPEN, TinyTargetSpec, build_tiny_target
 
 
-def test_same_seed_builds_the_same_target(tmp_path):
-    spec = dataclasses.replace(TinyTargetSpec(), train_steps=8)
-    first = build_tiny_target(tmp_path / "a", spec, log=lambda _: None)
-    second = build_tiny_target(tmp_path / "b", spec, log=lambda _: None)
-    for name in ("model.safetensors", "tokenizer.json", "config.json"):
+def assert_same_seed_builds_the_same(build, spec, tmp_path, compared_files=("model.safetensors", "tokenizer.json", "config.json")):
+    """Two builds from ``spec`` write the same ``compared_files``; another seed trains other weights."""
+    first = build(tmp_path / "a", spec, log=lambda _: None)
+    second = build(tmp_path / "b", spec, log=lambda _: None)
+    for name in compared_files:
         assert file_hash(first / name) == file_hash(second / name), name
-    other = build_tiny_target(tmp_path / "c", dataclasses.replace(spec, seed=1), log=lambda _: None)
+    other = build(tmp_path / "c", dataclasses.replace(spec, seed=1), log=lambda _: None)
     assert file_hash(other / "model.safetensors") != file_hash(first / "model.safetensors")
+
+
+def test_same_seed_builds_the_same_target(tmp_path):
+    assert_same_seed_builds_the_same(build_tiny_target, dataclasses.replace(TinyTargetSpec(), train_steps=8), tmp_path)
 
 
 def test_think_markers_are_single_non_special_tokens(tiny_target):
@@ -83,6 +87,17 @@ def complete_reasoning_answers(server, label: str, timeout_s: float = 120, count
     print(f"{label} under vLLM: {len(complete)}/{len(choices)} responses complete reasoning + answer")
     assert len(complete) / len(choices) >= 0.9, f"{len(complete)}/{len(choices)} complete"
     return complete
+
+
+def assert_fields_rebuild_what_the_model_wrote(renderer, complete: list[tuple[str, dict]]) -> None:
+    """The server's reasoning parser left no think marker in either field, and ``renderer`` rebuilds from the
+    two fields the token sequence the model wrote (its supervised text is exactly reasoning and answer)."""
+    for question, choice in complete:
+        reasoning, content = choice["message"]["reasoning"], choice["message"]["content"]
+        assert THINK_OPEN not in reasoning + content and THINK_CLOSE not in reasoning + content, choice
+        messages = [{"role": "user", "content": question}]
+        trace = renderer.render(messages, reasoning, content)
+        assert renderer.supervised_text_problem(trace.input_ids, trace.loss_mask, messages, reasoning, content) is None
 
 
 @pytest.mark.vllm
