@@ -36,6 +36,8 @@ from pydantic import Field
 
 from eagle3_assets.core.preflight import StageRequirements
 from eagle3_assets.core.storage import asset_dir, stable_hash
+from eagle3_assets.draft_checkpoint_bounded import check_mode, run_bounded_stage
+from eagle3_assets.hidden_states import HiddenStatesConfig
 from eagle3_assets.partitions import SAMPLE_SHARDS
 from eagle3_assets.vocab_mapping import vocab_mapping
 from resources.gpu_host import GPU_POOL, GPUHost, register_stage
@@ -72,6 +74,17 @@ class DraftTrainingConfig(Config):
     export_dtype: Optional[str] = Field(default=None, description="float32, bfloat16 or float16; default: the target's dtype")
     draft_intermediate_size: Optional[int] = Field(default=None, description="MLP width of the draft layer (default: the target's)")
     vllm_check_num_speculative_tokens: int = Field(default=3, description="num_speculative_tokens of the loads_in_vllm check")
+    # Bounded-disk mode (draft_checkpoint_bounded.py): the states are extracted again each epoch, a window at a time.
+    hidden_states_mode: str = Field(
+        default="offline",
+        description="'offline': train on the materialised hidden_states shards; 'bounded': extract each shard's states as "
+        "training consumes them, every epoch, keeping at most window_shards shards on disk (never materialised as hidden_states)",
+    )
+    window_shards: int = Field(default=2, description="bounded mode: shards of hidden states on disk at most (2: the next is extracted while one is trained on)")
+    bounded_checkpoint_every_steps: int = Field(default=50, description="bounded mode: optimizer steps between checkpoints (and at each shard's end)")
+    streamed_extraction: HiddenStatesConfig = Field(
+        default=HiddenStatesConfig(), description="bounded mode: how each streamed shard is extracted and gated (hidden_states' settings)"
+    )
 
 
 # The demo's tiny draft, over the demo's ~300 traces (~17k tokens). Seen here on 2 cores: 49 s of training
@@ -132,7 +145,12 @@ def epoch_means(history: list[dict], key: str) -> list:
     code_version="1",
     kinds={"pytorch", "safetensors"},
     pool=GPU_POOL,
-    deps=[AssetDep(AssetKey("hidden_states"), partition_mapping=AllPartitionMapping()), vocab_mapping],
+    deps=[
+        AssetDep(AssetKey("hidden_states"), partition_mapping=AllPartitionMapping()),
+        # Bounded mode reads the traces and extracts the states itself (draft_checkpoint_bounded.py).
+        AssetDep(AssetKey("validated_traces"), partition_mapping=AllPartitionMapping()),
+        vocab_mapping,
+    ],
     check_specs=[
         AssetCheckSpec(
             "config_complete",
@@ -153,11 +171,19 @@ def draft_checkpoint(
     context: AssetExecutionContext, config: DraftTrainingConfig, target_model: TargetModel, gpu_host: GPUHost
 ) -> MaterializeResult:
     """The trained EAGLE-3 draft as a vLLM-native directory (config.json + model.safetensors with d2t)."""
+    check_mode(config.hidden_states_mode, config.window_shards, config.bounded_checkpoint_every_steps, config.nproc_per_node)
+    bounded = config.hidden_states_mode == "bounded"
     keys = sorted(context.instance.get_dynamic_partitions(SAMPLE_SHARDS))
-    shard_dirs, sidecars = hidden_state_shards(keys)
-    layer_ids = [int(i) for i in sidecars[0]["aux_layer_ids"]]
     identity = target_model.identity()
     target_hash = identity.config_hash
+    if bounded:
+        if not keys:
+            raise ValueError(f"no sample shards are registered ({SAMPLE_SHARDS}): materialise the per-shard assets first")
+        shard_dirs, sidecars = [], []
+        layer_ids, vocab_size = target_model.layer_ids(), int(target_model.text_config()["vocab_size"])
+    else:
+        shard_dirs, sidecars = hidden_state_shards(keys)
+        layer_ids, vocab_size = [int(i) for i in sidecars[0]["aux_layer_ids"]], int(sidecars[0]["vocab_size"])
     stale = [key for key, meta in zip(keys, sidecars) if meta.get("target_config_hash") != target_hash]
     if stale:
         raise ValueError(
@@ -189,24 +215,27 @@ def draft_checkpoint(
         "seed": config.seed,
         "draft_intermediate_size": config.draft_intermediate_size,
     }
-    invocation = gpu_host.run_stage(
-        context,
-        STAGE,
-        {
-            "train": train_settings,
-            "nproc_per_node": config.nproc_per_node,
-            "export_dir": str(model_dir),
-            "export_dtype": config.export_dtype,
-            # The gates run in the stage: loads_in_vllm serves the target, which needs the GPU host's GPUs.
-            "gates": {
-                "aux_layer_ids": layer_ids,
-                "target_vocab_size": int(sidecars[0]["vocab_size"]),
-                "num_speculative_tokens": config.vllm_check_num_speculative_tokens,
-                "trust_remote_code": target_model.trust_remote_code,
-                "log_path": str(out / "loads_in_vllm.log"),
-            },
+    common_extras = {
+        "export_dir": str(model_dir),
+        "export_dtype": config.export_dtype,
+        # The gates run in the stage: loads_in_vllm serves the target, which needs the GPU host's GPUs.
+        "gates": {
+            "aux_layer_ids": layer_ids,
+            "target_vocab_size": vocab_size,
+            "num_speculative_tokens": config.vllm_check_num_speculative_tokens,
+            "trust_remote_code": target_model.trust_remote_code,
+            "log_path": str(out / "loads_in_vllm.log"),
         },
-    )
+    }
+    if bounded:
+        invocation = run_bounded_stage(
+            context, gpu_host, target_model, keys, train_settings, common_extras, out=out, extraction=config.streamed_extraction,
+            window_shards=config.window_shards, checkpoint_every_steps=config.bounded_checkpoint_every_steps,
+        )  # fmt: skip
+    else:
+        invocation = gpu_host.run_stage(
+            context, STAGE, {"train": train_settings, "nproc_per_node": config.nproc_per_node, **common_extras}
+        )
     reported = invocation.get_materialize_result()
     stage_metadata = dict(reported.metadata or {})
     problems = list(stage_metadata.pop("config_problems").value)
@@ -244,10 +273,15 @@ def draft_checkpoint(
             "path": MetadataValue.path(str(model_dir)),
             "aux_layer_ids": MetadataValue.json(layer_ids),
             "target": MetadataValue.json(identity.as_dict()),
-            "samples": sum(len(m["sample_ids"]) for m in sidecars),
+            "samples": sum(len(m["sample_ids"]) for m in sidecars) if not bounded else sum(
+                s["samples"] for s in stage_metadata["streamed_shards"].value if s["epoch"] == 1
+            ),
             "shards": len(keys),
+            "hidden_states_mode": config.hidden_states_mode,
             # Which storage precision the draft learned from (8-bit states are dequantised to float32 for training).
-            "hidden_state_dtypes": MetadataValue.json(sorted({str(m.get("dtype")) for m in sidecars})),
+            "hidden_state_dtypes": MetadataValue.json(
+                sorted({str(m.get("dtype")) for m in sidecars}) if not bounded else [config.streamed_extraction.dtype]
+            ),
             "epochs": (stage_metadata["schedule"].value or {}).get("epochs"),
             "steps": len(history),
             "first_epoch_loss": losses[0] if losses else None,

@@ -1,0 +1,622 @@
+"""Bounded-disk training: the draft learns from hidden states as they are extracted, and the disk holds a window.
+
+Offline mode (``core/training.py``) trains on ``hidden_states`` shards that
+stay on disk: 8·H bytes per token in bf16, about 2.3 TB for the story's 40 M
+tokens at H = 7,168. Bounded mode never stores the dataset. Every epoch
+streams the shards again:
+
+- a producer thread extracts the next shard (the same :func:`extract_shard`
+  and backends as ``hidden_states``) into ``<window_dir>/e<epoch>-<shard>/``
+  and runs the same gates on it (target matches the traces, finite, the
+  traces' samples, final state reproduces the target's choices, aux states
+  at the configured layers; per-part checksums are verified again when the
+  trainer indexes the shard). A failing gate stops training with an error
+  naming the shard, the epoch and the gate;
+- the trainer takes the shards in the plan's order, trains on each one's
+  micro-batches, checkpoints, and deletes the shard's directory;
+- a shard takes one of ``window_shards`` slots from before its first file is
+  created until after its directory is deleted, so at most ``window_shards``
+  shards of states exist at any time. With a window of 2 or more the next
+  shard is extracted while the current one is trained on.
+
+Extracting again each epoch costs target forward passes (an extraction per
+epoch instead of one); what it buys is a disk bounded by the window, not the
+dataset.
+
+The plan is a pure function of the seed and the shards' token counts (read
+from ``validated_traces``, so it is known before anything is extracted): the
+shard order of each epoch is shuffled by (seed, epoch), and each shard's
+micro-batches by (seed, epoch, shard), with :func:`epoch_micro_batches`.
+Every batch has an id ``e<epoch>/<shard>/b<k>``.
+
+Kill and resume: a checkpoint (``step-NNNNNNNN``, atomic and verified like
+the epoch checkpoints) records the optimizer step, and with it the epoch,
+the shard and the batch position, every ``checkpoint_every_steps`` steps and
+at the end of each shard. ``trained_batches.jsonl`` is the journal of
+committed steps: the lines of a step are appended only after the checkpoint
+that holds its weights is durable (the checkpoint carries them, so a kill
+between the two is repaired on resume). Steps trained after the last
+checkpoint die with the process, weights and journal lines alike, and are
+trained once more from the checkpoint: the journal lists every batch of the
+plan exactly once per epoch, and so do the weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import random
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from eagle3_assets.core.extraction import ExtractionSettings, TargetFacts, extract_shard, read_traces
+from eagle3_assets.core.hidden_state_checks import (
+    TargetHead as GateHead,
+)
+from eagle3_assets.core.hidden_state_checks import (
+    check_aux_states_match_layer_ids,
+    check_final_state_reproduces_logits,
+    check_states_finite,
+    check_states_match_traces,
+    check_target_matches_traces,
+)
+from eagle3_assets.core.schedule import fit_schedule
+from eagle3_assets.core.storage import fsync_dir, stable_hash, write_bytes_atomic, write_json_atomic
+from eagle3_assets.core.training import (
+    HiddenStateIndex,
+    TargetHead,
+    TrainConfig,
+    TrainingTimeTest,
+    _pick_device,
+    epoch_micro_batches,
+    index_hidden_states,
+    initial_draft,
+    latest_checkpoint,
+    load_batch,
+    load_target_tensors,
+    lr_lambda,
+    run_fingerprint,
+    save_checkpoint,
+)
+from eagle3_assets.core.vocab import load_vocab_mapping
+
+HIDDEN_STATES_MODES = ("offline", "bounded")
+DEFAULT_WINDOW_SHARDS = 2
+DEFAULT_CHECKPOINT_EVERY_STEPS = 50
+JOURNAL = "trained_batches.jsonl"
+STEP_CHECKPOINT_GLOB = "step-*"
+EVENT_PREFIX = "EAGLE3_BOUNDED_EVENT "
+
+OnEvent = Callable[[dict], None]
+
+
+class BoundedModeError(ValueError):
+    """The bounded-disk settings cannot run; the message names the setting and what is wrong."""
+
+
+class StreamedGateError(RuntimeError):
+    """A streamed shard failed a gate: training stops before it learns from that shard."""
+
+
+def mode_problems(mode: str, window_shards: int, checkpoint_every_steps: int = DEFAULT_CHECKPOINT_EVERY_STEPS, nproc: int = 1) -> list[str]:
+    """What is wrong with the launchpad's hidden-state mode settings (empty when nothing is)."""
+    problems = []
+    if mode not in HIDDEN_STATES_MODES:
+        problems.append(f"hidden_states_mode {mode!r}: one of {HIDDEN_STATES_MODES}")
+    if not isinstance(window_shards, int) or window_shards < 1:
+        problems.append(f"window_shards {window_shards!r}: at least 1 shard of hidden states must fit on disk")
+    if mode == "bounded" and (not isinstance(checkpoint_every_steps, int) or checkpoint_every_steps < 1):
+        problems.append(f"bounded_checkpoint_every_steps {checkpoint_every_steps!r}: must be at least 1")
+    if mode == "bounded" and nproc != 1:
+        problems.append(f"nproc_per_node {nproc}: bounded mode trains in one process (use offline mode for DDP)")
+    return problems
+
+
+# --------------------------------------------------------------------------- settings
+
+
+@dataclass(frozen=True)
+class StreamedShard:
+    key: str
+    traces: str  # the shard's validated_traces parquet
+    data_version: str  # what hidden_states would record for this shard (validated_traces' version, target, layers, backend, dtype)
+
+
+@dataclass
+class BoundedRun:
+    train: TrainConfig  # hidden_state_dirs unused: the states come from ``shards``
+    shards: list[StreamedShard]
+    window_dir: str  # the transient states live here, never under hidden_states/
+    target_config_hash: str
+    aux_layer_ids: list[int]  # vLLM's convention, as hidden_states extracts them
+    window_shards: int = DEFAULT_WINDOW_SHARDS
+    dtype: str = "bfloat16"
+    part_bytes: int = 2 * 1024**3
+    checkpoint_every_steps: int = DEFAULT_CHECKPOINT_EVERY_STEPS
+    checks: dict = field(default_factory=dict)  # logits_samples, logits_positions, min_argmax_agreement, aux_samples, seed
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> BoundedRun:
+        raw = dict(raw)
+        raw["train"] = TrainConfig.from_dict(raw["train"])
+        raw["shards"] = [StreamedShard(**s) for s in raw["shards"]]
+        return cls(**raw)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def validate(self) -> None:
+        problems = mode_problems("bounded", self.window_shards, self.checkpoint_every_steps)
+        keys = [s.key for s in self.shards]
+        if not keys:
+            problems.append("no shards to stream")
+        if len(set(keys)) != len(keys):
+            problems.append(f"shards named twice: {sorted({k for k in keys if keys.count(k) > 1})}")
+        if problems:
+            raise BoundedModeError("bounded-disk training: " + "; ".join(problems))
+
+
+# --------------------------------------------------------------------------- the plan
+
+
+@dataclass(frozen=True)
+class StreamItem:
+    """One shard's states for one epoch: extracted, gated, trained on, deleted."""
+
+    position: int  # in the run's stream
+    epoch: int  # 1-based
+    shard: StreamedShard
+
+    @property
+    def name(self) -> str:
+        return f"e{self.epoch:04d}-{self.shard.key}"
+
+
+@dataclass(frozen=True)
+class PlannedStep:
+    step: int  # 1-based, global
+    item: int  # StreamItem.position
+    batches: tuple[tuple[str, tuple[int, ...]], ...]  # (batch id, rows of the shard's validated_traces)
+
+
+def plan_stream(shards: list[StreamedShard], lengths: dict[str, list[int]], config: TrainConfig) -> tuple[list[StreamItem], list[PlannedStep]]:
+    """Every epoch's shard order and every shard's optimizer steps: a pure function of the seed and the lengths."""
+    items: list[StreamItem] = []
+    steps: list[PlannedStep] = []
+    for epoch in range(config.epochs):
+        order = sorted(shards, key=lambda s: s.key)
+        random.Random(f"{config.seed}:{epoch}:shards").shuffle(order)
+        for shard in order:
+            item = StreamItem(len(items), epoch + 1, shard)
+            items.append(item)
+            # The epoch "number" is a string here: the shard's batches shuffle by (seed, epoch, shard).
+            micro = epoch_micro_batches(lengths[shard.key], config.batch_tokens, config.seed, f"{epoch}:{shard.key}")  # type: ignore[arg-type]
+            named = [(f"e{epoch + 1}/{shard.key}/b{k:05d}", tuple(rows)) for k, rows in enumerate(micro)]
+            for i in range(0, len(named), config.grad_accumulation):
+                steps.append(PlannedStep(len(steps) + 1, item.position, tuple(named[i : i + config.grad_accumulation])))
+    return items, steps
+
+
+# --------------------------------------------------------------------------- the window
+
+
+def directory_bytes(path: Path) -> int:
+    """Bytes of every file below ``path`` (files vanishing meanwhile count as gone)."""
+    total = 0
+    for file in Path(path).rglob("*"):
+        try:
+            if file.is_file():
+                total += file.stat().st_size
+        except FileNotFoundError:
+            pass
+    return total
+
+
+class PeakBytes:
+    """The most bytes the window directory was seen to hold (measured on each extraction batch and deletion)."""
+
+    def __init__(self, window: Path, start: int = 0):
+        self.window, self.peak, self._lock = window, start, threading.Lock()
+
+    def measure(self) -> int:
+        now = directory_bytes(self.window)
+        with self._lock:
+            self.peak = max(self.peak, now)
+        return now
+
+
+def gate_streamed_shard(
+    shard_dir: Path, traces, head: GateHead, backend, aux_layer_ids, facts: TargetFacts, checks: dict, reference_states
+) -> list:
+    """The hidden_states gates on a freshly extracted shard (the same functions the asset's checks run)."""
+    seed = int(checks.get("seed", 0))
+    return [
+        check_states_finite(shard_dir),
+        check_states_match_traces(shard_dir, traces),
+        check_final_state_reproduces_logits(
+            shard_dir,
+            head,
+            backend.reference_argmax,
+            samples=int(checks.get("logits_samples", 8)),
+            max_positions=int(checks.get("logits_positions", 4096)),
+            min_agreement=float(checks.get("min_argmax_agreement", 0.999)),
+            seed=seed,
+        ),
+        check_aux_states_match_layer_ids(
+            shard_dir, aux_layer_ids, facts, reference_states, samples=int(checks.get("aux_samples", 4)), seed=seed
+        ),
+    ]
+
+
+# --------------------------------------------------------------------------- the journal
+
+
+def read_journal(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def append_journal(path: Path, records: list[dict]) -> None:
+    if not records:
+        return
+    with open(path, "a") as fh:
+        for record in records:
+            fh.write(json.dumps(record) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+# --------------------------------------------------------------------------- training
+
+
+def _lengths_and_supervised(shards: list[StreamedShard], vocab_size: int, max_seq_len: int) -> tuple[dict, dict, int]:
+    """Per shard: trace lengths (truncated as training truncates) and ids by row; all supervised tokens."""
+    lengths, ids, supervised = {}, {}, 0
+    for shard in shards:
+        traces = read_traces(Path(shard.traces), vocab_size)
+        lengths[shard.key] = [min(t.num_tokens, max_seq_len) for t in traces]
+        ids[shard.key] = [t.id for t in traces]
+        supervised += sum(int(t.loss_mask[:max_seq_len].sum()) for t in traces)
+    return lengths, ids, supervised
+
+
+def train_bounded(run: BoundedRun, backend, *, reference_states=None, on_event: OnEvent | None = None) -> dict:
+    """Stream, gate, train and delete, shard after shard, epoch after epoch; result.json's content.
+
+    ``backend`` is an extraction backend (:mod:`core.extraction`), open for
+    the whole run; ``reference_states`` an optional transformers forward for
+    the aux-layer gate (as the hidden_states stage passes it).
+    """
+    run.validate()
+    emit = on_event or (lambda event: None)
+    config = run.train
+    device = _pick_device()
+    threads = torch.get_num_threads()
+    if config.torch_threads:
+        torch.set_num_threads(config.torch_threads)
+    elif device.type == "cpu":
+        torch.set_num_threads(1)  # as offline training on CPU: the tiny draft's matrices are too small to split
+    try:
+        return _train_bounded(run, backend, reference_states, emit, device)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train_bounded(run: BoundedRun, backend, reference_states, emit: OnEvent, device: torch.device) -> dict:
+    config = run.train
+    facts = TargetFacts.from_path(config.target_path)
+    settings = ExtractionSettings(
+        target_path=config.target_path,
+        target_config_hash=run.target_config_hash,
+        aux_layer_ids=tuple(run.aux_layer_ids),
+        dtype=run.dtype,
+        part_bytes=run.part_bytes,
+    )
+    lengths, ids_by_row, supervised = _lengths_and_supervised(run.shards, facts.vocab_size, config.max_seq_len)
+
+    def steps_per_epoch(batch_tokens: int) -> int:
+        return sum(-(-len(epoch_micro_batches(v, batch_tokens, config.seed, 0)) // config.grad_accumulation) for v in lengths.values())
+
+    schedule = fit_schedule(
+        total_tokens=sum(map(sum, lengths.values())),
+        supervised_tokens=supervised,
+        hidden_size=facts.hidden_size,
+        steps_per_epoch_for=steps_per_epoch,
+        grad_accumulation=config.grad_accumulation,
+        batch_tokens=config.batch_tokens,
+        epochs=config.epochs,
+        learning_rate=config.learning_rate,
+    )
+    config = replace(config, batch_tokens=schedule.batch_tokens, epochs=schedule.epochs, learning_rate=schedule.learning_rate)
+    emit({"event": "schedule", "description": schedule.describe(), "warnings": schedule.warnings, **asdict(schedule)})
+    items, steps = plan_stream(run.shards, lengths, config)
+
+    # What training needs of the states before any exists: the target and the backend say it.
+    stream_identity = {
+        "mode": "bounded",
+        "shards": [(s.key, s.data_version) for s in sorted(run.shards, key=lambda s: s.key)],
+        "dtype": run.dtype,
+        "aux_layer_ids": list(settings.aux_layer_ids),
+        "backend": backend.name,
+        "final_state": backend.final_state,
+        "target_config_hash": run.target_config_hash,
+    }
+    stub = HiddenStateIndex(
+        samples=[],
+        aux_layer_ids=list(settings.aux_layer_ids),
+        num_layers=facts.num_layers,
+        hidden_size=facts.hidden_size,
+        vocab_size=facts.vocab_size,
+        final_state=backend.final_state,
+        target_config_hash=run.target_config_hash,
+        fingerprint=stable_hash(stream_identity),
+    )
+    mapping = load_vocab_mapping(Path(config.vocab_mapping))
+    if mapping.target_vocab_size != facts.vocab_size:
+        raise ValueError(f"vocab mapping covers {mapping.target_vocab_size} target ids, the target has {facts.vocab_size}")
+    target = load_target_tensors(config.target_path)
+    draft, init_report = initial_draft(config, stub, mapping, target)
+    draft.embed_tokens.weight.requires_grad_(False)
+    draft.to(device)
+    head = TargetHead(target, mapping, backend.final_state).to(device)
+    ttt = TrainingTimeTest(draft, config.ttt_steps, config.step_weight).to(device)
+    trainable = [p for p in draft.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=config.learning_rate, betas=config.betas, weight_decay=config.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(len(steps), config.warmup_ratio, config.min_lr_ratio))
+    fingerprint = run_fingerprint(config, stub)
+
+    training_dir = Path(config.training_dir)
+    checkpoints = training_dir / "checkpoints"
+    journal = training_dir / JOURNAL
+    training_dir.mkdir(parents=True, exist_ok=True)
+    if checkpoints.is_dir():
+        for partial in checkpoints.glob(".*.partial"):  # a crash mid-checkpoint: never resumed from
+            shutil.rmtree(partial, ignore_errors=True)
+    step, history, streamed, peak_start, resumed_from = 0, [], [], 0, None
+    resume = latest_checkpoint(checkpoints, fingerprint, pattern=STEP_CHECKPOINT_GLOB)
+    if resume is not None:
+        state = json.loads((resume / "state.json").read_text())
+        from safetensors.torch import load_file
+
+        draft.load_state_dict({**load_file(str(resume / "model.safetensors")), "embed_tokens.weight": draft.embed_tokens.weight}, strict=True)
+        saved = torch.load(resume / "trainer.pt", weights_only=True)
+        optimizer.load_state_dict(saved["optimizer"])
+        scheduler.load_state_dict(saved["scheduler"])
+        random.setstate(saved["rng"]["python"])
+        torch.set_rng_state(saved["rng"]["torch"])
+        step, history, streamed, peak_start = state["step"], state["history"], state["streamed"], state["peak_window_bytes"]
+        resumed_from = str(resume)
+        # The checkpoint is durable, its journal lines perhaps not yet (a kill between the two): append what is missing.
+        done = max((r["step"] for r in read_journal(journal)), default=0)
+        append_journal(journal, [r for r in state["journal"] if r["step"] > done])
+        position = steps[step - 1].batches[-1][0] if step else "the start"
+        emit({"event": "resumed", "checkpoint": str(resume), "step": step, "after_batch": position})
+    else:
+        write_bytes_atomic(journal, b"")  # a journal of another run (or of none) is not this run's
+
+    window = Path(run.window_dir)
+    window.mkdir(parents=True, exist_ok=True)
+    upcoming = items[steps[step].item :] if step < len(steps) else []
+    keep = {item.name for item in upcoming[: run.window_shards]}
+    for stale in sorted(window.iterdir()):
+        if stale.name not in keep:  # finished before the kill, or never in this plan: not this window's
+            shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
+            emit({"event": "removed", "path": str(stale)})
+    peak = PeakBytes(window, peak_start)
+    emit(
+        {
+            "event": "start",
+            "samples": sum(len(v) for v in lengths.values()),
+            "tokens": sum(map(sum, lengths.values())),
+            "shards": len(run.shards),
+            "window_shards": run.window_shards,
+            "total_steps": len(steps),
+            "device": str(device),
+            "init": asdict(init_report),
+            "fingerprint": fingerprint,
+        }
+    )
+
+    # -- the producer: extract and gate ahead of the trainer, one window slot per shard
+    slots = threading.Semaphore(run.window_shards)
+    ready: queue.Queue = queue.Queue()
+    stop = threading.Event()
+    gate_head = GateHead.from_checkpoint(config.target_path)
+    from eagle3_assets.core.target import identity_in_parquet, target_identity
+
+    identity = target_identity(config.target_path)
+
+    def prepare(item: StreamItem) -> dict:
+        shard_dir = window / item.name
+        traces = read_traces(Path(item.shard.traces), facts.vocab_size)
+        where = f"streamed shard {item.shard.key} (epoch {item.epoch})"
+        outcomes = [check_target_matches_traces(identity, identity_in_parquet(Path(item.shard.traces)))]
+        started = time.monotonic()
+        if outcomes[0].passed:  # nothing is extracted for a target that did not render the traces
+            report = extract_shard(traces, shard_dir, settings, backend, on_event=lambda e: e["event"] in ("batch", "part") and peak.measure())
+            outcomes += gate_streamed_shard(shard_dir, traces, gate_head, backend, settings.aux_layer_ids, facts, run.checks, reference_states)
+        failed = [o for o in outcomes if not o.passed]
+        if failed:
+            raise StreamedGateError(
+                f"{where}: gate {failed[0].name} failed: {failed[0].description}; training stopped before learning from it "
+                f"(its states are in {shard_dir})"
+            )
+        return {
+            "epoch": item.epoch,
+            "shard": item.shard.key,
+            "data_version": item.shard.data_version,
+            "samples": report.samples,
+            "tokens": report.tokens,
+            "bytes": report.bytes_on_disk,
+            "parts_reused": report.parts_reused,
+            "extract_s": round(time.monotonic() - started, 2),
+            "gates": {o.name: o.passed for o in outcomes},
+        }
+
+    def produce() -> None:
+        try:
+            for item in upcoming:
+                while not slots.acquire(timeout=0.2):
+                    if stop.is_set():
+                        return
+                if stop.is_set():
+                    return
+                ready.put((item, prepare(item)))
+        except BaseException as exc:  # noqa: BLE001 - handed to the trainer, which raises it
+            ready.put((None, exc))
+
+    producer = threading.Thread(target=produce, name="bounded-extraction", daemon=True)
+    producer.start()
+
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" and config.bf16_autocast else nullcontext()
+    started, tokens_seen, waiting_s = time.monotonic(), 0, 0.0
+    pending: list[dict] = []  # journal lines of steps not yet in a checkpoint
+    last_checkpoint = resumed_from or ""
+    pid = os.getpid()
+
+    def commit(item: StreamItem) -> None:
+        nonlocal last_checkpoint, pending
+        state = {
+            "fingerprint": fingerprint,
+            "step": step,
+            "epoch": item.epoch,
+            "shard": item.shard.key,
+            "batch": steps[step - 1].batches[-1][0],
+            "history": history,
+            "streamed": streamed,
+            "peak_window_bytes": peak.peak,
+            "journal": pending,
+            "draft_config": asdict(draft.config),
+            "init": asdict(init_report),
+            "config": config.to_dict(),
+            "mode": "bounded",
+        }
+        path = save_checkpoint(checkpoints, step, draft, optimizer, scheduler, state, config.keep_checkpoints, name=f"step-{step:08d}", pattern=STEP_CHECKPOINT_GLOB)
+        append_journal(journal, pending)  # after the checkpoint: the journal lists only committed steps
+        pending = []
+        last_checkpoint = str(path)
+        emit({"event": "checkpoint", "epoch": item.epoch, "step": step, "path": last_checkpoint})
+
+    ttt.train()
+    try:
+        for item in upcoming:
+            waited = time.monotonic()
+            got, prepared = ready.get()
+            waiting_s += time.monotonic() - waited
+            if got is None:
+                raise prepared
+            assert got.position == item.position, "the producer follows the plan's order"
+            emit({"event": "extracted", **prepared})
+            shard_dir = window / item.name
+            samples = {s.sample_id: s for s in index_hidden_states([shard_dir]).samples}  # verifies each part's checksum
+            rows = ids_by_row[item.shard.key]
+            for planned in (p for p in steps[step:] if p.item == item.position):
+                loss_sum, totals, tokens = 0.0, torch.zeros(3, config.ttt_steps, device=device), 0
+                for _, members in planned.batches:
+                    batch = load_batch([samples[rows[r]] for r in members], config.max_seq_len).to(device)
+                    target_logits, target_top = head(batch.final)
+                    with autocast:
+                        loss, stats = ttt(batch.aux, batch.input_ids, batch.loss_mask, target_logits, target_top)
+                    (loss / len(planned.batches)).backward()
+                    loss_sum += float(loss.detach())
+                    totals += stats
+                    tokens += batch.num_tokens
+                grad_norm = torch.nn.utils.clip_grad_norm_(trainable, config.grad_clip)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                step = planned.step
+                tokens_seen += tokens
+                k, n = config.ttt_steps, len(planned.batches)
+                record = {
+                    "step": step,
+                    "epoch": item.epoch,
+                    "shard": item.shard.key,
+                    "loss": loss_sum / n,
+                    "step_losses": [round(float(x) / n, 6) for x in totals[0]],
+                    "accuracy": [round(float(c) / max(float(m), 1.0), 6) for c, m in zip(totals[1], totals[2])],
+                    "lr": scheduler.get_last_lr()[0],
+                    "grad_norm": float(grad_norm),
+                    "tokens": tokens,
+                }
+                history.append(record)
+                pending.append(
+                    {
+                        "step": step,
+                        "epoch": item.epoch,
+                        "shard": item.shard.key,
+                        "batches": [b for b, _ in planned.batches],
+                        "samples": [rows[r] for _, members in planned.batches for r in members],
+                        "pid": pid,
+                    }
+                )
+                if step % config.log_every == 0 or step == len(steps):
+                    emit({"event": "step", **record, "total_steps": len(steps), "elapsed_s": round(time.monotonic() - started, 2)})
+                last_of_item = step == len(steps) or steps[step].item != item.position
+                if last_of_item:
+                    streamed.append(prepared)
+                if last_of_item or step % run.checkpoint_every_steps == 0:
+                    commit(item)
+            # Committed: the shard's states are no longer needed, and its slot goes to the next shard.
+            peak.measure()
+            shutil.rmtree(shard_dir)
+            fsync_dir(window)
+            slots.release()
+            emit({"event": "streamed", "epoch": item.epoch, "shard": item.shard.key, "window_bytes": peak.measure(), "peak_window_bytes": peak.peak})
+    finally:
+        stop.set()
+        producer.join(timeout=600)
+
+    elapsed = time.monotonic() - started
+    result = {
+        "fingerprint": fingerprint,
+        "checkpoint": last_checkpoint,
+        "resumed_from": resumed_from,
+        "init": asdict(init_report),
+        "draft_config": asdict(draft.config),
+        "aux_layer_ids": list(settings.aux_layer_ids),
+        "tokens_per_s": tokens_seen / elapsed if elapsed > 0 and tokens_seen else 0.0,
+        # Training alone, without the time spent waiting for the next shard's extraction.
+        "train_tokens_per_s": tokens_seen / (elapsed - waiting_s) if elapsed > waiting_s and tokens_seen else 0.0,
+        "world_size": 1,
+        "schedule": asdict(schedule),
+        "mode": "bounded",
+        "window_shards": run.window_shards,
+        "peak_window_bytes": peak.peak,
+        "streamed": streamed,
+        "epochs_done": config.epochs,
+        "history": None,
+    }
+    write_json_atomic(training_dir / "history.json", {"fingerprint": fingerprint, "history": history})
+    write_json_atomic(training_dir / "result.json", result)
+    emit({"event": "done", "checkpoint": last_checkpoint, "tokens_per_s": result["tokens_per_s"], "peak_window_bytes": peak.peak})
+    return result
+
+
+def print_event(event: dict) -> None:
+    print(EVENT_PREFIX + json.dumps(event, default=str), flush=True)
+
+
+def window_estimate(shard_bytes: dict[str, int], window_shards: int) -> int:
+    """Bytes the window can hold at most: its ``window_shards`` largest shards."""
+    return sum(sorted(shard_bytes.values(), reverse=True)[:window_shards])
+
+
+def describe_estimate(shard_bytes: dict[str, int], window_shards: int, dtype: str) -> tuple[int, str]:
+    """The bounded mode's pre-flight estimate and the line that names the mode and both figures."""
+    window_bytes = window_estimate(shard_bytes, window_shards)
+    total = sum(shard_bytes.values())
+    return window_bytes, (
+        f"bounded mode: a window of {min(window_shards, len(shard_bytes))} of {len(shard_bytes)} shards "
+        f"= {window_bytes} B of hidden states at most ({dtype}, the window's largest shards); "
+        f"offline mode would keep all {total} B"
+    )
