@@ -184,6 +184,7 @@ def hidden_states(
         "data_version": version,
     }
     disk_bytes, disk_note = disk_estimate(key, target_model.hidden_size(), config.dtype)
+    disk_note = f"offline mode (the states stay on disk for training): {disk_note}"  # bounded mode: draft_checkpoint_bounded.py
     context.log.info(f"{key}: the shard's hidden states will take {disk_note}; the pre-flight checks the GPU host can hold them")
     requirements = StageRequirements(
         modules=STAGE_MODULES + (["vllm"] if config.backend == "vllm" else []),

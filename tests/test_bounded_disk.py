@@ -262,3 +262,65 @@ def test_the_preflight_estimates_the_window_and_names_the_mode_and_both_numbers(
     (line,) = [f for f in report["failures"] if f.startswith("disk:")]
     assert f"< {two.disk_bytes} bytes" in line and "bounded mode: a window of 2 of 3 shards" in line, line
     assert f"offline mode would keep all {sum(sizes.values())} B" in line, line
+
+
+@pytest.mark.vllm
+def test_bounded_mode_through_dagster_records_what_was_streamed_and_materialises_no_hidden_states(tiny_target, data_dir, streamed):
+    """draft_checkpoint in bounded mode: the GPU host's stage streams, trains, exports; vLLM loads the draft."""
+    from dagster import AssetKey
+
+    from eagle3_assets.draft_checkpoint import DraftTrainingConfig, draft_checkpoint
+    from eagle3_assets.draft_checkpoint_bounded import streamed_data_version
+    from eagle3_assets.hidden_states import HiddenStatesConfig
+    from eagle3_assets.partitions import register_shards
+    from eagle3_assets.vocab_mapping import VocabMappingConfig, vocab_mapping
+    from resources.gpu_host import GPUHost
+    from resources.target_model import TargetModel
+
+    for key, path in streamed["traces"].items():
+        (data_dir / "validated_traces").mkdir(exist_ok=True)
+        (data_dir / "validated_traces" / f"{key}.parquet").write_bytes(path.read_bytes())
+    instance = DagsterInstance.ephemeral()
+    register_shards(instance, list(KEYS))
+    target = TargetModel(path=str(tiny_target), aux_layer_ids=LAYER_IDS)
+    training = DraftTrainingConfig(
+        epochs=2, learning_rate=3e-3, ttt_steps=2, batch_tokens=256, max_seq_len=64, hidden_states_mode="bounded", window_shards=1,
+        streamed_extraction=HiddenStatesConfig(dtype=FP8_DTYPE, cpu_threads=1, part_size_bytes=50_000),
+    )  # fmt: skip
+    result = materialize(
+        [vocab_mapping, draft_checkpoint],
+        resources={"target_model": target, "gpu_host": GPUHost()},
+        instance=instance,
+        run_config=RunConfig(ops={"vocab_mapping": VocabMappingConfig(draft_vocab_size=200), "draft_checkpoint": training}),
+        raise_on_error=False,
+    )
+    logs = [entry.user_message for entry in instance.all_logs(result.run_id) if entry.user_message]
+    assert result.success, "\n".join(logs[-30:])
+    metadata = next(
+        e.materialization.metadata for e in result.get_asset_materialization_events() if e.materialization.asset_key == AssetKey("draft_checkpoint")
+    )
+    assert metadata["hidden_states_mode"].value == "bounded" and metadata["window_shards"].value == 1
+    assert metadata["hidden_state_dtypes"].value == [FP8_DTYPE] and metadata["samples"].value == len(KEYS) * SAMPLES_PER_SHARD
+    records = metadata["streamed_shards"].value
+    assert sorted((r["epoch"], r["shard"]) for r in records) == sorted((e, k) for e in (1, 2) for k in KEYS)
+    largest = max(r["bytes"] for r in records)
+    assert 0 < metadata["peak_window_bytes"].value <= largest  # a window of one shard
+    assert any("bounded mode: a window of 1 of 3 shards" in line for line in logs), "the estimate is said before the stage starts"
+    # Each shard streamed with the version hidden_states would have given its states (same traces, target, layers, backend, dtype).
+    assert {r["data_version"] for r in records if r["shard"] == "shard-a"} == {
+        streamed_data_version(_context_for(instance), "shard-a", target, training.streamed_extraction)
+    }
+    # Nothing claims a deleted file: no hidden_states partition exists, and no states are left on disk.
+    assert instance.get_latest_materialization_event(AssetKey("hidden_states")) is None
+    assert not (data_dir / "hidden_states").exists() or not any((data_dir / "hidden_states").iterdir())
+    assert not any((data_dir / "draft_checkpoint" / "streamed_states").iterdir())
+    checks = {e.check_name: e for e in result.get_asset_check_evaluations()}
+    for name in ("config_complete", "loads_in_vllm"):
+        assert checks[name].passed, (name, checks[name].description)
+
+
+def _context_for(instance):
+    """What streamed_data_version reads of a context: the instance (validated_traces' recorded versions)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(instance=instance)
