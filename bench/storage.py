@@ -159,7 +159,7 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=2, help="bounded mode: shards of hidden states on disk at most")
     parser.add_argument("--bounded-epochs", type=int, default=3, help="bounded mode: epochs (its tokens/s does not depend on them)")
     parser.add_argument(
-        "--story-extraction-tokens-per-s", type=float, default=50_000.0,
+        "--story-extraction-tokens-per-s", type=float, default=20_000.0,
         help="the story's bf16 extraction rate on its GPU host, for the hours projection (an assumption, not measured here)",
     )  # fmt: skip
     parser.add_argument("--work", default=None, help="where the states and drafts go (default: a temporary directory)")

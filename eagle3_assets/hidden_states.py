@@ -184,13 +184,12 @@ def hidden_states(
         "data_version": version,
     }
     disk_bytes, disk_note = disk_estimate(key, target_model.hidden_size(), config.dtype)
-    disk_note = f"offline mode (the states stay on disk for training): {disk_note}"  # bounded mode: draft_checkpoint_bounded.py
     context.log.info(f"{key}: the shard's hidden states will take {disk_note}; the pre-flight checks the GPU host can hold them")
     requirements = StageRequirements(
         modules=STAGE_MODULES + (["vllm"] if config.backend == "vllm" else []),
         output_dirs=[ASSET],
         disk_bytes=disk_bytes,
-        disk_note=disk_note,
+        disk_note=f"offline mode, the states stay on disk: {disk_note}",  # bounded mode: draft_checkpoint_bounded.py
     )
     context.log.info(f"{key}: extracting hidden states at layer ids {layer_ids} with the {config.backend} backend into {output}")
     invocation = gpu_host.run_stage(context, STAGE, extras, requirements=requirements)

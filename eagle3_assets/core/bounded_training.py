@@ -52,7 +52,7 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
@@ -145,6 +145,9 @@ class BoundedRun:
 
     @classmethod
     def from_dict(cls, raw: dict) -> BoundedRun:
+        unknown = sorted(set(raw) - {f.name for f in fields(cls)})
+        if unknown:
+            raise BoundedModeError(f"unknown bounded-disk settings {unknown}; known: {sorted(f.name for f in fields(cls))}")
         raw = dict(raw)
         raw["train"] = TrainConfig.from_dict(raw["train"])
         raw["shards"] = [StreamedShard(**s) for s in raw["shards"]]

@@ -67,7 +67,7 @@ def describe(event: dict) -> str | None:
     kind = event.get("event")
     if kind == "start":
         return (
-            f"{STAGE}: {event['samples']} samples, {event['tokens']} tokens a epoch in {event['shards']} shard(s) streamed "
+            f"{STAGE}: {event['samples']} samples, {event['tokens']} tokens an epoch in {event['shards']} shard(s) streamed "
             f"through a window of {event['window_shards']}, {event['total_steps']} steps on {event['device']}"
         )
     if kind == "resumed":
