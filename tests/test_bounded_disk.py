@@ -29,7 +29,6 @@ from eagle3_assets.core.bounded_training import (
     BoundedModeError,
     BoundedRun,
     StreamedGateError,
-    StreamedShard,
     directory_bytes,
     read_journal,
     train_bounded,

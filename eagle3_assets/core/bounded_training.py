@@ -259,6 +259,49 @@ def gate_streamed_shard(
     ]
 
 
+class ShardProducer(threading.Thread):
+    """Extracts and gates the stream's shards ahead of the trainer, in the plan's order, one window slot per shard.
+
+    A slot is taken before a shard's first file is created and given back by
+    the trainer after it deleted the shard's directory (:meth:`release`), so
+    at most ``window_shards`` shards of states exist at once.
+    """
+
+    def __init__(self, items: list[StreamItem], window_shards: int, prepare: Callable[[StreamItem], dict]):
+        super().__init__(name="bounded-extraction", daemon=True)
+        self.items, self.prepare = items, prepare
+        self.slots = threading.Semaphore(window_shards)
+        self.ready: queue.Queue = queue.Queue()
+        self.stopping = threading.Event()
+
+    def run(self) -> None:
+        try:
+            for item in self.items:
+                while not self.slots.acquire(timeout=0.2):
+                    if self.stopping.is_set():
+                        return
+                if self.stopping.is_set():
+                    return
+                self.ready.put((item, self.prepare(item)))
+        except BaseException as exc:  # noqa: BLE001 - handed to the trainer, which raises it
+            self.ready.put((None, exc))
+
+    def take(self, item: StreamItem) -> dict:
+        """The next shard's record once it is extracted and gated; the producer's error if it failed."""
+        got, prepared = self.ready.get()
+        if got is None:
+            raise prepared
+        assert got.position == item.position, "the producer follows the plan's order"
+        return prepared
+
+    def release(self) -> None:
+        self.slots.release()
+
+    def close(self) -> None:
+        self.stopping.set()
+        self.join(timeout=600)
+
+
 # --------------------------------------------------------------------------- the journal
 
 
@@ -279,6 +322,19 @@ def append_journal(path: Path, records: list[dict]) -> None:
 
 
 # --------------------------------------------------------------------------- training
+
+
+def restore_checkpoint(path: Path, draft, optimizer, scheduler) -> dict:
+    """Load a step checkpoint's weights, optimizer, schedule and random state; its state.json."""
+    from safetensors.torch import load_file
+
+    draft.load_state_dict({**load_file(str(path / "model.safetensors")), "embed_tokens.weight": draft.embed_tokens.weight}, strict=True)
+    saved = torch.load(path / "trainer.pt", weights_only=True)
+    optimizer.load_state_dict(saved["optimizer"])
+    scheduler.load_state_dict(saved["scheduler"])
+    random.setstate(saved["rng"]["python"])
+    torch.set_rng_state(saved["rng"]["torch"])
+    return json.loads((path / "state.json").read_text())
 
 
 def _lengths_and_supervised(shards: list[StreamedShard], vocab_size: int, max_seq_len: int) -> tuple[dict, dict, int]:
@@ -387,15 +443,7 @@ def _train_bounded(run: BoundedRun, backend, reference_states, emit: OnEvent, de
     step, history, streamed, peak_start, resumed_from = 0, [], [], 0, None
     resume = latest_checkpoint(checkpoints, fingerprint, pattern=STEP_CHECKPOINT_GLOB)
     if resume is not None:
-        state = json.loads((resume / "state.json").read_text())
-        from safetensors.torch import load_file
-
-        draft.load_state_dict({**load_file(str(resume / "model.safetensors")), "embed_tokens.weight": draft.embed_tokens.weight}, strict=True)
-        saved = torch.load(resume / "trainer.pt", weights_only=True)
-        optimizer.load_state_dict(saved["optimizer"])
-        scheduler.load_state_dict(saved["scheduler"])
-        random.setstate(saved["rng"]["python"])
-        torch.set_rng_state(saved["rng"]["torch"])
+        state = restore_checkpoint(resume, draft, optimizer, scheduler)
         step, history, streamed, peak_start = state["step"], state["history"], state["streamed"], state["peak_window_bytes"]
         resumed_from = str(resume)
         # The checkpoint is durable, its journal lines perhaps not yet (a kill between the two): append what is missing.
@@ -429,10 +477,7 @@ def _train_bounded(run: BoundedRun, backend, reference_states, emit: OnEvent, de
         }
     )
 
-    # -- the producer: extract and gate ahead of the trainer, one window slot per shard
-    slots = threading.Semaphore(run.window_shards)
-    ready: queue.Queue = queue.Queue()
-    stop = threading.Event()
+    # -- what the producer does with each shard: extract it into the window, then gate it
     gate_head = GateHead.from_checkpoint(config.target_path)
     from eagle3_assets.core.target import identity_in_parquet, target_identity
 
@@ -465,19 +510,7 @@ def _train_bounded(run: BoundedRun, backend, reference_states, emit: OnEvent, de
             "gates": {o.name: o.passed for o in outcomes},
         }
 
-    def produce() -> None:
-        try:
-            for item in upcoming:
-                while not slots.acquire(timeout=0.2):
-                    if stop.is_set():
-                        return
-                if stop.is_set():
-                    return
-                ready.put((item, prepare(item)))
-        except BaseException as exc:  # noqa: BLE001 - handed to the trainer, which raises it
-            ready.put((None, exc))
-
-    producer = threading.Thread(target=produce, name="bounded-extraction", daemon=True)
+    producer = ShardProducer(upcoming, run.window_shards, prepare)
     producer.start()
 
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" and config.bf16_autocast else nullcontext()
@@ -513,11 +546,8 @@ def _train_bounded(run: BoundedRun, backend, reference_states, emit: OnEvent, de
     try:
         for item in upcoming:
             waited = time.monotonic()
-            got, prepared = ready.get()
+            prepared = producer.take(item)
             waiting_s += time.monotonic() - waited
-            if got is None:
-                raise prepared
-            assert got.position == item.position, "the producer follows the plan's order"
             emit({"event": "extracted", **prepared})
             shard_dir = window / item.name
             samples = {s.sample_id: s for s in index_hidden_states([shard_dir]).samples}  # verifies each part's checksum
@@ -539,7 +569,7 @@ def _train_bounded(run: BoundedRun, backend, reference_states, emit: OnEvent, de
                 optimizer.zero_grad(set_to_none=True)
                 step = planned.step
                 tokens_seen += tokens
-                k, n = config.ttt_steps, len(planned.batches)
+                n = len(planned.batches)
                 record = {
                     "step": step,
                     "epoch": item.epoch,
@@ -573,11 +603,10 @@ def _train_bounded(run: BoundedRun, backend, reference_states, emit: OnEvent, de
             peak.measure()
             shutil.rmtree(shard_dir)
             fsync_dir(window)
-            slots.release()
+            producer.release()
             emit({"event": "streamed", "epoch": item.epoch, "shard": item.shard.key, "window_bytes": peak.measure(), "peak_window_bytes": peak.peak})
     finally:
-        stop.set()
-        producer.join(timeout=600)
+        producer.close()
 
     elapsed = time.monotonic() - started
     result = {
