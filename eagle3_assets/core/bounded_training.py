@@ -58,9 +58,7 @@ from pathlib import Path
 import torch
 
 from eagle3_assets.core.extraction import ExtractionSettings, TargetFacts, extract_shard, read_traces
-from eagle3_assets.core.hidden_state_checks import (
-    TargetHead as GateHead,
-)
+from eagle3_assets.core.hidden_state_checks import TargetHead as GateHead  # the gates' head (training has its own)
 from eagle3_assets.core.hidden_state_checks import (
     check_aux_states_match_layer_ids,
     check_final_state_reproduces_logits,
@@ -70,6 +68,7 @@ from eagle3_assets.core.hidden_state_checks import (
 )
 from eagle3_assets.core.schedule import fit_schedule
 from eagle3_assets.core.storage import fsync_dir, stable_hash, write_bytes_atomic, write_json_atomic
+from eagle3_assets.core.target import identity_in_parquet, target_identity
 from eagle3_assets.core.training import (
     HiddenStateIndex,
     TargetHead,
@@ -479,8 +478,6 @@ def _train_bounded(run: BoundedRun, backend, reference_states, emit: OnEvent, de
 
     # -- what the producer does with each shard: extract it into the window, then gate it
     gate_head = GateHead.from_checkpoint(config.target_path)
-    from eagle3_assets.core.target import identity_in_parquet, target_identity
-
     identity = target_identity(config.target_path)
 
     def prepare(item: StreamItem) -> dict:
