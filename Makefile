@@ -43,7 +43,7 @@ dev: install $(DAGSTER_HOME)/dagster.yaml
 
 # The demo's vLLM server in the foreground, for materialising from the UI.
 serve-demo: install
-	$(PY) -m eagle3_assets.core.vllm_launcher --model demo --port 8000
+	$(PY) -m eagle3_assets.demo.serve --model tiny --port 8000
 
 clean:
 	rm -rf data .dagster .cache

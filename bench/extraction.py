@@ -46,8 +46,8 @@ from eagle3_assets.core.extraction import (  # noqa: E402
     load_target,
     plan_parts,
     read_traces,
-    state_bytes_per_token,
 )
+from eagle3_assets.core.state_layout import state_bytes_per_token  # noqa: E402
 
 LAYER_IDS = (2, 3, 4)
 LARGE_HIDDEN = 7168

@@ -29,8 +29,9 @@ def demo_draft(target: Path, work: Path) -> Path:
 
 
 def main() -> None:
-    from eagle3_assets.core.evaluation import EVAL_MAX_TOKENS, evaluate, load_conversations
+    from eagle3_assets.core.evaluation import evaluate, load_conversations
     from eagle3_assets.core.speculation_depth import derived_curve
+    from eagle3_assets.core.stage_jobs import EVAL_MAX_TOKENS
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", type=Path, default=None, help="target directory (default: the demo's tiny target)")

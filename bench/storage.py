@@ -91,7 +91,9 @@ def vocab_mapping(traces_path: Path, out: Path, size: int) -> Path:
 
 
 def train_and_export(shard: Path, mapping: Path, target: Path, work: Path, epochs: int) -> tuple[Path, float]:
-    from eagle3_assets.core.training import TrainConfig, export_trained_draft, run_training
+    from eagle3_assets.core.training.checkpoints import export_trained_draft
+    from eagle3_assets.core.training.config import TrainConfig
+    from eagle3_assets.core.training.launch import run_training
 
     config = TrainConfig(
         hidden_state_dirs=[str(shard)], vocab_mapping=str(mapping), target_path=str(target),
@@ -116,10 +118,11 @@ def split_traces(traces_path: Path, out: Path, shards: int) -> list[Path]:
 
 
 def train_bounded_mode(shard_paths: list[Path], mapping: Path, target: Path, work: Path, dtype: str, window: int, epochs: int, threads: int) -> dict:
-    from eagle3_assets.core.bounded_training import BoundedRun, StreamedShard, train_bounded
+    from eagle3_assets.core.bounded_training import train_bounded
     from eagle3_assets.core.extraction import TransformersBackend
+    from eagle3_assets.core.stage_jobs import BoundedRun, ExtractionRecipe, StageTarget, StreamedShard
     from eagle3_assets.core.target import target_identity
-    from eagle3_assets.core.training import TrainConfig
+    from eagle3_assets.core.training.config import TrainConfig
 
     torch.set_num_threads(threads)
     run = BoundedRun(
@@ -129,10 +132,9 @@ def train_bounded_mode(shard_paths: list[Path], mapping: Path, target: Path, wor
         ),
         shards=[StreamedShard(p.stem, str(p), "bench") for p in shard_paths],
         window_dir=str(work / "streamed_states"),
-        target_config_hash=target_identity(target).config_hash,
-        aux_layer_ids=list(LAYER_IDS),
+        target=StageTarget(str(target), False, list(LAYER_IDS), target_identity(target).config_hash),
+        extraction=ExtractionRecipe(dtype=dtype),
         window_shards=window,
-        dtype=dtype,
     )  # fmt: skip
     backend = TransformersBackend(target, LAYER_IDS)
     try:

@@ -42,7 +42,8 @@ def main() -> int:
 
     from eagle3_assets.core.target import vllm_serving
     from eagle3_assets.core.vllm_launcher import VLLMServer
-    from eagle3_assets.definitions import DEMO_SAMPLING, PER_SHARD_ASSETS, default_resources
+    from eagle3_assets.demo.plugin import SAMPLING
+    from eagle3_assets.graph import PER_SHARD_ASSETS, deployment_resources
     from eagle3_assets.local_runs import fail_dead_runs
     from eagle3_assets.partitions import register_shards
     from eagle3_assets.vocab_mapping import VocabMappingConfig, vocab_mapping
@@ -59,15 +60,14 @@ def main() -> int:
     serving = vllm_serving(target, trust_remote_code=args.trust_remote_code)
     log_path = Path(args.data) / "vllm.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    resources = {
-        **default_resources(),
-        "prompt_dataset": PromptDataset(source=str(Path(args.prompts).resolve()), shard_size=args.shard_size, holdout_share=0.0),
-        "target_model": TargetModel(path=str(target), trust_remote_code=args.trust_remote_code),
-    }
+    resources = deployment_resources(
+        TargetModel(path=str(target), trust_remote_code=args.trust_remote_code),
+        PromptDataset(source=str(Path(args.prompts).resolve()), shard_size=args.shard_size, holdout_share=0.0),
+    )
     keys = resources["prompt_dataset"].shard_keys()
     register_shards(instance, keys)
     with VLLMServer(target, served_model_name=args.served_model_name, reasoning_parser=args.reasoning_parser, log_path=log_path, **serving) as server:
-        resources["vllm_server"] = VLLMServerResource(base_urls=[server.base_url], served_model_name=args.served_model_name, **DEMO_SAMPLING)
+        resources["vllm_server"] = VLLMServerResource(base_urls=[server.base_url], served_model_name=args.served_model_name, **SAMPLING)
         for key in keys:
             result = materialize(PER_SHARD_ASSETS, partition_key=key, resources=resources, instance=instance, raise_on_error=False)
             print(f"target data: {key}: {'ok' if result.success else 'FAILED'} (run {result.run_id})", flush=True)

@@ -42,7 +42,8 @@ def child(spec: dict) -> dict:
     import torch
 
     from eagle3_assets.core.draft_model import DraftConfig, Eagle3Draft
-    from eagle3_assets.core.training import TargetHead, TrainingTimeTest
+    from eagle3_assets.core.target import TargetHead
+    from eagle3_assets.core.training.loss import TrainingTimeTest
     from eagle3_assets.core.vocab import build_vocab_mapping
 
     device = torch.device(spec["device"])
@@ -63,9 +64,9 @@ def child(spec: dict) -> dict:
         "embed": draft.embed_tokens.weight.detach().cpu(),
         "norm": torch.ones(p["hidden"]),
         "lm_head": torch.randn(p["vocab"], p["hidden"]) * 0.02,
-        "rms_norm_eps": torch.tensor(1e-5),
+        "rms_norm_eps": 1e-5,
     }
-    head = TargetHead(target, mapping, "post_norm").to(device)
+    target_head, draft_to_target = TargetHead.from_weights(target).to(device), mapping.draft_to_target.to(device)
     ttt = TrainingTimeTest(draft, spec["ttt"], 0.8).to(device)
     trainable = [q for q in draft.parameters() if q.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-4)
@@ -77,7 +78,7 @@ def child(spec: dict) -> dict:
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
 
     def step() -> None:
-        logits, top = head(final)
+        logits, top = target_head.draft_logits(final, "post_norm", draft_to_target)
         with autocast:
             loss, _ = ttt(aux, ids, mask, logits, top)
         loss.backward()

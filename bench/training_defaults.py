@@ -36,7 +36,11 @@ RECIPES = {
 
 
 def train_and_export(label: str, recipe: dict, data: Path, target: Path, work: Path, max_seq_len: int) -> tuple[Path, dict, float]:
-    from eagle3_assets.core.training import TrainConfig, export_trained_draft, index_hidden_states, resolve_schedule, run_training
+    from eagle3_assets.core.training.checkpoints import export_trained_draft
+    from eagle3_assets.core.training.config import TrainConfig
+    from eagle3_assets.core.training.data import index_hidden_states
+    from eagle3_assets.core.training.launch import run_training
+    from eagle3_assets.core.training.loop import resolve_schedule
 
     shards = sorted(str(p) for p in (data / "hidden_states").iterdir() if (p / "metadata.json").is_file())
     settings = {k: v for k, v in recipe.items() if k != "lr_factor"}

@@ -24,63 +24,50 @@ import polars as pl
 from dagster import AssetCheckSpec, AssetExecutionContext, Config, MaterializeResult, asset
 from pydantic import Field
 
-from eagle3_assets.core.evaluation import EVAL_MAX_TOKENS, load_conversations
-from eagle3_assets.core.heldout import HELDOUT_SUFFIX, held_out_prompts
+from eagle3_assets.config_fields import config_field, settings_of
+from eagle3_assets.core.evaluation import load_conversations
+from eagle3_assets.core.heldout import held_out_prompts
 from eagle3_assets.core.preflight import StageRequirements
 from eagle3_assets.core.shard_files import read_shard_parquet
-from eagle3_assets.core.speculation_depth import DEFAULT_DRAFT_COST_RATIO, DEFAULT_K_VALUES, validated_k_values
+from eagle3_assets.core.shard_paths import training_shards
+from eagle3_assets.core.speculation_depth import validated_k_values
+from eagle3_assets.core.stage_jobs import EvaluationJob
 from eagle3_assets.core.storage import asset_dir, write_bytes_atomic
 from eagle3_assets.draft_checkpoint import draft_checkpoint
 from resources.gpu_host import GPU_POOL, GPUHost, register_stage
-from resources.target_model import DEMO_TARGET, TargetModel
+from resources.target_model import TargetModel
 
 STAGE = "evaluate_draft"
-register_stage(STAGE, StageRequirements(modules=["vllm", "torch", "aiohttp", "dagster_pipes"], output_dirs=["draft_evaluation"]))
+register_stage(STAGE, StageRequirements(modules=["vllm", "torch", "openai", "dagster_pipes"], output_dirs=["draft_evaluation"]))
 
 
 class DraftEvaluationConfig(Config):
+    """Which held-out prompts, and how the drafts are served and judged (defaults: ``EvaluationJob``)."""
+
     eval_prompts: str = Field(
         default="",
-        description="held-out prompt set (JSONL/Parquet path), 'demo' for the demo target's built-in one, "
-        "or empty: the rows the prompts asset held out of training (prompt_dataset.holdout_share)",
+        description="held-out prompt set (JSONL/Parquet path), or empty: the target's own held-out set where it comes "
+        "with one, else the rows the prompts asset held out of training (prompt_dataset.holdout_share)",
     )
     max_eval_prompts: int = Field(default=64, gt=0, description="at most this many held-out prompts are served")
-    k_values: list[int] = Field(
-        default=list(DEFAULT_K_VALUES),
-        description="num_speculative_tokens to evaluate: the acceptance curve over them and the recommended k; "
-        "the drafts are served at the largest",
-    )
-    measure_each_k: Optional[bool] = Field(
-        default=None,
-        description="serve the draft once per k and choose k by measured output tokens/s; default: on a GPU host yes, "
-        "on a CPU no (one server at the largest k, smaller k derived from per-position rates, k chosen by the cost model)",
-    )
-    draft_cost_ratio: float = Field(
-        default=DEFAULT_DRAFT_COST_RATIO,
-        gt=0,
-        description="the cost model's cost of one draft forward relative to one target step on the deployment's GPUs "
-        "(used when throughput is not measured per k)",
-    )
-    max_tokens: int = Field(default=EVAL_MAX_TOKENS, description="completion tokens per prompt (greedy)")
-    max_model_len: int = Field(default=0, ge=0, description="vLLM's max_model_len for the evaluation servers; 0: the target's context, up to 16,384")
-    concurrency: int = Field(default=8, description="requests in flight")
-    floor: float = Field(default=2.0, description="acceptance_above_floor fails (ERROR) below this mean acceptance length")
-    baseline: str = Field(default="untrained", description="'untrained' (random draft of the same shape) or the checkpoint training started from")
+    k_values: list[int] = config_field(EvaluationJob, "k_values")
+    measure_each_k: Optional[bool] = config_field(EvaluationJob, "measure_each_k")
+    draft_cost_ratio: float = config_field(EvaluationJob, "draft_cost_ratio")
+    max_tokens: int = config_field(EvaluationJob, "max_tokens")
+    max_model_len: int = config_field(EvaluationJob, "max_model_len")
+    concurrency: int = config_field(EvaluationJob, "concurrency")
+    floor: float = config_field(EvaluationJob, "floor")
+    baseline: str = config_field(EvaluationJob, "baseline")
 
 
 def resolve_eval_prompts(source: str, target_model: TargetModel, limit: int) -> str:
-    """The path of the evaluation prompt set, writing the held-out rows to a file when ``source`` is empty."""
-    if source == "demo" or (not source and target_model.path == DEMO_TARGET):  # the demo target's held-out set is built in
-        if target_model.path != DEMO_TARGET:
-            raise ValueError(
-                f"draft_evaluation eval_prompts 'demo' is the demo target's built-in set, not prompts for {target_model.path}: "
-                "leave eval_prompts empty (the prompts held out of your dataset) or give a held-out JSONL/Parquet file"
-            )
-        from eagle3_assets.demo.stack import demo_eval_prompts_path
-
-        return str(demo_eval_prompts_path())
+    """The path of the evaluation prompt set, writing the held-out rows to a file when ``source`` is empty
+    and the target comes with no held-out set of its own."""
     if source:
         return source
+    builtin = target_model.builtin_eval_prompts()
+    if builtin:
+        return builtin
     rows = held_out_prompts(asset_dir("prompts"), limit)
     if rows.is_empty():
         raise ValueError(
@@ -95,7 +82,7 @@ def resolve_eval_prompts(source: str, target_model: TargetModel, limit: int) -> 
 
 def training_overlap(eval_ids: list[str], eval_conversations: list[list[dict]], prompts_dir: Path) -> list[str]:
     """Held-out prompts that also occur (by id or by text) in a training shard."""
-    shards = sorted(p for p in prompts_dir.glob("shard-*.parquet") if not p.name.endswith((".rejected.parquet", HELDOUT_SUFFIX)))
+    shards = training_shards(prompts_dir)
     if not shards:
         return []
     seen = pl.concat([read_shard_parquet(p, asset="prompts", columns=["id", "messages"]) for p in shards])
@@ -131,23 +118,13 @@ def draft_evaluation(
     draft_dir = asset_dir("draft_checkpoint") / "model"
     if not (draft_dir / "config.json").is_file():
         raise FileNotFoundError(f"no exported draft at {draft_dir}: materialise draft_checkpoint first")
-    invocation = gpu_host.run_stage(
-        context,
-        STAGE,
-        {
-            "target_dir": str(target_model.resolved_path()),
-            "target_trust_remote_code": target_model.trust_remote_code,
-            "max_model_len": config.max_model_len,
-            "draft_dir": str(draft_dir),
-            "baseline": config.baseline,
-            "eval_prompts": eval_prompts,
-            "k_values": validated_k_values(config.k_values),
-            "measure_each_k": config.measure_each_k,
-            "draft_cost_ratio": config.draft_cost_ratio,
-            "max_tokens": config.max_tokens,
-            "concurrency": config.concurrency,
-            "floor": config.floor,
-            "report_path": str(asset_dir("draft_evaluation") / "report.json"),
-        },
+    job = EvaluationJob(
+        target_dir=str(target_model.resolved_path()),
+        target_trust_remote_code=target_model.trust_remote_code,
+        draft_dir=str(draft_dir),
+        eval_prompts=eval_prompts,
+        report_path=str(asset_dir("draft_evaluation") / "report.json"),
+        **{**settings_of(config, EvaluationJob), "k_values": validated_k_values(config.k_values)},
     )
+    invocation = gpu_host.run_stage(context, STAGE, job.to_dict())
     return invocation.get_materialize_result()

@@ -19,8 +19,6 @@ not depend on how validation is implemented.
 from typing import Optional
 
 from dagster import (
-    AssetCheckResult,
-    AssetCheckSeverity,
     AssetCheckSpec,
     AssetExecutionContext,
     AssetKey,
@@ -30,13 +28,17 @@ from dagster import (
     MetadataValue,
     asset,
 )
-from dagster._core.definitions.data_version import extract_data_version_from_entry
-from pydantic import Field
+from dagster._core.definitions.data_version import extract_data_version_from_entry  # no public reader of the tag
 
-from eagle3_assets.core.state_layout import BACKENDS, DEFAULT_PART_BYTES, FP8_DTYPE, STORAGE_DTYPE_BYTES, bytes_per_token
+from eagle3_assets.check_results import check_result
+from eagle3_assets.config_fields import config_field, settings_of
+from eagle3_assets.core.checks import CheckOutcome
 from eagle3_assets.core.preflight import StageRequirements
 from eagle3_assets.core.shard_files import read_shard_parquet
-from eagle3_assets.core.storage import asset_dir, data_dir, file_hash, stable_hash
+from eagle3_assets.core.shard_paths import ShardPaths
+from eagle3_assets.core.stage_jobs import ExtractionJob, StageTarget, shard_check_seed
+from eagle3_assets.core.state_layout import BACKENDS, STORAGE_DTYPE_BYTES, bytes_per_token
+from eagle3_assets.core.storage import file_hash, stable_hash
 from eagle3_assets.partitions import sample_shards
 from resources.gpu_host import GPU_POOL, GPUHost, register_stage
 from resources.target_model import TargetModel
@@ -61,33 +63,25 @@ CHECKS = {
 
 
 class HiddenStatesConfig(Config):
-    """How a shard is extracted; every field is editable per run in the launchpad."""
+    """How a shard is extracted; every field is editable per run in the launchpad (defaults: ``ExtractionJob``)."""
 
-    backend: str = Field(default="transformers", description=f"one of {BACKENDS}; 'vllm' for targets too large for transformers")
-    dtype: str = Field(
-        default="bfloat16",
-        description=f"storage precision of the states, one of {sorted(STORAGE_DTYPE_BYTES)}; '{FP8_DTYPE}' stores 8-bit codes "
-        "with a float32 scale per token and state: half the bytes of bfloat16, dequantised to float32 for training",
-    )
-    part_size_bytes: int = Field(default=DEFAULT_PART_BYTES, gt=0, description="a shard's states are split into files of at most this size")
-    max_batch_tokens: int = Field(default=16384, gt=0, description="padded tokens per forward batch (transformers) or tokens per request chunk (vLLM)")
-    max_batch_size: int = Field(default=64, gt=0, description="samples per forward batch (transformers)")
-    cpu_threads: int = Field(default=0, ge=0, description="torch threads on a CPU host; 0: torch's default")
-    vllm_dtype: str = Field(default="auto", description="vLLM backend: the engine's dtype")
-    vllm_max_model_len: int = Field(default=0, ge=0, description="vLLM backend: max_model_len; 0: the longest trace + 1")
-    vllm_tensor_parallel_size: int = Field(default=1, gt=0, description="vLLM backend: GPUs per engine")
-    vllm_gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1, description="vLLM backend: share of GPU memory for the engine")
-    vllm_enforce_eager: Optional[bool] = Field(default=None, description="vLLM backend: no CUDA graphs; default: eager on CPU only")
-    logits_check_samples: int = Field(default=8, gt=0, description="samples drawn for final_state_reproduces_logits")
-    logits_check_positions: int = Field(default=4096, gt=0, description="at most this many positions compared over those samples")
-    min_argmax_agreement: float = Field(default=0.999, ge=0, le=1, description="final_state_reproduces_logits passes at or above this share")
-    aux_check_samples: int = Field(default=4, gt=0, description="samples drawn for aux_states_match_layer_ids")
-    recompute: bool = Field(
-        default=False, description="discard the shard's stored files and extract it again (a rerun otherwise keeps durable parts and re-checks them)"
-    )
-    aux_check_reference: str = Field(
-        default="auto", description="'transformers' (a transformers forward), 'none' (sidecar only) or 'auto' (transformers unless backend is vllm)"
-    )
+    backend: str = config_field(ExtractionJob, "backend")
+    dtype: str = config_field(ExtractionJob, "dtype")
+    part_size_bytes: int = config_field(ExtractionJob, "part_size_bytes")
+    max_batch_tokens: int = config_field(ExtractionJob, "max_batch_tokens")
+    max_batch_size: int = config_field(ExtractionJob, "max_batch_size")
+    cpu_threads: int = config_field(ExtractionJob, "cpu_threads")
+    vllm_dtype: str = config_field(ExtractionJob, "vllm_dtype")
+    vllm_max_model_len: int = config_field(ExtractionJob, "vllm_max_model_len")
+    vllm_tensor_parallel_size: int = config_field(ExtractionJob, "vllm_tensor_parallel_size")
+    vllm_gpu_memory_utilization: float = config_field(ExtractionJob, "vllm_gpu_memory_utilization")
+    vllm_enforce_eager: Optional[bool] = config_field(ExtractionJob, "vllm_enforce_eager")
+    logits_check_samples: int = config_field(ExtractionJob, "logits_check_samples")
+    logits_check_positions: int = config_field(ExtractionJob, "logits_check_positions")
+    min_argmax_agreement: float = config_field(ExtractionJob, "min_argmax_agreement")
+    aux_check_samples: int = config_field(ExtractionJob, "aux_check_samples")
+    recompute: bool = config_field(ExtractionJob, "recompute")
+    aux_check_reference: str = config_field(ExtractionJob, "aux_check_reference")
 
 
 def upstream_version(context: AssetExecutionContext, key: str) -> str:
@@ -96,16 +90,27 @@ def upstream_version(context: AssetExecutionContext, key: str) -> str:
     version = extract_data_version_from_entry(record.event_log_entry) if record else None
     if version is not None:
         return version.value
-    traces = data_dir() / UPSTREAM / f"{key}.parquet"
+    traces = ShardPaths(UPSTREAM, key).parquet
     return f"file:{file_hash(traces)}" if traces.is_file() else "unknown"
 
 
 def shard_tokens(key: str) -> int | None:
     """Tokens of the shard's validated traces, or None when the traces are not on this machine."""
-    traces = data_dir() / UPSTREAM / f"{key}.parquet"
+    traces = ShardPaths(UPSTREAM, key).parquet
     if not traces.is_file():
         return None
     return int(read_shard_parquet(traces, asset=UPSTREAM, shard=key, columns=["num_tokens"])["num_tokens"].sum() or 0)
+
+
+def states_lineage(context: AssetExecutionContext, key: str, target_model: TargetModel, backend: str, dtype: str) -> dict:
+    """What a shard's states are made of, hashed into their data version (bounded-disk mode records the same version)."""
+    return {
+        UPSTREAM: upstream_version(context, key),
+        "target_config_hash": target_model.config_hash(),
+        "aux_layer_ids": target_model.layer_ids(),
+        "backend": backend,
+        "dtype": dtype,
+    }
 
 
 def disk_estimate(key: str, hidden_size: int, dtype: str) -> tuple[int, str]:
@@ -115,10 +120,6 @@ def disk_estimate(key: str, hidden_size: int, dtype: str) -> tuple[int, str]:
         return 0, f"{key}: traces not on this machine, no disk estimate"
     per_token = bytes_per_token(hidden_size, dtype)
     return tokens * per_token, f"{key}: {tokens} tokens x {per_token} B/token ({dtype}, H={hidden_size}) = {tokens * per_token} B"
-
-
-def _value(entry):
-    return getattr(entry, "value", entry)
 
 
 @asset(
@@ -139,50 +140,23 @@ def hidden_states(
         raise ValueError(f"hidden_states config backend {config.backend!r}: one of {BACKENDS}")
     if config.dtype not in STORAGE_DTYPE_BYTES:
         raise ValueError(f"hidden_states config dtype {config.dtype!r}: one of {sorted(STORAGE_DTYPE_BYTES)}")
-    traces_file = data_dir() / UPSTREAM / f"{key}.parquet"
+    traces_file = ShardPaths(UPSTREAM, key).parquet
     if gpu_host.mode == "local" and not traces_file.is_file():
         raise FileNotFoundError(f"validated_traces for {key}: {traces_file} does not exist (materialise validated_traces for this shard first)")
 
     layer_ids = target_model.layer_ids()
-    target_hash = target_model.config_hash()
-    lineage = {
-        UPSTREAM: upstream_version(context, key),
-        "target_config_hash": target_hash,
-        "aux_layer_ids": layer_ids,
-        "backend": config.backend,
-        "dtype": config.dtype,
-    }
+    lineage = states_lineage(context, key, target_model, config.backend, config.dtype)
     version = stable_hash(lineage)
-    output = asset_dir(ASSET) / key
-    extras = {
-        "shard": key,
-        "traces": f"{UPSTREAM}/{key}.parquet",
-        "output": f"{ASSET}/{key}",
-        "target": target_model.stage_extras(),
-        "backend": config.backend,
-        "dtype": config.dtype,
-        "part_bytes": config.part_size_bytes,
-        "max_batch_tokens": config.max_batch_tokens,
-        "max_batch_size": config.max_batch_size,
-        "cpu_threads": config.cpu_threads,
-        "recompute": config.recompute,
-        "vllm": {
-            "dtype": config.vllm_dtype,
-            "max_model_len": config.vllm_max_model_len,
-            "tensor_parallel_size": config.vllm_tensor_parallel_size,
-            "gpu_memory_utilization": config.vllm_gpu_memory_utilization,
-            "enforce_eager": config.vllm_enforce_eager,
-        },
-        "checks": {
-            "logits_samples": config.logits_check_samples,
-            "logits_positions": config.logits_check_positions,
-            "min_argmax_agreement": config.min_argmax_agreement,
-            "aux_samples": config.aux_check_samples,
-            "aux_reference": config.aux_check_reference,
-            "seed": int(stable_hash(key, 8), 16),
-        },
-        "data_version": version,
-    }
+    output = ShardPaths(ASSET, key).directory
+    job = ExtractionJob(
+        shard=key,
+        traces=ShardPaths.relative(UPSTREAM, key).parquet.as_posix(),
+        output=ShardPaths.relative(ASSET, key).directory.as_posix(),
+        target=StageTarget(**target_model.stage_extras()),
+        data_version=version,
+        check_seed=shard_check_seed(key),
+        **settings_of(config, ExtractionJob),
+    )
     disk_bytes, disk_note = disk_estimate(key, target_model.hidden_size(), config.dtype)
     context.log.info(f"{key}: the shard's hidden states will take {disk_note}; the pre-flight checks the GPU host can hold them")
     requirements = StageRequirements(
@@ -192,7 +166,7 @@ def hidden_states(
         disk_note=f"offline mode, the states stay on disk: {disk_note}",  # bounded mode: draft_checkpoint_bounded.py
     )
     context.log.info(f"{key}: extracting hidden states at layer ids {layer_ids} with the {config.backend} backend into {output}")
-    invocation = gpu_host.run_stage(context, STAGE, extras, requirements=requirements)
+    invocation = gpu_host.run_stage(context, STAGE, job.to_dict(), requirements=requirements)
     reported = invocation.get_materialize_result()
 
     metadata = dict(reported.metadata or {})
@@ -202,19 +176,9 @@ def hidden_states(
         raise RuntimeError(f"stage {STAGE} reported no result for the checks {missing}")
     check_results = []
     for name in CHECKS:
-        result = returned[name]
-        check_metadata = {k: v for k, v in (result.metadata or {}).items() if k != "summary"}
-        summary = (result.metadata or {}).get("summary")
-        check_results.append(
-            AssetCheckResult(
-                check_name=name,
-                passed=result.passed,
-                severity=AssetCheckSeverity.ERROR,
-                description=str(_value(summary)) if summary is not None else None,
-                metadata=check_metadata,
-            )
-        )
-        if not result.passed:
-            context.log.error(f"{key}: {name} failed: {_value(summary)}")
+        outcome = CheckOutcome.from_pipes(name, returned[name].passed, dict(returned[name].metadata or {}))
+        check_results.append(check_result(outcome))
+        if not outcome.passed:
+            context.log.error(f"{key}: {name} failed: {outcome.description}")
     metadata["data_version_inputs"] = MetadataValue.json(lineage)
     return MaterializeResult(data_version=DataVersion(version), metadata=metadata, check_results=check_results)

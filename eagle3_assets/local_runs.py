@@ -14,9 +14,9 @@ recycled pid started later). ``deploy/dagster-dev.yaml`` names it and turns
 monitoring on, so ``make dev``'s daemon marks a dead run failed and frees its
 slots a few seconds later.
 
-``make demo`` runs without a daemon (``materialize`` in its own process), so
-it calls :func:`fail_dead_runs` before it starts, and so does ``make dev``:
-the same decision, taken once.
+A script that runs the graph without a daemon (``materialize`` in its own
+process) calls :func:`fail_dead_runs` before it starts, and so does ``make
+dev``: the same decision, taken once.
 
 Only runs of this host can be judged: the local instance (SQLite under
 ``$DAGSTER_HOME``) is one machine's. The production instance runs its workers
@@ -28,10 +28,9 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from dagster import DagsterEventType, DagsterInstance, DagsterRunStatus, RunsFilter
-from dagster._core.launcher import DefaultRunLauncher
+from dagster import DagsterEventType, DagsterInstance, DagsterRun, DagsterRunStatus, DefaultRunLauncher, RunsFilter
+# The run launcher's health protocol has no public names (Dagster exports neither type).
 from dagster._core.launcher.base import CheckRunHealthResult, WorkerStatus
-from dagster._core.storage.dagster_run import FINISHED_STATUSES, DagsterRun
 
 from eagle3_assets.core.shard_lease import process_start_ticks
 
@@ -93,7 +92,9 @@ def fail_dead_runs(instance: DagsterInstance, log: Callable[[str], None] = print
     if storage.supports_global_concurrency_limits:
         holding = storage.get_concurrency_run_ids()
         if holding:
-            for run in instance.get_runs(filters=RunsFilter(run_ids=list(holding), statuses=list(FINISHED_STATUSES))):
+            for run in instance.get_runs(filters=RunsFilter(run_ids=list(holding))):
+                if not run.is_finished:
+                    continue
                 storage.free_concurrency_slots_for_run(run.run_id)
                 log(f"run {run.run_id} ({run.status.value}): freed its pool slots")
     return failed

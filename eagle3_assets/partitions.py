@@ -1,7 +1,7 @@
 """Sample-shard partitions shared by every per-sample asset.
 
 Dynamic partitions, because a dataset can grow: the ``new_prompt_shards``
-sensor, ``make demo`` and :func:`register_shards` add the keys of new shards;
+sensor and :func:`register_shards` add the keys of new shards;
 existing keys never change meaning (see :mod:`eagle3_assets.core.sharding`).
 """
 
@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dagster import DagsterInstance, DynamicPartitionsDefinition
 
-SAMPLE_SHARDS = "sample_shards"
+from eagle3_assets.core.sharding import SAMPLE_SHARDS
+
 sample_shards = DynamicPartitionsDefinition(name=SAMPLE_SHARDS)
 
 

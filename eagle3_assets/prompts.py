@@ -21,8 +21,9 @@ from dagster import (
 
 from eagle3_assets.core.shard_files import quarantine_if_corrupt
 from eagle3_assets.core.shard_lease import ShardLease
-from eagle3_assets.core.heldout import HELDOUT_SUFFIX, split_held_out
-from eagle3_assets.core.storage import asset_dir, stable_hash, write_parquet_atomic
+from eagle3_assets.core.heldout import split_held_out
+from eagle3_assets.core.shard_paths import ShardPaths
+from eagle3_assets.core.storage import stable_hash, write_parquet_atomic
 from eagle3_assets.partitions import sample_shards
 from resources.prompt_dataset import PromptDataset
 
@@ -44,13 +45,13 @@ def prompts(context: AssetExecutionContext, prompt_dataset: PromptDataset) -> Ma
     key = context.partition_key
     shard = prompt_dataset.load_shard(key)
     training, held_out = split_held_out(shard.accepted, prompt_dataset.holdout_share)
-    out = asset_dir("prompts")
-    with ShardLease(out, key, asset="prompts", run_id=context.run.run_id, log=context.log.info):
-        for written in (out / f"{key}.parquet", out / f"{key}{HELDOUT_SUFFIX}", out / f"{key}.rejected.parquet"):
+    paths = ShardPaths("prompts", key)
+    with ShardLease(paths.asset_dir, key, asset="prompts", run_id=context.run.run_id, log=context.log.info):
+        for written in (paths.parquet, paths.heldout, paths.rejected):
             quarantine_if_corrupt(written, context.log.warning)  # kept for inspection, not overwritten unseen
-        write_parquet_atomic(out / f"{key}.parquet", training)
-        write_parquet_atomic(out / f"{key}{HELDOUT_SUFFIX}", held_out)
-        write_parquet_atomic(out / f"{key}.rejected.parquet", shard.rejected)
+        write_parquet_atomic(paths.parquet, training)
+        write_parquet_atomic(paths.heldout, held_out)
+        write_parquet_atomic(paths.rejected, shard.rejected)
 
     accepted, rejected = training.height, shard.rejected.height
     total = accepted + held_out.height + rejected
@@ -64,7 +65,7 @@ def prompts(context: AssetExecutionContext, prompt_dataset: PromptDataset) -> Ma
     return MaterializeResult(
         data_version=DataVersion(version),
         metadata={
-            "path": MetadataValue.path(str(out / f"{key}.parquet")),
+            "path": MetadataValue.path(str(paths.parquet)),
             "source": prompt_dataset.resolved_source(),
             "rows": total,
             "accepted": accepted,

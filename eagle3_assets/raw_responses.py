@@ -42,13 +42,14 @@ from eagle3_assets.core.generation import (
     generate_shard,
     shard_summary,
 )
-from eagle3_assets.core.evaluation import EVAL_MAX_TOKENS
-from eagle3_assets.core.journal import SUPERSEDED_DIR
+from eagle3_assets.check_results import check_result
 from eagle3_assets.core.redaction import redact_credentials, redact_url
 from eagle3_assets.core.response_rules import DEFAULT_MIN_REASONING_SHARE
 from eagle3_assets.core.shard_files import quarantine_if_corrupt, read_shard_parquet
 from eagle3_assets.core.shard_lease import ShardLease
-from eagle3_assets.core.storage import asset_dir, file_hash, stable_hash
+from eagle3_assets.core.stage_jobs import EVAL_MAX_TOKENS
+from eagle3_assets.core.shard_paths import ShardPaths
+from eagle3_assets.core.storage import file_hash, stable_hash
 from eagle3_assets.core.validation import check_reasoning_present
 from eagle3_assets.partitions import sample_shards
 from eagle3_assets.prompts import prompts
@@ -90,14 +91,15 @@ def raw_responses(context: AssetExecutionContext, vllm_server: VLLMServerResourc
     problems = target_model.preflight_problems(max_tokens=vllm_server.max_tokens, eval_max_tokens=EVAL_MAX_TOKENS)
     if problems:
         raise Failure(f"raw_responses {key}: the target pre-flight failed, nothing was sent:\n" + "\n".join(f"- {p}" for p in problems))
-    out = asset_dir("raw_responses")
+    paths = ShardPaths("raw_responses", key)
     # One writer per shard: a second run of this shard fails here, naming the run that holds it, before any request.
-    with ShardLease(out, key, asset="raw_responses", run_id=context.run.run_id, log=context.log.info):
-        return _generate(context, vllm_server, key, out)
+    with ShardLease(paths.asset_dir, key, asset="raw_responses", run_id=context.run.run_id, log=context.log.info):
+        return _generate(context, vllm_server, paths)
 
 
-def _generate(context: AssetExecutionContext, vllm_server: VLLMServerResource, key: str, out) -> MaterializeResult:
-    prompts_path = asset_dir("prompts") / f"{key}.parquet"
+def _generate(context: AssetExecutionContext, vllm_server: VLLMServerResource, paths: ShardPaths) -> MaterializeResult:
+    key = paths.shard
+    prompts_path = ShardPaths("prompts", key, paths.root).parquet
     if not prompts_path.is_file():
         raise Failure(f"raw_responses {key}: the shard's prompts are missing ({prompts_path}); materialise `prompts` for {key} first")
     prompt_rows = read_shard_parquet(prompts_path, asset="prompts", shard=key, columns=["id", "messages"])
@@ -109,7 +111,7 @@ def _generate(context: AssetExecutionContext, vllm_server: VLLMServerResource, k
             "put the URL with its credentials in EAGLE3_VLLM_URLS and the URL without them in the config"
         )
 
-    parquet_path = out / f"{key}.parquet"
+    parquet_path = paths.parquet
     # A finished Parquet that no longer decodes is moved aside; the journal's rows are kept and the rest is sent again.
     quarantine_if_corrupt(parquet_path, context.log.warning)
     context.log.info(
@@ -120,12 +122,13 @@ def _generate(context: AssetExecutionContext, vllm_server: VLLMServerResource, k
         outcome = generate_shard(
             config,
             samples,
-            out / f"{key}.journal.jsonl",
+            paths.journal,
             parquet_path,
             log=lambda line: context.log.info(f"{key}: {line}"),
             progress_interval_s=vllm_server.progress_interval_s,
             canary_prompt=vllm_server.canary_prompt,
             canary_max_tokens=vllm_server.canary_max_tokens,
+            canary_client=vllm_server.get_async_client,
         )
     except PreflightError as exc:
         raise Failure(f"raw_responses {key}: pre-flight failed, nothing was sent: {exc}") from None
@@ -144,7 +147,7 @@ def _generate(context: AssetExecutionContext, vllm_server: VLLMServerResource, k
     reasoning = check_reasoning_present(
         summary["answered_rows"], summary["rows_without_reasoning_ids"], DEFAULT_MIN_REASONING_SHARE, summary["reasoning_fields"]
     )
-    kept_generations = sorted(p.name for p in (out / SUPERSEDED_DIR).glob(f"{key}.*.parquet")) if (out / SUPERSEDED_DIR).is_dir() else []
+    kept_generations = [p.relative_to(paths.asset_dir).as_posix() for p in paths.superseded()]
     written_ids = pl.read_parquet(parquet_path, columns=["id"])["id"]
     expected_ids = prompt_rows["id"]
     duplicated = written_ids.filter(written_ids.is_duplicated()).unique().to_list()
@@ -178,7 +181,7 @@ def _generate(context: AssetExecutionContext, vllm_server: VLLMServerResource, k
             "allow_truncated": config.allow_truncated,
             # Finished generations of this shard made with other settings: kept, never deleted.
             "superseded_this_run": str(outcome.superseded) if outcome.superseded else "",
-            "kept_generations": MetadataValue.json([f"{SUPERSEDED_DIR}/{name}" for name in kept_generations]),
+            "kept_generations": MetadataValue.json(kept_generations),
             "errors": summary["errors"],
             "prompts_too_long": summary["prompts_too_long"],
             "errors_by_kind": MetadataValue.json(summary["errors_by_kind"]),
@@ -220,19 +223,7 @@ def _generate(context: AssetExecutionContext, vllm_server: VLLMServerResource, k
                     "examples": MetadataValue.json(summary["error_examples"]),
                 },
             ),
-            AssetCheckResult(
-                check_name="reasoning_present",
-                passed=reasoning.passed,
-                severity=AssetCheckSeverity.ERROR,
-                description=reasoning.description,
-                metadata={
-                    reasoning.figure_name: reasoning.figure,
-                    "threshold": reasoning.threshold,
-                    "offending_ids": MetadataValue.json(reasoning.offending_ids),
-                    "reasoning_fields": MetadataValue.json(summary["reasoning_fields"]),
-                    **reasoning.counts,
-                },
-            ),
+            check_result(reasoning.with_evidence(reasoning_fields=summary["reasoning_fields"])),
         ],
     )
 

@@ -20,7 +20,6 @@ depend on how generation is implemented.
 from typing import Optional
 
 from dagster import (
-    AssetCheckResult,
     AssetCheckSeverity,
     AssetCheckSpec,
     AssetExecutionContext,
@@ -33,15 +32,16 @@ from dagster import (
 )
 from pydantic import Field
 
+from eagle3_assets.check_results import check_result
 from eagle3_assets.core.journal import parquet_generation
 from eagle3_assets.core.response_rules import DEFAULT_MIN_REASONING_SHARE
 from eagle3_assets.core.shard_files import quarantine_if_corrupt, verify_shard_parquet
 from eagle3_assets.core.shard_lease import ShardLease
 from eagle3_assets.core.target import parquet_metadata
-from eagle3_assets.core.storage import asset_dir, data_dir, file_hash, stable_hash
+from eagle3_assets.core.shard_paths import ShardPaths
+from eagle3_assets.core.storage import data_dir, file_hash, stable_hash
 from eagle3_assets.core.validation import (
     REJECTION_REASONS,
-    CheckOutcome,
     ValidationRules,
     check_loss_mask_aligned,
     check_prompts_fit_context,
@@ -125,16 +125,16 @@ def validated_traces(context: AssetExecutionContext, config: ValidationConfig, t
     """Rows that pass the gates, rendered into the target's chat template with its thinking tokens, with input_ids and loss_mask; rejected rows kept apart with a reason."""
     key = context.partition_key
     # One writer per shard: a second run of this shard fails at once, naming the run that holds it.
-    with ShardLease(asset_dir(ASSET), key, asset=ASSET, run_id=context.run.run_id, log=context.log.info):
+    with ShardLease(ShardPaths(ASSET, key).asset_dir, key, asset=ASSET, run_id=context.run.run_id, log=context.log.info):
         return _validate(context, config, target_model, key)
 
 
 def _validate(context: AssetExecutionContext, config: ValidationConfig, target_model: TargetModel, key: str) -> MaterializeResult:
     root = data_dir()
-    prompts_path = root / "prompts" / f"{key}.parquet"
-    raw_path = root / "raw_responses" / f"{key}.parquet"
-    out = asset_dir(ASSET)
-    kept_path, rejected_path = out / f"{key}.parquet", out / f"{key}.rejected.parquet"
+    prompts_path = ShardPaths("prompts", key, root).parquet
+    raw_path = ShardPaths("raw_responses", key, root).parquet
+    out = ShardPaths(ASSET, key, root)
+    kept_path, rejected_path = out.parquet, out.rejected
     # Inputs are trusted only once they decode; a damaged output of ours is kept aside, not overwritten unseen.
     verify_shard_parquet(prompts_path, asset="prompts", shard=key)
     verify_shard_parquet(raw_path, asset="raw_responses", shard=key)
@@ -165,30 +165,21 @@ def _validate(context: AssetExecutionContext, config: ValidationConfig, target_m
     )
 
     blocking = [
-        ("traces_present", check_traces_present(summary.kept, summary.rejected_by_reason, summary.rejected_examples)),
-        (
-            "reasoning_present",
-            check_reasoning_present(summary.answered_rows, summary.ids_without_reasoning, config.min_reasoning_share, summary.reasoning_fields),
-        ),
-        (
-            "responses_accounted",
-            check_responses_accounted(summary.raw_ids, summary.prompt_ids, written_ids(kept_path), written_ids(rejected_path)),
-        ),
-        ("loss_mask_aligned", check_loss_mask_aligned(alignment)),
-        (
-            "request_errors_rare",
-            check_request_errors_rare(
-                summary.raw_rows, summary.request_error_ids, summary.request_errors_by_kind, len(summary.prompt_too_long_ids), config.max_request_error_share
-            ),
+        check_traces_present(summary.kept, summary.rejected_by_reason, summary.rejected_examples),
+        check_reasoning_present(summary.answered_rows, summary.ids_without_reasoning, config.min_reasoning_share, summary.reasoning_fields),
+        check_responses_accounted(summary.raw_ids, summary.prompt_ids, written_ids(kept_path), written_ids(rejected_path)),
+        check_loss_mask_aligned(alignment),
+        check_request_errors_rare(
+            summary.raw_rows, summary.request_error_ids, summary.request_errors_by_kind, len(summary.prompt_too_long_ids), config.max_request_error_share
         ),
     ]
     advisory = [
-        ("truncation_rate_low", check_truncation_rate_low(summary.raw_rows, summary.truncated_ids, config.max_truncation_rate)),
-        ("think_markers_absent", check_think_markers_absent(summary.raw_rows, summary.think_marker_ids, markers)),
-        ("prompts_fit_context", check_prompts_fit_context(summary.raw_rows, summary.prompt_too_long_ids)),
+        check_truncation_rate_low(summary.raw_rows, summary.truncated_ids, config.max_truncation_rate),
+        check_think_markers_absent(summary.raw_rows, summary.think_marker_ids, markers),
+        check_prompts_fit_context(summary.raw_rows, summary.prompt_too_long_ids),
     ]
-    check_results = [_check_result(name, outcome, AssetCheckSeverity.ERROR) for name, outcome in blocking]
-    check_results += [_check_result(name, outcome, AssetCheckSeverity.WARN) for name, outcome in advisory]
+    check_results = [check_result(outcome, AssetCheckSeverity.ERROR) for outcome in blocking]
+    check_results += [check_result(outcome, AssetCheckSeverity.WARN) for outcome in advisory]
 
     version = stable_hash(
         {
@@ -227,20 +218,4 @@ def _validate(context: AssetExecutionContext, config: ValidationConfig, target_m
             "target": MetadataValue.json(identity.as_dict()),
         },
         check_results=check_results,
-    )
-
-
-def _check_result(name: str, outcome: CheckOutcome, severity: AssetCheckSeverity) -> AssetCheckResult:
-    """A gate's outcome as Dagster shows it: figure, threshold and up to 10 offending ids."""
-    return AssetCheckResult(
-        check_name=name,
-        passed=outcome.passed,
-        severity=severity,
-        description=outcome.description,
-        metadata={
-            outcome.figure_name: outcome.figure,
-            "threshold": outcome.threshold,
-            "offending_ids": MetadataValue.json(outcome.offending_ids),
-            **outcome.counts,
-        },
     )

@@ -23,6 +23,7 @@ from dagster import (
 from pydantic import Field
 
 from eagle3_assets.core.shard_files import read_shard_parquet
+from eagle3_assets.core.shard_paths import ShardPaths
 from eagle3_assets.core.storage import asset_dir, file_hash, stable_hash
 from eagle3_assets.partitions import SAMPLE_SHARDS
 from resources.target_model import TargetModel
@@ -34,19 +35,14 @@ class VocabMappingConfig(Config):
     draft_vocab_size: int = Field(default=32000, description="tokens the draft predicts over (capped at the target's vocabulary)")
 
 
-# The demo's tiny target writes ~170 distinct tokens of its 640.
-DEMO_VOCAB_MAPPING_CONFIG = VocabMappingConfig(draft_vocab_size=256)
-
-
-def shard_files(asset_name: str, keys: list[str], suffix: str) -> dict:
-    """``<data>/<asset>/<key><suffix>`` of every registered shard; an error names the shards without one."""
-    root = asset_dir(asset_name)
-    files = {key: root / f"{key}{suffix}" for key in keys}
-    missing = [key for key, path in files.items() if not path.exists()]
+def shard_files(asset_name: str, keys: list[str]) -> dict:
+    """The Parquet file of every registered shard of ``asset_name``; an error names the shards without one."""
     if not keys:
         raise ValueError(f"no sample shards are registered ({SAMPLE_SHARDS}): materialise the per-shard assets first")
+    files = {key: ShardPaths(asset_name, key).parquet for key in keys}
+    missing = [key for key, path in files.items() if not path.exists()]
     if missing:
-        raise FileNotFoundError(f"{asset_name} has no output for shards {missing} under {root}: materialise those shards first")
+        raise FileNotFoundError(f"{asset_name} has no output for shards {missing} under {files[keys[0]].parent}: materialise those shards first")
     return files
 
 
@@ -69,8 +65,8 @@ def vocab_mapping(context: AssetExecutionContext, config: VocabMappingConfig, ta
     from eagle3_assets.core.vocab import build_vocab_mapping, count_supervised_tokens, coverage, save_vocab_mapping
 
     keys = sorted(context.instance.get_dynamic_partitions(SAMPLE_SHARDS))
-    files = shard_files("validated_traces", keys, ".parquet")
-    target_vocab_size = int(target_model.config().get("text_config", target_model.config())["vocab_size"])
+    files = shard_files("validated_traces", keys)
+    target_vocab_size = int(target_model.text_config()["vocab_size"])
     draft_vocab_size = min(config.draft_vocab_size, target_vocab_size)
     if draft_vocab_size < config.draft_vocab_size:
         context.log.warning(f"draft_vocab_size {config.draft_vocab_size} exceeds the target's vocabulary: using {target_vocab_size}")

@@ -30,27 +30,32 @@ from dagster import (
     AssetExecutionContext,
     ConfigurableResource,
     DagsterInstance,
+    EnvVar,
     Failure,
     MetadataValue,
     OpExecutionContext,
+    PipesClientCompletedInvocation,
     PipesEnvContextInjector,
     PipesMessageReader,
     open_pipes_session,
 )
+
+# The error Dagster's own Pipes clients raise for a failed external process; Dagster does not export it.
 from dagster._core.errors import DagsterPipesExecutionError
-from dagster._core.pipes.client import PipesClientCompletedInvocation
 from pydantic import Field
 
 from eagle3_assets.core import preflight as preflight_module
 from eagle3_assets.core.preflight import STAGE_PACKAGE, StageRequirements, build_spec, validate_stage_name
 from eagle3_assets.core.remote import HostConnection, HostError, SSHTarget, StageProcess
 from eagle3_assets.core.storage import DATA_DIR_ENV, PARTIAL_SUFFIX, data_dir
+from resources.pools import ensure_pool_limit
 
 # The pool every GPU stage's asset joins: ``@asset(pool=GPU_POOL)``. One pool per GPU host;
 # a deployment with two hosts gives the second one its own pool name (EAGLE3_GPU_POOL).
 GPU_POOL = os.environ.get("EAGLE3_GPU_POOL") or "gpu_host"
-DEFAULT_GPU_POOL_LIMIT = 1
+GPU_POOL_LIMIT_ENV = "EAGLE3_GPU_POOL_LIMIT"
 MODES = ("local", "ssh")
+HF_TOKEN_ENV = "HF_TOKEN"  # what huggingface_hub reads; a gated target on the hub needs it on the GPU host
 
 # What each GPU stage needs from the host. A stage's asset module declares its entry with
 # ``register_stage(...)``; ``run_stage`` uses it when no requirements are passed, and the
@@ -67,21 +72,9 @@ def register_stage(stage: str, requirements: StageRequirements) -> StageRequirem
 
 
 def ensure_gpu_pool_limit(instance: DagsterInstance, limit: int | None = None) -> int:
-    """Give the GPU pool its limit on ``instance`` unless one was set already; return the limit in force.
-
-    The default is ``$EAGLE3_GPU_POOL_LIMIT`` or 1: one GPU stage at a time on
-    the host. A limit set by hand (``dagster instance concurrency set gpu_host
-    N`` or the UI) is kept. ``make dev`` and the demo call this.
-    """
-    wanted = limit if limit is not None else int(os.environ.get("EAGLE3_GPU_POOL_LIMIT") or DEFAULT_GPU_POOL_LIMIT)
-    storage = instance.event_log_storage
-    if not storage.supports_global_concurrency_limits:
-        return wanted
-    current = {pool.name: pool.limit for pool in storage.get_pool_limits()}
-    if current.get(GPU_POOL) is not None:
-        return current[GPU_POOL]
-    storage.set_concurrency_slots(GPU_POOL, wanted)
-    return wanted
+    """The GPU pool's limit (``$EAGLE3_GPU_POOL_LIMIT`` or 1: one GPU stage at a time on the host) unless one was
+    set by hand; the limit in force. ``make dev`` calls this, and so does anything that runs the graph without it."""
+    return ensure_pool_limit(instance, GPU_POOL, GPU_POOL_LIMIT_ENV, limit)
 
 
 class _RunnerStdoutMessageReader(PipesMessageReader):
@@ -122,10 +115,15 @@ class GPUHost(ConfigurableResource):
     working_dir: str = Field(default=".", description="working directory of stage processes on the host")
     data_dir: str = Field(default="", description=f"data directory on the host; empty: ${DATA_DIR_ENV} of this process (local mode only)")
     lock_dir: str = Field(default="", description="where stage locks live on the host; empty: <data_dir>/.locks")
-    allow_cpu: bool = Field(default=True, description="let every stage run on CPU when the host has no GPU (demo, tests); false: only stages that declare cpu_allowed")
+    allow_cpu: bool = Field(default=True, description="let every stage run on CPU when the host has no GPU (small local targets, tests); false: only stages that declare cpu_allowed")
     remove_partial_files: bool = Field(default=False, description="delete partial files left by an aborted run instead of failing the pre-flight")
     preflight_timeout_s: float = Field(default=300.0, description="limit for the pre-flight (imports of large modules included)")
     termination_grace_s: float = Field(default=20.0, description="time a stage gets to stop after the run is terminated, before SIGKILL")
+    hf_token: str | None = Field(
+        default=None,
+        description=f"Hugging Face token for a gated or private target on the hub, given to every stage as ${HF_TOKEN_ENV} on the "
+        f"runner's stdin (never on a command line, never logged); set it with EnvVar('{HF_TOKEN_ENV}'), never as a literal",
+    )
 
     # -- where and how
 
@@ -158,6 +156,10 @@ class GPUHost(ConfigurableResource):
 
     def host_lock_dir(self) -> str:
         return self.lock_dir or os.path.join(self.host_data_dir(), ".locks")
+
+    def stage_secrets(self) -> dict[str, str]:
+        """The secrets every stage gets in its environment: those set."""
+        return {HF_TOKEN_ENV: self.hf_token} if self.hf_token else {}
 
     def requirements_for(self, stage: str, requirements: StageRequirements | None = None) -> StageRequirements:
         return requirements or STAGE_REQUIREMENTS.get(stage) or StageRequirements()
@@ -227,7 +229,7 @@ class GPUHost(ConfigurableResource):
         context.log.info(f"GPU host {label}: pre-flight for {stage} passed ({preflight_summary(report)})")
 
         cpu_allowed = requirements.cpu_allowed or self.allow_cpu
-        stage_env = {**(env or {}), DATA_DIR_ENV: self.host_data_dir(), "EAGLE3_ALLOW_CPU": "1" if cpu_allowed else "0"}
+        stage_env = {**self.stage_secrets(), **(env or {}), DATA_DIR_ENV: self.host_data_dir(), "EAGLE3_ALLOW_CPU": "1" if cpu_allowed else "0"}
         runner = [
             self.python, "-m", STAGE_PACKAGE, stage,
             "--lock", report["lock"]["path"],
@@ -342,6 +344,8 @@ def gpu_host_from_env() -> GPUHost:
     ):
         if os.environ.get(variable):
             fields[field_name] = os.environ[variable]
+    if os.environ.get(HF_TOKEN_ENV):  # an EnvVar of an unset variable fails the run: only pass it when set
+        fields["hf_token"] = EnvVar(HF_TOKEN_ENV)
     if os.environ.get("EAGLE3_GPU_HOST_ALLOW_CPU"):
         fields["allow_cpu"] = os.environ["EAGLE3_GPU_HOST_ALLOW_CPU"].lower() in {"1", "true", "yes"}
     return GPUHost(**fields)

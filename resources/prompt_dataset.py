@@ -1,7 +1,14 @@
-"""The prompt dataset and how it is cut into sample shards."""
+"""The prompt dataset and how it is cut into sample shards.
+
+The defaults come from the environment (``EAGLE3_PROMPTS``,
+``EAGLE3_SHARD_SIZE``), read when the code location loads, as the schema's
+defaults: a launchpad override of one field keeps the others
+(:mod:`resources.target_model` says why).
+"""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from dagster import ConfigurableResource
@@ -10,19 +17,35 @@ from pydantic import Field
 from eagle3_assets.core.prompt_loading import ShardPrompts, count_rows, load_shard
 from eagle3_assets.core.sharding import DEFAULT_SHARD_SIZE, shard_keys_for
 
-DEMO_SOURCE = "demo"
+SOURCE_ENV = "EAGLE3_PROMPTS"
+SHARD_SIZE_ENV = "EAGLE3_SHARD_SIZE"
 # 1 %: 100 evaluation prompts from the story's 10,000, and a draft trained on the other 99 %.
 DEFAULT_HOLDOUT_SHARE = 0.01
 
 
-class PromptDataset(ConfigurableResource):
-    """Where the prompts come from: a JSONL or Parquet path, a hub dataset name, or ``demo``."""
+def shard_size_from_env() -> int | None:
+    raw = os.environ.get(SHARD_SIZE_ENV)
+    if not raw:
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {SHARD_SIZE_ENV}={raw!r} is not an integer") from None
 
+
+class PromptDataset(ConfigurableResource):
+    """Where the prompts come from: a JSONL or Parquet path, or a hub dataset name."""
+
+    # Required unless the environment names the deployment's prompts.
     source: str = Field(
-        default=DEMO_SOURCE,
-        description="JSONL/Parquet path, hub dataset name ('org/name' or 'org/name:split'), or 'demo' for the built-in set",
+        default=os.environ.get(SOURCE_ENV) or ...,
+        description=f"JSONL/Parquet path, or hub dataset name ('org/name' or 'org/name:split') (default: ${SOURCE_ENV})",
     )
-    shard_size: int = Field(default=DEFAULT_SHARD_SIZE, gt=0, description="rows per sample shard; changing it re-keys every shard")
+    shard_size: int = Field(
+        default=shard_size_from_env() or DEFAULT_SHARD_SIZE,
+        gt=0,
+        description=f"rows per sample shard; changing it re-keys every shard (default: ${SHARD_SIZE_ENV} or {DEFAULT_SHARD_SIZE})",
+    )
     holdout_share: float = Field(
         default=DEFAULT_HOLDOUT_SHARE,
         ge=0,
@@ -30,11 +53,13 @@ class PromptDataset(ConfigurableResource):
         description="share of prompts kept out of training (chosen by a hash of the id) for draft_evaluation's held-out set",
     )
 
-    def resolved_source(self) -> str:
-        if self.source == DEMO_SOURCE:
-            from eagle3_assets.demo.stack import demo_prompts_path
+    @classmethod
+    def from_env(cls, **overrides) -> PromptDataset:
+        """The deployment's prompts: ``EAGLE3_PROMPTS`` and ``EAGLE3_SHARD_SIZE`` where set, read now."""
+        fields = {"source": os.environ.get(SOURCE_ENV) or None, "shard_size": shard_size_from_env()}
+        return cls(**{**{k: v for k, v in fields.items() if v is not None}, **overrides})
 
-            return str(demo_prompts_path())
+    def resolved_source(self) -> str:
         return str(Path(self.source).expanduser()) if Path(self.source).expanduser().exists() else self.source
 
     def file_version(self) -> dict | None:
@@ -53,3 +78,4 @@ class PromptDataset(ConfigurableResource):
 
     def load_shard(self, key: str) -> ShardPrompts:
         return load_shard(self.resolved_source(), key, self.shard_size)
+

@@ -4,14 +4,14 @@ A target is one coherent thing: its path, whether its code may run
 (``trust_remote_code``) and its EAGLE-3 layer ids. The defaults come from the
 environment, like the servers' (:mod:`resources.vllm_server`):
 
-- ``EAGLE3_TARGET_MODEL``: the HF model directory (default ``demo``, the tiny target);
+- ``EAGLE3_TARGET_MODEL``: the HF model directory;
 - ``EAGLE3_TRUST_REMOTE_CODE``: ``1`` to let the target's own code load (Kimi's tokenizer is remote code);
 - ``EAGLE3_AUX_LAYER_IDS``: three comma-separated ids in vLLM's convention.
 
 They are the *schema's* defaults, read when the code location loads: Dagster's
 run config for a resource replaces every field given in Python, so a launchpad
 override of one field (``aux_layer_ids``, say) would otherwise send the run to
-the class defaults, that is to the demo's model, with every gate green.
+the class defaults, that is to another model, with every gate green.
 """
 
 from __future__ import annotations
@@ -24,14 +24,13 @@ from pydantic import Field, PrivateAttr
 
 from eagle3_assets.core import target as core_target
 
-DEMO_TARGET = "demo"
 PATH_ENV = "EAGLE3_TARGET_MODEL"
 TRUST_REMOTE_CODE_ENV = "EAGLE3_TRUST_REMOTE_CODE"
 LAYER_IDS_ENV = "EAGLE3_AUX_LAYER_IDS"
 
 
-def path_from_env() -> str:
-    return os.environ.get(PATH_ENV) or DEMO_TARGET
+def path_from_env() -> str | None:
+    return os.environ.get(PATH_ENV) or None
 
 
 def trust_remote_code_from_env() -> bool:
@@ -52,11 +51,12 @@ def layer_ids_from_env() -> list[int] | None:
 
 
 class TargetModel(ConfigurableResource):
-    """The target as stages load it: a local HF model directory (or ``demo``, the tiny target)."""
+    """The target as stages load it: a local HF model directory."""
 
+    # Required unless the environment names the deployment's target.
     path: str = Field(
-        default=path_from_env(),
-        description=f"HF model directory on the hosts that run the stages, or 'demo' (default: ${PATH_ENV})",
+        default=path_from_env() or ...,
+        description=f"HF model directory on the hosts that run the stages (default: ${PATH_ENV})",
     )
     trust_remote_code: bool = Field(
         default=trust_remote_code_from_env(),
@@ -78,17 +78,20 @@ class TargetModel(ConfigurableResource):
     def from_env(cls, **overrides) -> TargetModel:
         """The deployment's target: ``EAGLE3_TARGET_MODEL``, ``EAGLE3_TRUST_REMOTE_CODE``, ``EAGLE3_AUX_LAYER_IDS``, read now."""
         fields = {"path": path_from_env(), "trust_remote_code": trust_remote_code_from_env(), "aux_layer_ids": layer_ids_from_env()}
-        return cls(**{**fields, **overrides})
+        return cls(**{**{k: v for k, v in fields.items() if v is not None}, **overrides})
 
     def resolved_path(self) -> Path:
         if self._resolved is None:
-            if self.path == DEMO_TARGET:
-                from eagle3_assets.demo.stack import tiny_target_dir
-
-                self._resolved = tiny_target_dir()
-            else:
-                self._resolved = Path(self.path).expanduser()
+            self._resolved = self.model_dir()
         return self._resolved
+
+    def model_dir(self) -> Path:
+        """Where ``path`` points; a subclass may build or fetch the model here (called once per resource)."""
+        return Path(self.path).expanduser()
+
+    def builtin_eval_prompts(self) -> str | None:
+        """A held-out prompt set that comes with the target (a JSONL/Parquet path), or None: a user's target has none."""
+        return None
 
     def config(self) -> dict:
         return core_target.read_config(self.resolved_path())

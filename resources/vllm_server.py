@@ -6,7 +6,7 @@ defaults come from the environment (:meth:`VLLMServerResource.from_env`):
 
 - ``EAGLE3_VLLM_URLS``: comma-separated base URLs (default ``http://127.0.0.1:8000``);
   requests are spread over them, fewest in flight first;
-- ``EAGLE3_SERVED_MODEL``: the served model name (default ``tiny-reasoner``, the demo's);
+- ``EAGLE3_SERVED_MODEL``: the served model name (default ``tiny-reasoner``, what the local launcher serves by default);
 - ``VLLM_API_KEY``: the API key, passed as a Dagster ``EnvVar`` so that the
   value is never shown in the launchpad, the logs or the metadata.
 
@@ -17,6 +17,26 @@ launchpad), and :meth:`VLLMServerResource.request_urls` puts them back for the
 requests only. A URL typed with credentials into run config works too, but
 Dagster then stores it with the run: the asset warns.
 
+In a notebook (or any script), the resource gives a configured ``openai``
+client of the first server (or of the one named): base URL ``<server>/v1``, the
+API key of ``VLLM_API_KEY`` (or a placeholder the server ignores when it has no
+key), this resource's connect and read timeouts and ``max_retries``::
+
+    from resources.vllm_server import VLLMServerResource
+
+    server = VLLMServerResource.from_env()  # or VLLMServerResource(base_urls=["http://gpu-host:8000"])
+    with server.get_client() as client:
+        reply = client.chat.completions.create(
+            model=server.served_model_name, messages=[{"role": "user", "content": "What is 17 + 25?"}], max_tokens=256
+        )
+    # vLLM's reasoning parser puts the thinking beside the answer (older vLLM: reasoning_content).
+    print(reply.choices[0].message.model_extra.get("reasoning"), reply.choices[0].message.content)
+
+``get_async_client()`` is the asyncio twin (``async with server.get_async_client() as client``).
+The generation pre-flight's canary goes through it; the generation itself uses
+its own aiohttp client, which ``bench/generation.py`` measures faster than the
+SDK at the concurrency a GPU server needs.
+
 The Dagster pool :data:`GENERATION_POOL` holds generation steps: with its limit
 at 1 (the default), a backfill of many shards generates one shard at a time, so
 in-flight requests stay at ``concurrency`` instead of shards x concurrency.
@@ -25,15 +45,26 @@ in-flight requests stay at ``concurrency`` instead of shards x concurrency.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dagster import ConfigurableResource, DagsterInstance, EnvVar
 from pydantic import Field
 
-from eagle3_assets.core.generation import DEFAULT_CANARY_PROMPT, GenerationConfig
+from eagle3_assets.config_fields import config_field, settings_of
+from eagle3_assets.core.generation import (
+    DEFAULT_CANARY_MAX_TOKENS,
+    DEFAULT_CANARY_PROMPT,
+    DEFAULT_PROGRESS_INTERVAL_S,
+    GenerationConfig,
+    Sampling,
+)
+from eagle3_assets.core.openai_client import async_openai_client, openai_client
 from eagle3_assets.core.redaction import has_credentials, redact_url
-from eagle3_assets.core.response_rules import DEFAULT_MAX_ATTEMPTS_PER_SAMPLE
 from eagle3_assets.core.vllm_launcher import DEFAULT_SERVED_NAME
+from resources.pools import ensure_pool_limit
+
+if TYPE_CHECKING:
+    import openai
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 URLS_ENV = "EAGLE3_VLLM_URLS"
@@ -42,7 +73,6 @@ API_KEY_ENV = "VLLM_API_KEY"
 
 GENERATION_POOL = "vllm_generation"
 POOL_LIMIT_ENV = "EAGLE3_GENERATION_POOL_LIMIT"
-DEFAULT_POOL_LIMIT = 1
 
 
 def urls_from_env() -> list[str]:
@@ -53,6 +83,14 @@ def urls_from_env() -> list[str]:
 def shown_urls_from_env() -> list[str]:
     """``EAGLE3_VLLM_URLS`` without credentials: what config, the launchpad and the instance's records hold."""
     return [redact_url(u) for u in urls_from_env()]
+
+
+def with_env_credentials(url: str) -> str:
+    """``url`` with the credentials ``EAGLE3_VLLM_URLS`` gives for it (matched by the URL without them), else as it is."""
+    if has_credentials(url):
+        return url
+    secret = {redact_url(u).rstrip("/"): u for u in urls_from_env() if has_credentials(u)}
+    return secret.get(url.rstrip("/"), url)
 
 
 def served_model_from_env() -> str:
@@ -70,48 +108,31 @@ class VLLMServerResource(ConfigurableResource):
         description=f"base URLs of the servers (no /v1); requests are spread over them. Credentials for a URL go into ${URLS_ENV}, not here",
     )
     served_model_name: str = Field(default=served_model_from_env(), description="the model name the server serves (vLLM's --served-model-name)")
-    api_key: str | None = Field(default=None, description=f"bearer token; set it with EnvVar('{API_KEY_ENV}'), never as a literal")
-    concurrency: int = Field(default=128, gt=0, description="requests in flight per run (per shard being generated)")
-    max_tokens: int = Field(default=8192, gt=0, description="completion token limit per request, reasoning included")
-    temperature: float = Field(default=0.6, ge=0, description="sampling temperature (match how the target is served)")
-    top_p: float = Field(default=0.95, gt=0, le=1)
-    top_k: int | None = Field(default=None, description="vLLM extension; unset: the server's default")
-    min_p: float | None = Field(default=None, description="vLLM extension; unset: the server's default")
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = Field(default=None, description="vLLM extension; unset: the server's default")
-    seed: int | None = Field(default=None, description="per-request sampling seed; unset: random")
-    extra_body: dict[str, Any] = Field(
-        default={}, description="merged into every request body, e.g. {'chat_template_kwargs': {'thinking': true}}"
-    )
-    connect_timeout_s: float = Field(default=10.0, gt=0, description="to open a connection; failures are retried")
-    read_timeout_s: float = Field(default=1800.0, gt=0, description="for one whole generation; a read timeout is not retried")
-    tokenize_timeout_s: float = Field(
-        default=30.0, gt=0, description="for one /tokenize call (exact count of a prompt that may not fit); on a timeout the server judges the prompt"
-    )
-    max_retries: int = Field(default=5, ge=0, description="retries on connection errors, 408, 429 and 5xx (never on other 4xx)")
-    retry_backoff_s: float = Field(default=1.0, ge=0, description="first backoff; doubles per retry, with jitter")
-    retry_backoff_max_s: float = Field(default=60.0, ge=0)
-    max_consecutive_failures: int = Field(default=64, gt=0, description="samples in a row failing all retries before the run stops")
+    api_key: str | None = config_field(GenerationConfig, "api_key")
+    concurrency: int = config_field(GenerationConfig, "concurrency")
+    max_tokens: int = config_field(GenerationConfig, "max_tokens")
+    temperature: float = config_field(Sampling, "temperature")
+    top_p: float = config_field(Sampling, "top_p")
+    top_k: int | None = config_field(Sampling, "top_k")
+    min_p: float | None = config_field(Sampling, "min_p")
+    presence_penalty: float | None = config_field(Sampling, "presence_penalty")
+    frequency_penalty: float | None = config_field(Sampling, "frequency_penalty")
+    repetition_penalty: float | None = config_field(Sampling, "repetition_penalty")
+    seed: int | None = config_field(Sampling, "seed")
+    extra_body: dict[str, Any] = config_field(GenerationConfig, "extra_body")
+    connect_timeout_s: float = config_field(GenerationConfig, "connect_timeout_s")
+    read_timeout_s: float = config_field(GenerationConfig, "read_timeout_s")
+    tokenize_timeout_s: float = config_field(GenerationConfig, "tokenize_timeout_s")
+    max_retries: int = config_field(GenerationConfig, "max_retries")
+    retry_backoff_s: float = config_field(GenerationConfig, "retry_backoff_s")
+    retry_backoff_max_s: float = config_field(GenerationConfig, "retry_backoff_max_s")
+    max_consecutive_failures: int = config_field(GenerationConfig, "max_consecutive_failures")
     canary_prompt: str = Field(default=DEFAULT_CANARY_PROMPT, description="pre-flight request whose response must carry reasoning")
-    canary_max_tokens: int = Field(default=512, gt=0)
-    progress_interval_s: float = Field(default=5.0, gt=0, description="seconds between progress lines in the run log")
-    allow_truncated: bool = Field(
-        default=False,
-        description="generations cut by max_tokens are usable: a rerun does not send them again, and validated_traces keeps them "
-        "(its own allow_truncated, when set, overrides)",
-    )
-    max_attempts_per_sample: int = Field(
-        default=DEFAULT_MAX_ATTEMPTS_PER_SAMPLE, gt=0,
-        description="requests per sample over all runs after which a response validation rejects (no reasoning, no answer, "
-        "cut, aborted) is kept as it is instead of being sent again on the next run of the shard",
-    )  # fmt: skip
-    return_token_ids: bool = Field(
-        default=True,
-        description="ask the server for the prompt's and the generation's token ids (vLLM's return_token_ids), kept in "
-        "raw_responses so that validated_traces checks the supervised tokens against what the target generated. Turn off "
-        "only for a server that refuses unknown request fields; it changes no response and no shard's identity",
-    )
+    canary_max_tokens: int = Field(default=DEFAULT_CANARY_MAX_TOKENS, gt=0, description="completion token limit of the pre-flight request")
+    progress_interval_s: float = Field(default=DEFAULT_PROGRESS_INTERVAL_S, gt=0, description="seconds between progress lines in the run log")
+    allow_truncated: bool = config_field(GenerationConfig, "allow_truncated")
+    max_attempts_per_sample: int = config_field(GenerationConfig, "max_attempts_per_sample")
+    return_token_ids: bool = config_field(GenerationConfig, "return_token_ids")
 
     @classmethod
     def from_env(cls, **overrides: Any) -> VLLMServerResource:
@@ -122,53 +143,49 @@ class VLLMServerResource(ConfigurableResource):
         return cls(**{**fields, **overrides})
 
     def sampling(self) -> dict[str, Any]:
-        names = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed")
-        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+        return Sampling(**settings_of(self, Sampling)).request_fields()
 
     def request_urls(self) -> list[str]:
         """``base_urls`` with the credentials ``EAGLE3_VLLM_URLS`` gives for them (matched by the URL without them)."""
-        secret = {redact_url(u).rstrip("/"): u for u in urls_from_env() if has_credentials(u)}
-        return [u if has_credentials(u) else secret.get(u.rstrip("/"), u) for u in self.base_urls]
+        return [with_env_credentials(u) for u in self.base_urls]
 
     def credentials_in_config(self) -> bool:
         """Whether run config itself carries URL credentials (Dagster stores run config with the run)."""
         return any(has_credentials(u) for u in self.base_urls)
 
+    def request_api_key(self) -> str | None:
+        """The key requests carry; unset in run config (a launchpad override of other fields drops it): the run's own environment."""
+        key = self.api_key
+        if isinstance(key, EnvVar):  # outside a run (a notebook): only a run resolves it, when it initialises the resource
+            key = key.get_value()
+        return key or os.environ.get(API_KEY_ENV) or None
+
+    def get_client(self, base_url: str | None = None) -> openai.OpenAI:
+        """An ``openai.OpenAI`` client of ``base_url`` (default: the first server), configured as this resource is."""
+        return openai_client(self._client_url(base_url), self.request_api_key(), **self._client_settings())
+
+    def get_async_client(self, base_url: str | None = None) -> openai.AsyncOpenAI:
+        """An ``openai.AsyncOpenAI`` client of ``base_url`` (default: the first server), configured as this resource is."""
+        return async_openai_client(self._client_url(base_url), self.request_api_key(), **self._client_settings())
+
+    def _client_url(self, base_url: str | None) -> str:
+        return self.request_urls()[0] if base_url is None else with_env_credentials(base_url)
+
+    def _client_settings(self) -> dict[str, Any]:
+        return {"connect_timeout_s": self.connect_timeout_s, "read_timeout_s": self.read_timeout_s, "max_retries": self.max_retries}
+
     def generation_config(self) -> GenerationConfig:
         return GenerationConfig(
             base_urls=tuple(self.request_urls()),
             model=self.served_model_name,
-            # Unset in run config (a launchpad override of other fields drops it): the run's own environment.
-            api_key=self.api_key or os.environ.get(API_KEY_ENV) or None,
-            concurrency=self.concurrency,
-            max_tokens=self.max_tokens,
+            api_key=self.request_api_key(),
             sampling=self.sampling(),
             extra_body=dict(self.extra_body),
-            connect_timeout_s=self.connect_timeout_s,
-            read_timeout_s=self.read_timeout_s,
-            tokenize_timeout_s=self.tokenize_timeout_s,
-            max_retries=self.max_retries,
-            backoff_initial_s=self.retry_backoff_s,
-            backoff_max_s=self.retry_backoff_max_s,
-            max_consecutive_failures=self.max_consecutive_failures,
-            allow_truncated=self.allow_truncated,
-            max_attempts_per_sample=self.max_attempts_per_sample,
-            return_token_ids=self.return_token_ids,
+            # The rest by name: concurrency, max_tokens, timeouts, retries, what a rerun resends.
+            **{name: value for name, value in settings_of(self, GenerationConfig).items() if name not in ("api_key", "extra_body")},
         )
 
 
 def ensure_generation_pool_limit(instance: DagsterInstance, limit: int | None = None) -> int:
-    """Give the generation pool its limit unless someone already set one; return the limit in force.
-
-    The default is ``$EAGLE3_GENERATION_POOL_LIMIT`` or 1. A limit set by hand
-    (``dagster instance concurrency set vllm_generation N`` or the UI) is kept.
-    """
-    wanted = limit if limit is not None else int(os.environ.get(POOL_LIMIT_ENV) or DEFAULT_POOL_LIMIT)
-    storage = instance.event_log_storage
-    if not storage.supports_global_concurrency_limits:
-        return wanted
-    current = {pool.name: pool.limit for pool in storage.get_pool_limits()}
-    if GENERATION_POOL in current and current[GENERATION_POOL] is not None:
-        return current[GENERATION_POOL]
-    storage.set_concurrency_slots(GENERATION_POOL, wanted)
-    return wanted
+    """The generation pool's limit (``$EAGLE3_GENERATION_POOL_LIMIT`` or 1) unless one was set by hand; the limit in force."""
+    return ensure_pool_limit(instance, GENERATION_POOL, POOL_LIMIT_ENV, limit)

@@ -32,11 +32,11 @@ def dev(tmp_path_factory):
     env = {"EAGLE3_DATA_DIR": str(data), "EAGLE3_PROMPTS": "demo", "EAGLE3_SHARD_SIZE": DEMO_SHARD_SIZE}
     with DagsterDev(root / "dagster_home", env, root / "dagster-dev.log") as dev:
         from eagle3_assets.partitions import register_shards
-        from resources.prompt_dataset import PromptDataset
+        from eagle3_assets.demo.plugin import DemoPromptDataset
 
         with pytest.MonkeyPatch.context() as patch:
             patch.setenv("EAGLE3_DATA_DIR", str(data))  # where the demo prompt set is written
-            keys = PromptDataset(source="demo", shard_size=int(DEMO_SHARD_SIZE)).shard_keys()
+            keys = DemoPromptDataset(shard_size=int(DEMO_SHARD_SIZE)).shard_keys()
         assert keys == [f"shard-{i:05d}" for i in range(5)]
         register_shards(dev.instance(), keys)
         dev.data = data

@@ -23,17 +23,9 @@ import pytest
 import torch
 from dagster import DagsterInstance, RunConfig, materialize
 
-from eagle3_assets.core.bounded_training import (
-    EVENT_PREFIX,
-    JOURNAL,
-    BoundedModeError,
-    BoundedRun,
-    StreamedGateError,
-    directory_bytes,
-    read_journal,
-    train_bounded,
-)
+from eagle3_assets.core.bounded_training import EVENT_PREFIX, JOURNAL, StreamedGateError, directory_bytes, read_journal, train_bounded
 from eagle3_assets.core.extraction import TransformersBackend, read_traces
+from eagle3_assets.core.stage_jobs import BoundedModeError, BoundedRun
 from eagle3_assets.core.state_layout import FP8_DTYPE, bytes_per_token
 from eagle3_assets.core.storage import write_json_atomic
 from eagle3_assets.core.vocab import build_vocab_mapping, save_vocab_mapping
@@ -62,6 +54,7 @@ def streamed(tiny_target, tmp_path_factory) -> dict:
 
 
 def run_settings(tiny_target, streamed, work: Path, *, dtype="bfloat16", epochs=2, every=2) -> dict:
+    """A BoundedTrainingJob without export, as the stage's --config takes it."""
     from eagle3_assets.core.target import target_identity
 
     train = dict(
@@ -69,13 +62,16 @@ def run_settings(tiny_target, streamed, work: Path, *, dtype="bfloat16", epochs=
         epochs=epochs, learning_rate=2e-3, warmup_ratio=0.1, ttt_steps=2, batch_tokens=96, max_seq_len=32, seed=3, log_every=1,
     )  # fmt: skip
     shards = [{"key": key, "traces": str(path), "data_version": f"v-{key}"} for key, path in streamed["traces"].items()]
-    bounded = dict(
-        train=train, shards=shards, window_dir=str(work / "streamed_states"), target_config_hash=target_identity(tiny_target).config_hash,
-        aux_layer_ids=LAYER_IDS, window_shards=WINDOW, dtype=dtype, part_bytes=20_000, checkpoint_every_steps=every,
-        checks={"logits_samples": 3, "logits_positions": 256, "aux_samples": 2, "seed": 1},
+    target = {"path": str(tiny_target), "trust_remote_code": False, "aux_layer_ids": LAYER_IDS, "config_hash": target_identity(tiny_target).config_hash}
+    extraction = dict(
+        backend="transformers", cpu_threads=1, dtype=dtype, part_size_bytes=20_000,
+        logits_check_samples=3, logits_check_positions=256, aux_check_samples=2,
     )  # fmt: skip
-    extraction = {"target": {"path": str(tiny_target), "aux_layer_ids": LAYER_IDS}, "backend": "transformers", "cpu_threads": 1}
-    return {"bounded": bounded, "extraction": extraction}
+    bounded = dict(
+        train=train, shards=shards, window_dir=str(work / "streamed_states"), target=target, extraction=extraction,
+        window_shards=WINDOW, checkpoint_every_steps=every,
+    )  # fmt: skip
+    return {"bounded": bounded}
 
 
 class WindowWatcher(threading.Thread):

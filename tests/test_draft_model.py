@@ -22,7 +22,8 @@ from safetensors.torch import load_file, save_file
 
 from eagle3_assets.core.draft_model import DraftConfig, Eagle3Draft
 from eagle3_assets.core.export import export_draft
-from eagle3_assets.core.training import load_target_tensors, shift_left
+from eagle3_assets.core.target import load_head_weights
+from eagle3_assets.core.training.loss import shift_left
 from eagle3_assets.core.vocab import (
     build_vocab_mapping,
     count_supervised_tokens,
@@ -46,7 +47,7 @@ def random_draft(target_dir: Path, draft_vocab_size: int, seed: int) -> Eagle3Dr
         for name, param in draft.named_parameters():
             if "norm" in name:
                 param.uniform_(0.5, 1.5, generator=generator)
-        draft.embed_tokens.weight.copy_(load_target_tensors(target_dir)["embed"])
+        draft.embed_tokens.weight.copy_(load_head_weights(target_dir)["embed"])
     draft.set_vocab_mapping(mapping.d2t, mapping.t2d)
     return draft
 
@@ -90,7 +91,10 @@ def test_d2t_and_t2d_from_a_hand_made_frequency_table(tmp_path):
     assert mapping.d2t.tolist() == [0, 1, 1, 4] and mapping.d2t.dtype == torch.int64
     assert mapping.t2d.tolist() == [True, False, True, True, False, False, False, True, False, False]
     assert coverage(counts, mapping) == pytest.approx(26 / 32)
-    assert mapping.target_to_draft().tolist() == [0, -1, 1, 2, -1, -1, -1, 3, -1, -1]
+    target_to_draft = [-1] * mapping.target_vocab_size  # draft id of every target id, -1 where it has none
+    for draft_id, target_id in enumerate(mapping.draft_to_target.tolist()):
+        target_to_draft[target_id] = draft_id
+    assert target_to_draft == [0, -1, 1, 2, -1, -1, -1, 3, -1, -1]
 
     # Ties go to the smaller id: of 2, 3 and 7 (7 each) two are kept.
     assert build_vocab_mapping(counts, 2).draft_to_target.tolist() == [2, 3]

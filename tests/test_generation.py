@@ -17,11 +17,11 @@ from dagster import DagsterInstance, EnvVar, materialize
 
 from eagle3_assets.core.generation import CANARY_ID, parse_completion
 from eagle3_assets.core.response_rules import content_failures
+from eagle3_assets.demo.plugin import DemoPromptDataset, DemoTargetModel
 from eagle3_assets.partitions import register_shards
 from eagle3_assets.prompts import prompts
 from eagle3_assets.raw_responses import raw_responses
-from resources.prompt_dataset import PromptDataset
-from resources.target_model import TargetModel
+from resources.prompt_dataset import DEFAULT_HOLDOUT_SHARE, PromptDataset
 from resources.vllm_server import VLLMServerResource
 from tests.fault_proxy import FaultProxy
 
@@ -42,12 +42,12 @@ def materialise(resources: dict, *, assets=(prompts, raw_responses), instance=No
     """Materialise the shard; the target is the demo's (the server serves it) unless ``resources`` names another."""
     instance = instance or DagsterInstance.ephemeral()
     register_shards(instance, [SHARD])
-    resources = {"target_model": TargetModel(path="demo"), **resources}
+    resources = {"target_model": DemoTargetModel(), **resources}
     return materialize(list(assets), partition_key=SHARD, resources=resources, instance=instance, raise_on_error=raise_on_error)
 
 
 def demo_prompts(size: int) -> PromptDataset:
-    return PromptDataset(source="demo", shard_size=size)
+    return DemoPromptDataset(shard_size=size, holdout_share=DEFAULT_HOLDOUT_SHARE)
 
 
 def shard_rows(data_dir: Path) -> pl.DataFrame:
@@ -181,17 +181,40 @@ def test_shard_materialises_with_reasoning_in_every_row_and_the_key_stays_secret
     assert not any(secret in line for line in logs + [str(instance.get_run_by_id(result.run_id))])
 
 
+@pytest.mark.vllm
+def test_the_resource_gives_an_openai_client_configured_as_it_is(vllm_server, monkeypatch):
+    """``get_client()`` for notebooks: the server's /v1, the EnvVar's key, the resource's timeouts and retries; it really answers."""
+    secret = "sk-eagle3-notebook-secret-0815"
+    monkeypatch.setenv("VLLM_API_KEY", secret)
+    server = server_at(vllm_server.base_url, vllm_server.served_model_name, api_key=EnvVar("VLLM_API_KEY"), read_timeout_s=77.0, max_retries=1)
+    with server.get_client() as client:
+        assert str(client.base_url) == vllm_server.base_url + "/v1/" and client.api_key == secret
+        assert (client.timeout.connect, client.timeout.read, client.max_retries) == (server.connect_timeout_s, 77.0, 1)
+        reply = client.chat.completions.create(
+            model=server.served_model_name, messages=[{"role": "user", "content": "What is 2 + 3?"}], max_tokens=48, temperature=0
+        )
+    assert reply.choices[0].message.model_extra.get("reasoning") and reply.usage.completion_tokens > 0
+    assert secret not in repr(server)
+
+    # Without a key the client carries a placeholder; credentials for a URL come from EAGLE3_VLLM_URLS, as for requests.
+    monkeypatch.delenv("VLLM_API_KEY")
+    monkeypatch.setenv("EAGLE3_VLLM_URLS", "http://eagle3user:url-secret@gpu-host:8000")
+    keyless = VLLMServerResource(base_urls=["http://gpu-host:8000"], served_model_name="m")
+    assert keyless.get_client().api_key == "EMPTY"
+    assert str(keyless.get_async_client().base_url) == "http://eagle3user:url-secret@gpu-host:8000/v1/"
+
+
 WORKER = """
 import json, sys
 from dagster import DagsterInstance, materialize
 from eagle3_assets.partitions import register_shards
 from eagle3_assets.raw_responses import raw_responses
-from resources.target_model import TargetModel
+from eagle3_assets.demo.plugin import DemoTargetModel
 from resources.vllm_server import VLLMServerResource
 instance = DagsterInstance.ephemeral()
 register_shards(instance, [sys.argv[1]])
 server = VLLMServerResource(**json.loads(sys.argv[2]))
-materialize([raw_responses], partition_key=sys.argv[1], resources={"vllm_server": server, "target_model": TargetModel(path="demo")}, instance=instance)
+materialize([raw_responses], partition_key=sys.argv[1], resources={"vllm_server": server, "target_model": DemoTargetModel()}, instance=instance)
 """
 
 
@@ -294,7 +317,7 @@ def test_preflight_names_a_wrong_model_or_an_impossible_max_tokens(vllm_server, 
     ):
         model = overrides.pop("served_model_name", vllm_server.served_model_name)
         server = server_at(vllm_server.base_url, model, **overrides)
-        resources = {"prompt_dataset": demo_prompts(8), "vllm_server": server, "target_model": TargetModel(path=target)}
+        resources = {"prompt_dataset": demo_prompts(8), "vllm_server": server, "target_model": DemoTargetModel(path=target)}
         result = materialise(resources, raise_on_error=False)
         (failure,) = [e for e in result.all_events if e.is_step_failure]
         assert expected in failure.step_failure_data.error.to_string()

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import base64
 import json
-import sqlite3
-import zlib
 from pathlib import Path
 
 import polars as pl
@@ -32,6 +30,7 @@ from resources.prompt_dataset import PromptDataset
 from resources.target_model import TargetModel
 from resources.vllm_server import VLLMServerResource
 from tests.fault_proxy import FaultProxy
+from tests.secret_scan import files_holding
 from tests.test_generation import FAST, SHARD, demo_prompts, materialise, server_at, shard_rows
 
 pytestmark = pytest.mark.vllm
@@ -168,35 +167,6 @@ def test_changed_sampling_keeps_the_finished_shard_and_coming_back_reuses_it(vll
     (mat,) = back.asset_materializations_for_node("raw_responses")
     assert sorted(mat.metadata["kept_generations"].value) == sorted([f"superseded/{kept.name}", f"superseded/{SHARD}.{typo_fingerprint}.parquet"])
     assert any(f"reusing superseded/{kept.name}" in line for line in log_lines(instance, back))
-
-
-def files_holding(needle: str, roots: list[Path]) -> list[str]:
-    """Every file under ``roots`` holding ``needle``: as bytes, and inside SQLite values (Dagster zlib-compresses snapshots)."""
-    found, raw = [], needle.encode()
-    for root in roots:
-        for path in sorted(p for p in root.rglob("*") if p.is_file()):
-            data = path.read_bytes()
-            if raw in data:
-                found.append(str(path))
-            elif data.startswith(b"SQLite format 3"):
-                found += [f"{path}:{where}" for where in _sqlite_values_holding(path, raw)]
-    return found
-
-
-def _sqlite_values_holding(path: Path, raw: bytes) -> list[str]:
-    hits = []
-    with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as db:
-        for (table,) in db.execute("select name from sqlite_master where type = 'table'").fetchall():
-            for row in db.execute(f'select * from "{table}"'):
-                for value in row:
-                    blob = value.encode() if isinstance(value, str) else value if isinstance(value, bytes) else b""
-                    try:
-                        blob += zlib.decompress(blob)
-                    except zlib.error:
-                        pass
-                    if raw in blob:
-                        hits.append(table)
-    return hits
 
 
 def test_credentials_in_a_server_url_are_used_and_found_nowhere(vllm_server, tiny_target, data_dir, tmp_path, monkeypatch):

@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,14 +26,21 @@ from dagster import (
     DagsterEventType,
     DagsterInstance,
     DagsterRunStatus,
+    EnvVar,
+    RunConfig,
     asset,
     materialize,
 )
 
-from eagle3_assets.core.preflight import StageRequirements, lock_holder, process_cmdline
+from eagle3_assets.core.preflight import StageRequirements, lock_holder, process_cmdline, stray_stage_processes
 from eagle3_assets.core.vllm_launcher import free_port
 from eagle3_assets.gpu_host_ready import gpu_host_ready_job
+from eagle3_assets.hidden_states import HiddenStatesConfig, hidden_states
+from eagle3_assets.partitions import register_shards
 from resources.gpu_host import GPU_POOL, STAGE_REQUIREMENTS, GPUHost, ensure_gpu_pool_limit
+from resources.target_model import TargetModel
+from tests.extraction_helpers import write_validated_traces
+from tests.secret_scan import files_holding
 
 REPO = Path(__file__).resolve().parents[1]
 STAGE = "host_probe"
@@ -141,6 +149,81 @@ def test_a_stage_runs_over_ssh_and_its_logs_metadata_and_check_arrive_in_dagster
     logs = [e.message for e in instance.all_logs(result.run_id) if e.is_dagster_event is False]
     assert any("host_probe: probing 2 modules" in m for m in logs), "the stage's log lines arrive in the run"
     assert lock_holder(host.host_lock_dir() + f"/{STAGE}.lock") is None, "the lock ends with the stage"
+
+
+class StageEnvironment:
+    """Watches this machine's processes for the stage's own process and keeps its environment (from /proc) while it runs.
+
+    The stage's process is the one started with ``-m eagle3_assets.stages.<stage>`` whose ``EAGLE3_DATA_DIR`` is
+    ``data_dir``: other runs of the same stage on this machine are not it.
+    """
+
+    def __init__(self, stage: str, data_dir: Path):
+        self.module, self.data_dir = f"eagle3_assets.stages.{stage}", str(data_dir)
+        self.stage = stage
+        self.environment: dict[str, str] | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def __enter__(self) -> "StageEnvironment":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _watch(self) -> None:
+        while self.environment is None and not self._stop.wait(0.05):
+            for pid, cmdline in stray_stage_processes(self.stage):
+                if self.module not in cmdline.split():
+                    continue  # the runner (-m eagle3_assets.stages <stage>), not the stage
+                try:
+                    raw = Path(f"/proc/{pid}/environ").read_bytes()
+                except OSError:
+                    continue
+                environment = dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
+                if environment.get("EAGLE3_DATA_DIR") == self.data_dir:
+                    self.environment = environment
+
+
+def test_the_extraction_stage_runs_over_ssh_with_a_secret_that_shows_nowhere(sshd, data_dir, tiny_target, tmp_path, capfd, monkeypatch):
+    """The real ``hidden_states`` asset and its stage on a tiny shard, on the host behind sshd, given HF_TOKEN as an EnvVar.
+
+    The token reaches the stage's environment (seen in /proc while it runs, with the SSH session's own variables)
+    and appears in no log line, no captured stdout/stderr, no metadata, no instance file and no file of the data dir.
+    """
+    secret = "hf_eagle3-ssh-stage-secret-31337"
+    monkeypatch.setenv("HF_TOKEN", secret)
+    shard = "shard-00000"
+    write_validated_traces(data_dir, shard, tiny_target, count=6)
+    home = tmp_path / "dagster_home"
+    home.mkdir()
+    host = sshd.host(data_dir, hf_token=EnvVar("HF_TOKEN"))
+    resources = {"target_model": TargetModel(path=str(tiny_target)), "gpu_host": host}
+    run_config = RunConfig(ops={"hidden_states": HiddenStatesConfig(dtype="float32", cpu_threads=1)})
+    capfd.readouterr()  # only what the run prints counts below
+    with DagsterInstance.local_temp(tempdir=str(home)) as instance, StageEnvironment("extract_hidden_states", data_dir) as stage:
+        register_shards(instance, [shard])
+        result = materialize([hidden_states], partition_key=shard, resources=resources, instance=instance, run_config=run_config)
+        logs = [str(entry) for entry in instance.all_logs(result.run_id)]
+    captured = capfd.readouterr()
+
+    assert result.success
+    assert all(check.passed for check in result.get_asset_check_evaluations())
+    (materialization,) = result.asset_materializations_for_node("hidden_states")
+    metadata = {name: value.value for name, value in materialization.metadata.items()}
+    assert metadata["gpu_host/host"].endswith(f"({sshd.user}@127.0.0.1:{sshd.port})") and metadata["tokens"] > 0
+    assert (data_dir / "hidden_states" / shard / "metadata.json").is_file()
+    assert stage.environment is not None, "the stage's process was never seen"
+    assert stage.environment.get("SSH_CONNECTION", "").split()[2:] == ["127.0.0.1", str(sshd.port)], "the stage ran in the SSH session"
+    assert stage.environment.get("HF_TOKEN") == secret, "the stage was given the token"
+
+    assert any("extract_hidden_states" in line for line in logs) and captured.err, "the scans below look at real output"
+    assert not [line for line in logs if secret in line]
+    assert secret not in captured.out and secret not in captured.err
+    assert secret not in json.dumps(metadata, default=str)
+    assert files_holding(secret, [home, data_dir]) == []
 
 
 def test_a_failed_preflight_stops_the_stage_before_it_starts(sshd, data_dir):

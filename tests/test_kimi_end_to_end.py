@@ -27,11 +27,12 @@ from eagle3_assets.core.extraction import iter_samples, read_sidecar
 from eagle3_assets.core.vllm_launcher import VLLMServer
 from eagle3_assets.demo.kimi_target import kimi_serving
 from eagle3_assets.demo.pipeline import demo_resources, run_per_shard
+from eagle3_assets.demo.plugin import TRAINING_CONFIG, VOCAB_MAPPING_CONFIG
 from eagle3_assets.demo.targets import DEMO_TARGETS
-from eagle3_assets.draft_checkpoint import DEMO_TRAINING_CONFIG, draft_checkpoint
+from eagle3_assets.draft_checkpoint import draft_checkpoint
 from eagle3_assets.hidden_states import HiddenStatesConfig, hidden_states
 from eagle3_assets.partitions import register_shards
-from eagle3_assets.vocab_mapping import DEMO_VOCAB_MAPPING_CONFIG, vocab_mapping
+from eagle3_assets.vocab_mapping import vocab_mapping
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(3600)]
 KIMI = DEMO_TARGETS["kimi"]
@@ -53,7 +54,7 @@ def kimi_graph(kimi_target, tmp_path_factory):
         shards = run_per_shard(instance, server.base_url, server.served_model_name, demo=KIMI, shards=SHARDS)
     assert shards.ok, f"per-shard assets failed on {shards.failed}"
     resources = demo_resources("http://127.0.0.1:0", "unused", KIMI)
-    run_config = RunConfig(ops={"vocab_mapping": DEMO_VOCAB_MAPPING_CONFIG, "draft_checkpoint": DEMO_TRAINING_CONFIG})
+    run_config = RunConfig(ops={"vocab_mapping": VOCAB_MAPPING_CONFIG, "draft_checkpoint": TRAINING_CONFIG})
     trained = materialize([vocab_mapping, draft_checkpoint], resources=resources, instance=instance, run_config=run_config, raise_on_error=False)
     yield instance, data, trained
     patch.undo()

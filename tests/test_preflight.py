@@ -3,7 +3,7 @@
 The checks run the way they run in production: the pre-flight script is sent
 to the host's Python on stdin and its JSON report read back
 (``GPUHost.preflight``). No GPU here: the GPU memory logic is tested on a
-recorded 8-GPU ``nvidia-smi`` output.
+hand-written 8-GPU ``nvidia-smi`` output (``fixtures/README.md`` says why).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from eagle3_assets.core.remote import SSHTarget, remote_shell_command
 from resources.gpu_host import GPUHost
 
 REPO = Path(__file__).resolve().parents[1]
-RECORDED_8_GPU = Path(__file__).parent / "fixtures" / "nvidia_smi_8gpu.recorded.csv"
+HANDWRITTEN_8_GPU = Path(__file__).parent / "fixtures" / "nvidia_smi_8gpu.handwritten.csv"
 STAGE = "host_probe"
 GIB = 1 << 30
 
@@ -63,8 +63,8 @@ def stop(process: subprocess.Popen) -> None:
 # --------------------------------------------------------------------------- GPU memory
 
 
-def test_recorded_8_gpu_output_is_parsed_for_every_gpu():
-    gpus = parse_nvidia_smi_csv(RECORDED_8_GPU.read_text())
+def test_8_gpu_output_in_nvidia_smi_form_is_parsed_for_every_gpu():
+    gpus = parse_nvidia_smi_csv(HANDWRITTEN_8_GPU.read_text())
     assert [g.index for g in gpus] == list(range(8))
     assert all(g.total_mib == 143771 for g in gpus)
     assert gpus[0].used_mib == 4 and gpus[7].used_mib == 129640
@@ -72,7 +72,7 @@ def test_recorded_8_gpu_output_is_parsed_for_every_gpu():
 
 
 def test_gpu_memory_is_checked_on_all_eight_gpus_not_the_first_two():
-    gpus = parse_nvidia_smi_csv(RECORDED_8_GPU.read_text())
+    gpus = parse_nvidia_smi_csv(HANDWRITTEN_8_GPU.read_text())
     need_mib = 100 * 1024
     failures = evaluate_gpus(gpus, None, stage="draft_training", cpu_allowed=False, min_gpus=8, min_free_mib=need_mib)
     assert len(failures) == 6

@@ -33,10 +33,11 @@ from pathlib import Path
 
 import polars as pl
 import pytest
-from dagster import AssetKey, DagsterEventType, DagsterInstance, DagsterRunStatus, RunsFilter
+from dagster import AssetKey, DagsterEventType, DagsterInstance, DagsterRunStatus, RunsFilter, serialize_value
+
+# Backfills as the daemon sees them: Dagster exports no public names for these.
 from dagster._core.execution.backfill import BulkActionStatus, PartitionBackfill
 from dagster._core.utils import make_new_backfill_id
-from dagster._serdes import serialize_value
 
 from eagle3_assets.core.vllm_launcher import stop_process_group
 
@@ -163,7 +164,7 @@ class PostgresServer:
             shutil.rmtree(self.root, ignore_errors=True)
 
     def env(self) -> dict[str, str]:
-        """What deploy/dagster.yaml reads (see deploy/README.md)."""
+        """What deploy/dagster.yaml reads (see docs/production.md)."""
         return {
             "DAGSTER_PG_USERNAME": self.user,
             "DAGSTER_PG_PASSWORD": self.password,
@@ -269,7 +270,7 @@ def test_backfill_through_the_production_instance(postgres, vllm_server, data_di
         assert type(instance.schedule_storage).__name__ == "PostgresScheduleStorage"
         assert type(instance.run_coordinator).__name__ == "QueuedRunCoordinator"
 
-        # The deployment step deploy/README.md prescribes: give the project's pools their limits.
+        # The deployment step docs/production.md prescribes: give the project's pools their limits.
         from resources.gpu_host import GPU_POOL, ensure_gpu_pool_limit
         from resources.vllm_server import GENERATION_POOL, ensure_generation_pool_limit
 
@@ -280,9 +281,9 @@ def test_backfill_through_the_production_instance(postgres, vllm_server, data_di
 
         from eagle3_assets.definitions import defs
         from eagle3_assets.partitions import register_shards
-        from resources.prompt_dataset import PromptDataset
+        from eagle3_assets.demo.plugin import DemoPromptDataset
 
-        keys = PromptDataset(source="demo", shard_size=SHARD_SIZE).shard_keys()[:SHARDS]
+        keys = DemoPromptDataset(shard_size=SHARD_SIZE).shard_keys()[:SHARDS]
         register_shards(instance, keys)
 
         # Hold generation: no slot in the pool until every run of the backfill is in progress and

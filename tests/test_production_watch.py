@@ -147,7 +147,7 @@ def test_a_restart_between_scrapes_of_a_good_draft_raises_nothing():
 
 
 def test_a_stale_draft_is_alerted_once_per_draft_and_a_silent_server_once_until_it_answers():
-    memory, kinds = ServerMemory(), []
+    memory = ServerMemory()
     sequence = [
         at(0, 1000, (900, 700, 500), draft=OLD),
         at(300, 1200, (1080, 840, 600), draft=OLD),

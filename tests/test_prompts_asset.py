@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import polars as pl
-import pytest
 from dagster import DagsterInstance, materialize
 
 from eagle3_assets.partitions import register_shards

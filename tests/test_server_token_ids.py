@@ -25,7 +25,8 @@ from eagle3_assets.core.prompt_loading import PROMPTS_SCHEMA
 from eagle3_assets.core.response_rules import content_failures
 from eagle3_assets.core.validation import ValidationRules, check_loss_mask_aligned, mask_alignment_problems, validate_shard
 from eagle3_assets.demo.prompt_set import demo_prompts
-from eagle3_assets.settings import DEMO_MAX_TOKENS, DEMO_TEMPERATURE
+from eagle3_assets.demo.plugin import MAX_TOKENS as DEMO_MAX_TOKENS
+from eagle3_assets.demo.plugin import TEMPERATURE as DEMO_TEMPERATURE
 
 ROWS = 8
 

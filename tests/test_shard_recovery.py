@@ -22,9 +22,9 @@ from dagster import DagsterEventType, DagsterInstance, RunConfig, materialize
 
 from eagle3_assets.core.extraction import SIDECAR, HiddenStateFileError, read_sidecar
 from eagle3_assets.core.shard_lease import ShardBusyError, ShardLease, lease_path
-from eagle3_assets.core.training import index_hidden_states, load_batch
+from eagle3_assets.core.training.data import index_hidden_states, load_batch
+from eagle3_assets.demo.plugin import DemoTargetModel
 from eagle3_assets.partitions import register_shards
-from resources.target_model import TargetModel
 from tests.extraction_helpers import write_validated_traces
 
 REPO = Path(__file__).resolve().parents[1]
@@ -211,12 +211,12 @@ import json, sys
 from dagster import DagsterInstance, materialize
 from eagle3_assets.partitions import register_shards
 from eagle3_assets.raw_responses import raw_responses
-from resources.target_model import TargetModel
+from eagle3_assets.demo.plugin import DemoTargetModel
 from resources.vllm_server import VLLMServerResource
 instance = DagsterInstance.get() if sys.argv[3] == "home" else DagsterInstance.ephemeral()
 register_shards(instance, [sys.argv[1]])
 server = VLLMServerResource(**json.loads(sys.argv[2]))
-resources = {"vllm_server": server, "target_model": TargetModel(path="demo")}
+resources = {"vllm_server": server, "target_model": DemoTargetModel()}
 result = materialize([raw_responses], partition_key=sys.argv[1], resources=resources, instance=instance)
 print("RUN_ID", result.run_id, flush=True)
 """
@@ -400,7 +400,7 @@ def test_a_killed_run_in_the_local_instance_is_marked_failed_and_frees_its_pool_
         durable = journal_rows(data_dir)
         result = materialize(
             [raw_responses], partition_key=SHARD, instance=instance,
-            resources={"vllm_server": server_at(proxy.base_url, vllm_server.served_model_name, concurrency=4), "target_model": TargetModel(path="demo")},
+            resources={"vllm_server": server_at(proxy.base_url, vllm_server.served_model_name, concurrency=4), "target_model": DemoTargetModel()},
         )  # fmt: skip
     assert result.success
     (mat,) = result.asset_materializations_for_node("raw_responses")

@@ -52,3 +52,27 @@ def test_staging_directories_and_json_files_follow_the_umask(tmp_path, umask):
     assert mode(final) == 0o755  # a vLLM server running as another user can enter and read it
     assert mode(final / "config.json") == 0o644
     assert json.loads((final / "config.json").read_text()) == {"a": 1}
+
+
+def test_a_shards_files_are_named_in_one_place(tmp_path):
+    from pathlib import Path
+
+    from eagle3_assets.core.shard_paths import ShardPaths, superseded_path
+
+    paths = ShardPaths("raw_responses", "shard-00003", tmp_path)
+    where = tmp_path / "raw_responses"
+    assert (paths.parquet, paths.rejected, paths.heldout) == (
+        where / "shard-00003.parquet", where / "shard-00003.rejected.parquet", where / "shard-00003.heldout.parquet",
+    )  # fmt: skip
+    assert (paths.lease, paths.journal) == (where / "shard-00003.lease", where / "shard-00003.journal.jsonl")
+    assert (paths.directory, paths.sidecar) == (where / "shard-00003", where / "shard-00003" / "metadata.json")
+    kept = superseded_path(paths.parquet, "abc123")
+    assert kept == where / "superseded" / "shard-00003.abc123.parquet" and paths.superseded() == []
+    kept.parent.mkdir(parents=True)
+    kept.write_bytes(b"")
+    assert paths.superseded() == [kept]
+    (where / ".shard-00003.parquet.x1.partial").write_bytes(b"")
+    assert [p.name for p in paths.partials()] == [".shard-00003.parquet.x1.partial"]
+    # What a GPU stage is sent: the same layout, relative to its host's data directory.
+    assert ShardPaths.relative("hidden_states", "shard-00003").directory == Path("hidden_states/shard-00003")
+    assert ShardPaths("prompts", "shard-00000").root == Path(os.environ["EAGLE3_DATA_DIR"]).resolve()

@@ -34,7 +34,7 @@ from eagle3_assets.core.extraction import (
     verify_part,
 )
 from eagle3_assets.core.hidden_state_checks import (
-    TargetHead,
+    rounding_margin,
     check_aux_states_match_layer_ids,
     check_final_state_reproduces_logits,
     check_states_finite,
@@ -42,7 +42,11 @@ from eagle3_assets.core.hidden_state_checks import (
     storage_unit_roundoff,
 )
 from eagle3_assets.core.state_layout import FP8_DTYPE, bytes_per_token, state_bytes_per_token
-from eagle3_assets.core.training import TrainConfig, export_trained_draft, index_hidden_states, run_training
+from eagle3_assets.core.target import TargetHead
+from eagle3_assets.core.training.checkpoints import export_trained_draft
+from eagle3_assets.core.training.config import TrainConfig
+from eagle3_assets.core.training.data import index_hidden_states
+from eagle3_assets.core.training.launch import run_training
 from tests.extraction_helpers import write_validated_traces
 from tests.test_extraction import one_torch_thread  # noqa: F401  the same autouse fixture: one torch thread for this module
 from tests.test_training import mapping_from_hidden_states
@@ -154,9 +158,9 @@ def test_the_8bit_bound_holds_for_real_rounding_and_covers_every_logit_gap_it_mo
         normed_true = head.normed(states, final_state)
         normed_stored = head.normed(rounded, final_state)  # what the gate sees: the stored state, normed
         moved = (gap(normed_stored) - gap(normed_true)).abs()
-        margin = head.rounding_margin(normed_stored, first, second, FP8_DTYPE)
+        margin = rounding_margin(head, normed_stored, first, second, FP8_DTYPE)
         assert bool((moved <= margin).all()), final_state
-        assert bool((head.rounding_margin(normed_stored, first, second, "bfloat16") <= margin / 15).all())  # 2^-9 against 2^-4
+        assert bool((rounding_margin(head, normed_stored, first, second, "bfloat16") <= margin / 15).all())  # 2^-9 against 2^-4
 
 
 def test_non_finite_states_stay_non_finite_in_8bit_storage():

@@ -183,8 +183,8 @@ def test_held_out_prompts_come_from_the_users_dataset_and_never_reach_training(t
     lines = [json.loads(line) for line in Path(path).read_text().splitlines()]
     assert [r["id"] for r in lines] == held["id"].head(8).to_list()
     assert training_overlap([r["id"] for r in lines], [r["messages"] for r in lines], data_dir / "prompts") == []
-    with pytest.raises(ValueError, match="demo target's built-in set"):
-        resolve_eval_prompts("demo", user_target, limit=8)
+    assert user_target.builtin_eval_prompts() is None  # a user's target brings no held-out set of its own
+    assert resolve_eval_prompts(str(source), user_target, limit=8) == str(source)  # a set named is the one used
 
 
 @pytest.mark.vllm
@@ -198,3 +198,53 @@ def test_evaluation_runs_on_a_target_with_a_2048_token_context(tiny_target, tmp_
     questions = [[{"role": "user", "content": f"What is {i} plus {i + 3}?"}] for i in range(4)]
     (result,) = evaluate(short, {"untrained": draft}, questions, max_tokens=32, include_reference=False, server_log_dir=tmp_path).values()
     assert result.failed == 0 and result.drafts and result.mean_acceptance_length >= 1.0
+
+
+@pytest.mark.parametrize("fixture", ["tiny_target", "kimi_target", "qwen3_target"])
+def test_the_target_head_gives_the_targets_own_logits_from_pre_and_post_norm_states(fixture, request):
+    """One head for every stage: the final norm and lm_head, read by name, reproduce transformers' own forward."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from eagle3_assets.core.target import TargetHead, head_weight_names
+
+    path = request.getfixturevalue(fixture)
+    assert head_weight_names(path) == core_target.HeadWeightNames("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
+    # float32 throughout: a bf16 checkpoint (Kimi) is upcast exactly as the head reads it
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    ids = torch.randint(0, model.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))
+    states = {}
+    hook = model.model.norm.register_forward_hook(lambda module, args, out: states.update(pre=args[0][0], post=out[0]))
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0]
+    hook.remove()
+    head = TargetHead.from_checkpoint(path)
+    assert head.eps == model.config.rms_norm_eps
+    torch.testing.assert_close(head.logits(states["pre"], "pre_norm"), logits, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(head.logits(states["post"], "post_norm"), logits, rtol=1e-4, atol=1e-4)
+    draft_to_target = torch.arange(0, model.config.vocab_size, 3)
+    restricted, top = head.draft_logits(states["pre"], "pre_norm", draft_to_target, chunk=5)
+    assert torch.equal(top, logits.argmax(-1))
+    torch.testing.assert_close(restricted, logits[:, draft_to_target], rtol=1e-4, atol=1e-4)
+
+
+def test_the_head_weights_are_found_by_name_in_a_wrapped_checkpoint(tmp_path):
+    """Kimi-K2.5 prefixes the language model's names, and a vision tower brings norms of its own."""
+    from eagle3_assets.core.target import HeadWeightNames, head_weight_names
+
+    wrapped = [
+        "vision_tower.norm.weight",
+        "mm_projector.pre_norm.weight",
+        "language_model.model.layers.0.self_attn.q_norm.weight",
+        "language_model.model.norm.weight",
+        "language_model.model.embed_tokens.weight",
+        "language_model.lm_head.weight",
+    ]
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"tie_word_embeddings": False}}))
+    expected = HeadWeightNames("language_model.model.embed_tokens.weight", "language_model.model.norm.weight", "language_model.lm_head.weight")
+    assert head_weight_names(tmp_path, wrapped) == expected
+    untied_without_head = wrapped[:-1]
+    with pytest.raises(TargetError, match="cannot find its lm_head"):
+        head_weight_names(tmp_path, untied_without_head)
+    (tmp_path / "config.json").write_text(json.dumps({"tie_word_embeddings": True}))
+    assert head_weight_names(tmp_path, untied_without_head).lm_head == "language_model.model.embed_tokens.weight"

@@ -71,11 +71,11 @@ def complete_reasoning_answers(server, label: str, timeout_s: float = 120, count
     """
     from concurrent.futures import ThreadPoolExecutor
 
-    from eagle3_assets.settings import DEMO_MAX_TOKENS, DEMO_TEMPERATURE
+    from eagle3_assets.demo.plugin import MAX_TOKENS, TEMPERATURE
 
     questions = [p["conversations"][0]["value"] for p in demo_prompts()[:count]]
     with ThreadPoolExecutor(16) as pool:
-        choices = list(pool.map(lambda q: chat(server, q, timeout_s=timeout_s, max_tokens=DEMO_MAX_TOKENS, temperature=DEMO_TEMPERATURE), questions))
+        choices = list(pool.map(lambda q: chat(server, q, timeout_s=timeout_s, max_tokens=MAX_TOKENS, temperature=TEMPERATURE), questions))
     complete = [
         (q, c) for q, c in zip(questions, choices)
         if c["finish_reason"] == "stop" and (c["message"]["reasoning"] or "").strip() and (c["message"]["content"] or "").strip()

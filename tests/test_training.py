@@ -22,18 +22,12 @@ from safetensors.torch import load_file
 from eagle3_assets.core.draft_model import DraftConfig, Eagle3Draft
 from eagle3_assets.core.export import export_draft, read_draft_dir
 from eagle3_assets.core.storage import write_json_atomic
-from eagle3_assets.core.training import (
-    HiddenStateIndex,
-    TargetHead,
-    TrainConfig,
-    index_hidden_states,
-    initial_draft,
-    latest_checkpoint,
-    load_batch,
-    load_target_tensors,
-    run_fingerprint,
-    run_training,
-)
+from eagle3_assets.core.target import TargetHead, load_head_weights
+from eagle3_assets.core.training.checkpoints import latest_checkpoint, run_fingerprint
+from eagle3_assets.core.training.config import TrainConfig
+from eagle3_assets.core.training.data import HiddenStateIndex, index_hidden_states, load_batch
+from eagle3_assets.core.training.initial_weights import initial_draft
+from eagle3_assets.core.training.launch import run_training
 from eagle3_assets.core.vocab import VocabMapping, build_vocab_mapping, save_vocab_mapping
 from tests.demo_hidden_states import cached_demo_hidden_states
 
@@ -87,11 +81,12 @@ def test_target_head_normalises_pre_norm_states_like_the_post_norm_ones(tiny_tar
     post_index, pre_index = index_hidden_states(post), index_hidden_states(pre)
     assert (post_index.final_state, pre_index.final_state) == ("post_norm", "pre_norm")
     mapping = build_vocab_mapping(torch.arange(640), 100)
-    target = load_target_tensors(tiny_target)
+    target = load_head_weights(tiny_target)
     post_batch, pre_batch = load_batch(post_index.samples, 4096), load_batch(pre_index.samples, 4096)
     assert not torch.allclose(post_batch.final, pre_batch.final)  # the stored states really differ
-    post_logits, post_top = TargetHead(target, mapping, "post_norm")(post_batch.final)
-    pre_logits, pre_top = TargetHead(target, mapping, "pre_norm")(pre_batch.final)
+    head = TargetHead.from_weights(target)
+    post_logits, post_top = head.draft_logits(post_batch.final, "post_norm", mapping.draft_to_target)
+    pre_logits, pre_top = head.draft_logits(pre_batch.final, "pre_norm", mapping.draft_to_target)
     valid = post_batch.loss_mask | (post_batch.input_ids > 0)
     torch.testing.assert_close(pre_logits[valid], post_logits[valid], rtol=1e-4, atol=1e-4)
     assert torch.equal(pre_top[valid], post_top[valid])
@@ -107,7 +102,7 @@ def draft_with_rows_named_by_target_id(tiny_target, mapping: VocabMapping, layer
     draft.set_vocab_mapping(mapping.d2t, mapping.t2d)
     with torch.no_grad():
         draft.lm_head.weight.copy_(mapping.draft_to_target.float()[:, None].expand(-1, draft.config.hidden_size))
-        draft.embed_tokens.weight.copy_(load_target_tensors(tiny_target)["embed"])
+        draft.embed_tokens.weight.copy_(load_head_weights(tiny_target)["embed"])
     return draft
 
 
@@ -127,7 +122,7 @@ def test_fine_tuning_remaps_lm_head_rows_by_target_id(tiny_target, tmp_path):
         hidden_state_dirs=["unused"], vocab_mapping=str(tmp_path / "new"), target_path=str(tiny_target),
         training_dir=str(tmp_path / "training"), init_from=str(old_dir),
     )  # fmt: skip
-    draft, report = initial_draft(config, sidecar_index(), new_mapping, load_target_tensors(tiny_target))
+    draft, report = initial_draft(config, sidecar_index(), new_mapping, load_head_weights(tiny_target))
 
     assert torch.equal(draft.d2t, new_mapping.d2t) and torch.equal(draft.t2d, new_mapping.t2d)
     in_old = old_mapping.t2d[new_mapping.draft_to_target]
@@ -148,7 +143,7 @@ def test_fine_tuning_remaps_lm_head_rows_by_target_id(tiny_target, tmp_path):
 def test_fine_tuning_refuses_a_draft_trained_on_other_layers_or_widths(tiny_target, tmp_path):
     mapping = build_vocab_mapping(torch.arange(640), 100)
     save_vocab_mapping(tmp_path / "map", mapping, {})
-    target = load_target_tensors(tiny_target)
+    target = load_head_weights(tiny_target)
 
     def start(draft_dir: Path, index: HiddenStateIndex):
         config = TrainConfig(["unused"], str(tmp_path / "map"), str(tiny_target), str(tmp_path / "t"), init_from=str(draft_dir))
@@ -184,7 +179,7 @@ def test_killed_training_resumes_from_its_last_complete_checkpoint_to_the_same_w
     Path(interrupted.training_dir).mkdir(parents=True)
     launch = Path(interrupted.training_dir) / "launch.json"
     write_json_atomic(launch, interrupted.to_dict())
-    process = subprocess.Popen([sys.executable, "-m", "eagle3_assets.core.training", "--config", str(launch)], stdout=subprocess.DEVNULL)
+    process = subprocess.Popen([sys.executable, "-m", "eagle3_assets.core.training.launch", "--config", str(launch)], stdout=subprocess.DEVNULL)
     checkpoints = Path(interrupted.training_dir) / "checkpoints"
     deadline = time.monotonic() + 300
     try:

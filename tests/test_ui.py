@@ -29,7 +29,7 @@ from dagster import AssetCheckKey, AssetKey, DagsterRunStatus
 from dagster._core.execution.backfill import BulkActionStatus
 from playwright.sync_api import expect, sync_playwright
 
-from eagle3_assets import settings
+from eagle3_assets.demo import plugin as demo
 from tests.dagster_dev import REPO, DagsterDev
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(3600)]
@@ -55,7 +55,7 @@ VALIDATION_CHECKS = [  # the blocking gates first
 BLOCKING_VALIDATION_CHECKS = 5
 GROUPS = ["generation", "validation", "extraction", "training", "evaluation"]
 
-RUN_TIMEOUT_S = 900  # one shard: a run worker loads the code, generates 64 answers on 2 CPU cores, validates
+RUN_TIMEOUT_S = 900  # one shard: a run worker loads the code, generates 64 answers on a CPU, validates
 BACKFILL_TIMEOUT_S = 1800  # three shards, one generating at a time (the vllm_generation pool)
 UI_TIMEOUT_MS = 60_000  # a loaded 2-core machine renders slowly
 
@@ -66,7 +66,7 @@ ARTIFACTS = Path(os.environ.get("EAGLE3_TEST_ARTIFACTS") or REPO / "test-artifac
 def stack(vllm_server, tmp_path_factory):
     """``dagster dev`` with the generation pool limited (as ``make dev``) and the demo's shards registered."""
     from eagle3_assets.partitions import register_shards
-    from resources.prompt_dataset import PromptDataset
+    from eagle3_assets.demo.plugin import DemoPromptDataset
     from resources.vllm_server import ensure_generation_pool_limit
 
     root = tmp_path_factory.mktemp("ui")
@@ -84,7 +84,7 @@ def stack(vllm_server, tmp_path_factory):
         ensure_generation_pool_limit(instance, 1)
         with pytest.MonkeyPatch.context() as patch:
             patch.setenv("EAGLE3_DATA_DIR", str(data))  # where the demo prompt set is written
-            keys = PromptDataset(source="demo", shard_size=SHARD_SIZE).shard_keys()
+            keys = DemoPromptDataset(shard_size=SHARD_SIZE).shard_keys()
         register_shards(instance, keys)
         # A fresh instance greets the first visitor with a "Join the Dagster community" dialog that
         # can pop up mid-typing; record it as seen (what its Skip button does) before the browser comes.
@@ -170,8 +170,8 @@ def open_materialize_dialog(page, shards: list[str]):
     # partial resource config): the servers and model still come from the environment
     # (EAGLE3_VLLM_URLS above), so the dialog names only the demo's sampling.
     config = (
-        f"resources: {{vllm_server: {{config: {{max_tokens: {settings.DEMO_MAX_TOKENS}, "
-        f"temperature: {settings.DEMO_TEMPERATURE}, concurrency: 64}}}}}}"
+        f"resources: {{vllm_server: {{config: {{max_tokens: {demo.MAX_TOKENS}, "
+        f"temperature: {demo.TEMPERATURE}, concurrency: 64}}}}}}"
     )
     dialog.get_by_text("Config", exact=True).click()
     dialog.get_by_role("button", name="Add config").click()
@@ -281,7 +281,7 @@ def test_backfill_three_shards_from_the_partitions_dialog(stack, page):
         shot(page, "06-backfill-completed")
 
     with evidence(page, stack, "asset-graph"):
-        # The whole graph, every group unfolded: the README's screenshot (docs/ui-asset-graph.png).
+        # The whole graph, every group unfolded: the screenshot in docs/ui.md (docs/ui-asset-graph.png).
         expanded = "%2C".join(f"global%40global%3A{group}" for group in GROUPS)
         page.goto(f"{stack.url}/asset-groups?expanded={expanded}")
         for asset in ALL_ASSETS:

@@ -22,9 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-# The per-sample assets, materialised together per shard (definitions.PER_SHARD_ASSETS).
-PER_SHARD_ASSETS = ("prompts", "raw_responses", "validated_traces", "hidden_states")
-SHARD_PARTITIONS = "sample_shards"
+from eagle3_assets.core.sharding import PER_SHARD_ASSETS, SAMPLE_SHARDS
 
 # Backfill statuses after which nothing more happens (Dagster's BulkActionStatus).
 FINISHED = {"COMPLETED", "COMPLETED_SUCCESS", "COMPLETED_FAILED", "FAILED", "CANCELED"}
@@ -42,7 +40,7 @@ class UnknownShardsError(BackfillError):
         known = f"{len(registered)} registered: {registered[0]} .. {registered[-1]}" if registered else "none registered"
         super().__init__(
             f"unknown shard(s): {shown} ({known}); register new shards first "
-            f"(eagle3_assets.partitions.register_shards, `make demo`, or the new_prompt_shards sensor)"
+            f"(eagle3_assets.partitions.register_shards or the new_prompt_shards sensor)"
         )
 
 
@@ -231,4 +229,4 @@ def _is_sharded(node: dict[str, Any]) -> bool:
     if not node["isPartitioned"]:
         return False
     dims = (node.get("partitionDefinition") or {}).get("dimensionTypes") or []
-    return any(d.get("dynamicPartitionsDefinitionName") == SHARD_PARTITIONS for d in dims)
+    return any(d.get("dynamicPartitionsDefinitionName") == SAMPLE_SHARDS for d in dims)

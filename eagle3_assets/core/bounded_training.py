@@ -1,13 +1,13 @@
 """Bounded-disk training: the draft learns from hidden states as they are extracted, and the disk holds a window.
 
-Offline mode (``core/training.py``) trains on ``hidden_states`` shards that
+Offline mode (``core/training/``) trains on ``hidden_states`` shards that
 stay on disk: 8·H bytes per token in bf16, about 2.3 TB for the story's 40 M
 tokens at H = 7,168. Bounded mode never stores the dataset. Every epoch
 streams the shards again:
 
 - a producer thread extracts the next shard (the same :func:`extract_shard`
   and backends as ``hidden_states``) into ``<window_dir>/e<epoch>-<shard>/``
-  and runs the same gates on it (target matches the traces, finite, the
+  and runs the same gates on it (:func:`gate_extracted_shard`) (target matches the traces, finite, the
   traces' samples, final state reproduces the target's choices, aux states
   at the configured layers; per-part checksums are verified again when the
   trainer indexes the shard). A failing gate stops training with an error
@@ -51,45 +51,23 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
 from eagle3_assets.core.extraction import ExtractionSettings, TargetFacts, extract_shard, read_traces
-from eagle3_assets.core.hidden_state_checks import TargetHead as GateHead  # the gates' head (training has its own)
-from eagle3_assets.core.hidden_state_checks import (
-    check_aux_states_match_layer_ids,
-    check_final_state_reproduces_logits,
-    check_states_finite,
-    check_states_match_traces,
-    check_target_matches_traces,
-)
-from eagle3_assets.core.schedule import fit_schedule
+from eagle3_assets.core.hidden_state_checks import check_target_matches_traces, gate_extracted_shard
+from eagle3_assets.core.stage_jobs import BoundedRun, StreamedShard, shard_check_seed
 from eagle3_assets.core.storage import fsync_dir, stable_hash, write_bytes_atomic, write_json_atomic
-from eagle3_assets.core.target import identity_in_parquet, target_identity
-from eagle3_assets.core.training import (
-    HiddenStateIndex,
-    TargetHead,
-    TrainConfig,
-    TrainingTimeTest,
-    _pick_device,
-    epoch_micro_batches,
-    index_hidden_states,
-    initial_draft,
-    latest_checkpoint,
-    load_batch,
-    load_target_tensors,
-    lr_lambda,
-    run_fingerprint,
-    save_checkpoint,
-)
+from eagle3_assets.core.target import TargetHead, identity_in_parquet, load_head_weights, target_identity
+from eagle3_assets.core.training.checkpoints import latest_checkpoint, restore_checkpoint, run_fingerprint, save_checkpoint
+from eagle3_assets.core.training.config import TrainConfig
+from eagle3_assets.core.training.data import HiddenStateIndex, epoch_micro_batches, index_hidden_states, load_batch
+from eagle3_assets.core.training.initial_weights import initial_draft
+from eagle3_assets.core.training.loop import Trainer, _pick_device, fitted_config
 from eagle3_assets.core.vocab import load_vocab_mapping
 
-HIDDEN_STATES_MODES = ("offline", "bounded")
-DEFAULT_WINDOW_SHARDS = 2
-DEFAULT_CHECKPOINT_EVERY_STEPS = 50
 JOURNAL = "trained_batches.jsonl"
 STEP_CHECKPOINT_GLOB = "step-*"
 EVENT_PREFIX = "EAGLE3_BOUNDED_EVENT "
@@ -97,73 +75,8 @@ EVENT_PREFIX = "EAGLE3_BOUNDED_EVENT "
 OnEvent = Callable[[dict], None]
 
 
-class BoundedModeError(ValueError):
-    """The bounded-disk settings cannot run; the message names the setting and what is wrong."""
-
-
 class StreamedGateError(RuntimeError):
     """A streamed shard failed a gate: training stops before it learns from that shard."""
-
-
-def mode_problems(mode: str, window_shards: int, checkpoint_every_steps: int = DEFAULT_CHECKPOINT_EVERY_STEPS, nproc: int = 1) -> list[str]:
-    """What is wrong with the launchpad's hidden-state mode settings (empty when nothing is)."""
-    problems = []
-    if mode not in HIDDEN_STATES_MODES:
-        problems.append(f"hidden_states_mode {mode!r}: one of {HIDDEN_STATES_MODES}")
-    if not isinstance(window_shards, int) or window_shards < 1:
-        problems.append(f"window_shards {window_shards!r}: at least 1 shard of hidden states must fit on disk")
-    if mode == "bounded" and (not isinstance(checkpoint_every_steps, int) or checkpoint_every_steps < 1):
-        problems.append(f"bounded_checkpoint_every_steps {checkpoint_every_steps!r}: must be at least 1")
-    if mode == "bounded" and nproc != 1:
-        problems.append(f"nproc_per_node {nproc}: bounded mode trains in one process (use offline mode for DDP)")
-    return problems
-
-
-# --------------------------------------------------------------------------- settings
-
-
-@dataclass(frozen=True)
-class StreamedShard:
-    key: str
-    traces: str  # the shard's validated_traces parquet
-    data_version: str  # what hidden_states would record for this shard (validated_traces' version, target, layers, backend, dtype)
-
-
-@dataclass
-class BoundedRun:
-    train: TrainConfig  # hidden_state_dirs unused: the states come from ``shards``
-    shards: list[StreamedShard]
-    window_dir: str  # the transient states live here, never under hidden_states/
-    target_config_hash: str
-    aux_layer_ids: list[int]  # vLLM's convention, as hidden_states extracts them
-    window_shards: int = DEFAULT_WINDOW_SHARDS
-    dtype: str = "bfloat16"
-    part_bytes: int = 2 * 1024**3
-    checkpoint_every_steps: int = DEFAULT_CHECKPOINT_EVERY_STEPS
-    checks: dict = field(default_factory=dict)  # logits_samples, logits_positions, min_argmax_agreement, aux_samples, seed
-
-    @classmethod
-    def from_dict(cls, raw: dict) -> BoundedRun:
-        unknown = sorted(set(raw) - {f.name for f in fields(cls)})
-        if unknown:
-            raise BoundedModeError(f"unknown bounded-disk settings {unknown}; known: {sorted(f.name for f in fields(cls))}")
-        raw = dict(raw)
-        raw["train"] = TrainConfig.from_dict(raw["train"])
-        raw["shards"] = [StreamedShard(**s) for s in raw["shards"]]
-        return cls(**raw)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    def validate(self) -> None:
-        problems = mode_problems("bounded", self.window_shards, self.checkpoint_every_steps)
-        keys = [s.key for s in self.shards]
-        if not keys:
-            problems.append("no shards to stream")
-        if len(set(keys)) != len(keys):
-            problems.append(f"shards named twice: {sorted({k for k in keys if keys.count(k) > 1})}")
-        if problems:
-            raise BoundedModeError("bounded-disk training: " + "; ".join(problems))
 
 
 # --------------------------------------------------------------------------- the plan
@@ -235,29 +148,6 @@ class PeakBytes:
         return now
 
 
-def gate_streamed_shard(
-    shard_dir: Path, traces, head: GateHead, backend, aux_layer_ids, facts: TargetFacts, checks: dict, reference_states
-) -> list:
-    """The hidden_states gates on a freshly extracted shard (the same functions the asset's checks run)."""
-    seed = int(checks.get("seed", 0))
-    return [
-        check_states_finite(shard_dir),
-        check_states_match_traces(shard_dir, traces),
-        check_final_state_reproduces_logits(
-            shard_dir,
-            head,
-            backend.reference_argmax,
-            samples=int(checks.get("logits_samples", 8)),
-            max_positions=int(checks.get("logits_positions", 4096)),
-            min_agreement=float(checks.get("min_argmax_agreement", 0.999)),
-            seed=seed,
-        ),
-        check_aux_states_match_layer_ids(
-            shard_dir, aux_layer_ids, facts, reference_states, samples=int(checks.get("aux_samples", 4)), seed=seed
-        ),
-    ]
-
-
 class ShardProducer(threading.Thread):
     """Extracts and gates the stream's shards ahead of the trainer, in the plan's order, one window slot per shard.
 
@@ -323,19 +213,6 @@ def append_journal(path: Path, records: list[dict]) -> None:
 # --------------------------------------------------------------------------- training
 
 
-def restore_checkpoint(path: Path, draft, optimizer, scheduler) -> dict:
-    """Load a step checkpoint's weights, optimizer, schedule and random state; its state.json."""
-    from safetensors.torch import load_file
-
-    draft.load_state_dict({**load_file(str(path / "model.safetensors")), "embed_tokens.weight": draft.embed_tokens.weight}, strict=True)
-    saved = torch.load(path / "trainer.pt", weights_only=True)
-    optimizer.load_state_dict(saved["optimizer"])
-    scheduler.load_state_dict(saved["scheduler"])
-    random.setstate(saved["rng"]["python"])
-    torch.set_rng_state(saved["rng"]["torch"])
-    return json.loads((path / "state.json").read_text())
-
-
 def _lengths_and_supervised(shards: list[StreamedShard], vocab_size: int, max_seq_len: int) -> tuple[dict, dict, int]:
     """Per shard: trace lengths (truncated as training truncates) and ids by row; all supervised tokens."""
     lengths, ids, supervised = {}, {}, 0
@@ -374,27 +251,23 @@ def _train_bounded(run: BoundedRun, backend, reference_states, emit: OnEvent, de
     facts = TargetFacts.from_path(config.target_path)
     settings = ExtractionSettings(
         target_path=config.target_path,
-        target_config_hash=run.target_config_hash,
-        aux_layer_ids=tuple(run.aux_layer_ids),
-        dtype=run.dtype,
-        part_bytes=run.part_bytes,
+        target_config_hash=run.target.config_hash,
+        aux_layer_ids=tuple(run.target.aux_layer_ids),
+        dtype=run.extraction.dtype,
+        part_bytes=run.extraction.part_size_bytes,
     )
     lengths, ids_by_row, supervised = _lengths_and_supervised(run.shards, facts.vocab_size, config.max_seq_len)
 
     def steps_per_epoch(batch_tokens: int) -> int:
         return sum(-(-len(epoch_micro_batches(v, batch_tokens, config.seed, 0)) // config.grad_accumulation) for v in lengths.values())
 
-    schedule = fit_schedule(
+    config, schedule = fitted_config(
+        config,
         total_tokens=sum(map(sum, lengths.values())),
         supervised_tokens=supervised,
         hidden_size=facts.hidden_size,
         steps_per_epoch_for=steps_per_epoch,
-        grad_accumulation=config.grad_accumulation,
-        batch_tokens=config.batch_tokens,
-        epochs=config.epochs,
-        learning_rate=config.learning_rate,
     )
-    config = replace(config, batch_tokens=schedule.batch_tokens, epochs=schedule.epochs, learning_rate=schedule.learning_rate)
     emit({"event": "schedule", "description": schedule.describe(), "warnings": schedule.warnings, **asdict(schedule)})
     items, steps = plan_stream(run.shards, lengths, config)
 
@@ -402,11 +275,11 @@ def _train_bounded(run: BoundedRun, backend, reference_states, emit: OnEvent, de
     stream_identity = {
         "mode": "bounded",
         "shards": [(s.key, s.data_version) for s in sorted(run.shards, key=lambda s: s.key)],
-        "dtype": run.dtype,
+        "dtype": run.extraction.dtype,
         "aux_layer_ids": list(settings.aux_layer_ids),
         "backend": backend.name,
         "final_state": backend.final_state,
-        "target_config_hash": run.target_config_hash,
+        "target_config_hash": run.target.config_hash,
     }
     stub = HiddenStateIndex(
         samples=[],
@@ -415,21 +288,21 @@ def _train_bounded(run: BoundedRun, backend, reference_states, emit: OnEvent, de
         hidden_size=facts.hidden_size,
         vocab_size=facts.vocab_size,
         final_state=backend.final_state,
-        target_config_hash=run.target_config_hash,
+        target_config_hash=run.target.config_hash,
         fingerprint=stable_hash(stream_identity),
     )
     mapping = load_vocab_mapping(Path(config.vocab_mapping))
     if mapping.target_vocab_size != facts.vocab_size:
         raise ValueError(f"vocab mapping covers {mapping.target_vocab_size} target ids, the target has {facts.vocab_size}")
-    target = load_target_tensors(config.target_path)
+    target = load_head_weights(config.target_path)
     draft, init_report = initial_draft(config, stub, mapping, target)
     draft.embed_tokens.weight.requires_grad_(False)
     draft.to(device)
-    head = TargetHead(target, mapping, backend.final_state).to(device)
-    ttt = TrainingTimeTest(draft, config.ttt_steps, config.step_weight).to(device)
-    trainable = [p for p in draft.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=config.learning_rate, betas=config.betas, weight_decay=config.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(len(steps), config.warmup_ratio, config.min_lr_ratio))
+    target_head, draft_to_target = TargetHead.from_weights(target).to(device), mapping.draft_to_target.to(device)
+    head = lambda final: target_head.draft_logits(final, backend.final_state, draft_to_target)  # noqa: E731
+    # The offline loop's optimizer step (one process: bounded mode streams to a single trainer).
+    trainer = Trainer(draft, head, config, device, len(steps), distributed=False)
+    optimizer, scheduler = trainer.optimizer, trainer.scheduler
     fingerprint = run_fingerprint(config, stub)
 
     training_dir = Path(config.training_dir)
@@ -476,8 +349,8 @@ def _train_bounded(run: BoundedRun, backend, reference_states, emit: OnEvent, de
         }
     )
 
-    # -- what the producer does with each shard: extract it into the window, then gate it
-    gate_head = GateHead.from_checkpoint(config.target_path)
+    # -- what the producer does with each shard: extract it into the window, then gate it (on the CPU, as the stage does)
+    gate_head = TargetHead.from_checkpoint(config.target_path)
     identity = target_identity(config.target_path)
 
     def prepare(item: StreamItem) -> dict:
@@ -488,7 +361,10 @@ def _train_bounded(run: BoundedRun, backend, reference_states, emit: OnEvent, de
         started = time.monotonic()
         if outcomes[0].passed:  # nothing is extracted for a target that did not render the traces
             report = extract_shard(traces, shard_dir, settings, backend, on_event=lambda e: e["event"] in ("batch", "part") and peak.measure())
-            outcomes += gate_streamed_shard(shard_dir, traces, gate_head, backend, settings.aux_layer_ids, facts, run.checks, reference_states)
+            outcomes += gate_extracted_shard(
+                shard_dir, traces, gate_head, backend.reference_argmax, settings.aux_layer_ids, facts, reference_states,
+                run.extraction, shard_check_seed(item.shard.key),
+            )  # fmt: skip
         failed = [o for o in outcomes if not o.passed]
         if failed:
             raise StreamedGateError(
@@ -510,7 +386,6 @@ def _train_bounded(run: BoundedRun, backend, reference_states, emit: OnEvent, de
     producer = ShardProducer(upcoming, run.window_shards, prepare)
     producer.start()
 
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" and config.bf16_autocast else nullcontext()
     started, tokens_seen, waiting_s = time.monotonic(), 0, 0.0
     pending: list[dict] = []  # journal lines of steps not yet in a checkpoint
     last_checkpoint = resumed_from or ""
@@ -533,13 +408,14 @@ def _train_bounded(run: BoundedRun, backend, reference_states, emit: OnEvent, de
             "config": config.to_dict(),
             "mode": "bounded",
         }
-        path = save_checkpoint(checkpoints, step, draft, optimizer, scheduler, state, config.keep_checkpoints, name=f"step-{step:08d}", pattern=STEP_CHECKPOINT_GLOB)
+        path = save_checkpoint(
+            checkpoints, step, draft, optimizer, scheduler, state, config.keep_checkpoints, name=f"step-{step:08d}", pattern=STEP_CHECKPOINT_GLOB
+        )
         append_journal(journal, pending)  # after the checkpoint: the journal lists only committed steps
         pending = []
         last_checkpoint = str(path)
         emit({"event": "checkpoint", "epoch": item.epoch, "step": step, "path": last_checkpoint})
 
-    ttt.train()
     try:
         for item in upcoming:
             waited = time.monotonic()
@@ -550,34 +426,11 @@ def _train_bounded(run: BoundedRun, backend, reference_states, emit: OnEvent, de
             samples = {s.sample_id: s for s in index_hidden_states([shard_dir]).samples}  # verifies each part's checksum
             rows = ids_by_row[item.shard.key]
             for planned in (p for p in steps[step:] if p.item == item.position):
-                loss_sum, totals, tokens = 0.0, torch.zeros(3, config.ttt_steps, device=device), 0
-                for _, members in planned.batches:
-                    batch = load_batch([samples[rows[r]] for r in members], config.max_seq_len).to(device)
-                    target_logits, target_top = head(batch.final)
-                    with autocast:
-                        loss, stats = ttt(batch.aux, batch.input_ids, batch.loss_mask, target_logits, target_top)
-                    (loss / len(planned.batches)).backward()
-                    loss_sum += float(loss.detach())
-                    totals += stats
-                    tokens += batch.num_tokens
-                grad_norm = torch.nn.utils.clip_grad_norm_(trainable, config.grad_clip)
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-                step = planned.step
-                tokens_seen += tokens
                 n = len(planned.batches)
-                record = {
-                    "step": step,
-                    "epoch": item.epoch,
-                    "shard": item.shard.key,
-                    "loss": loss_sum / n,
-                    "step_losses": [round(float(x) / n, 6) for x in totals[0]],
-                    "accuracy": [round(float(c) / max(float(m), 1.0), 6) for c, m in zip(totals[1], totals[2])],
-                    "lr": scheduler.get_last_lr()[0],
-                    "grad_norm": float(grad_norm),
-                    "tokens": tokens,
-                }
+                batches = (load_batch([samples[rows[r]] for r in members], config.max_seq_len).to(device) for _, members in planned.batches)
+                record = {"step": planned.step, "epoch": item.epoch, "shard": item.shard.key, **trainer.step(batches, n, n)}
+                step = planned.step
+                tokens_seen += record["tokens"]
                 history.append(record)
                 pending.append(
                     {

@@ -74,7 +74,7 @@ def serve_command(target: str, served_name: str, draft_path: str, weights_hash: 
     """``vllm serve`` for the target with this draft, answering to its own name and to the draft's alias."""
     return [
         "vllm", "serve", target,
-        "--served-model-name", served_name, draft_alias(weights_hash),
+        *alias_args(served_name, weights_hash),
         "--speculative-config", json.dumps(speculative_config(draft_path, num_speculative_tokens)),
     ]  # fmt: skip
 

@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eagle3_assets.core.target import rms_norm, rms_norm_eps, text_config
+
 
 @dataclass(frozen=True)
 class DraftConfig:
@@ -69,7 +71,7 @@ class DraftConfig:
         head_dim: int | None = None,
     ) -> DraftConfig:
         """A one-layer draft as wide as the target, shaped like one of its (dense) layers unless told otherwise."""
-        text = target_config.get("text_config", target_config)  # multimodal wrappers nest the LM config
+        text = text_config(target_config)  # multimodal wrappers nest the LM config
         hidden = int(text["hidden_size"])
         heads = int(num_attention_heads or text["num_attention_heads"])
         return cls(
@@ -82,7 +84,7 @@ class DraftConfig:
             draft_vocab_size=int(draft_vocab_size),
             target_hidden_size=hidden,
             aux_layer_ids=tuple(int(i) for i in aux_layer_ids),
-            rms_norm_eps=float(text.get("rms_norm_eps", 1e-5)),
+            rms_norm_eps=rms_norm_eps(text),
             rope_theta=rope_theta_of(text),
             max_position_embeddings=int(text.get("max_position_embeddings", 4096)),
         )
@@ -107,9 +109,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:

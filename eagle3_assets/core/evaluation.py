@@ -19,14 +19,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import aiohttp
-
+from eagle3_assets.core.openai_client import async_openai_client
+from eagle3_assets.core.stage_jobs import EVAL_MAX_TOKENS
 from eagle3_assets.core.target import vllm_serving
 from eagle3_assets.core.vllm_launcher import VLLMServer
 from eagle3_assets.core.vllm_metrics import SpecDecodeCounters, fetch_metrics_text
 
 
-EVAL_MAX_TOKENS = 128  # completion tokens per held-out prompt: enough decode steps to measure acceptance
 
 
 @dataclass(frozen=True)
@@ -52,21 +51,18 @@ class PassResult:
 
 
 async def _send_all(base_url: str, model: str, conversations: Sequence[list[dict]], max_tokens: int, concurrency: int):
-    gate = asyncio.Semaphore(concurrency)
-    timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=1800)
+    """Completion tokens per conversation, None where the request failed (no retries: a failed request is counted)."""
+    import openai
 
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    gate = asyncio.Semaphore(concurrency)
+    async with async_openai_client(base_url, connect_timeout_s=10, read_timeout_s=1800, max_retries=0) as client:
 
         async def one(messages: list[dict]) -> int | None:
-            body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0}
             async with gate:
                 try:
-                    async with session.post(f"{base_url}/v1/chat/completions", json=body) as response:
-                        if response.status != 200:
-                            return None
-                        payload = await response.json()
-                        return int(payload["usage"]["completion_tokens"])
-                except (aiohttp.ClientError, asyncio.TimeoutError, KeyError, ValueError):
+                    response = await client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, temperature=0.0)
+                    return int(response.usage.completion_tokens)
+                except (openai.APIError, AttributeError, TypeError, ValueError):  # AttributeError, TypeError: no usage
                     return None
 
         return await asyncio.gather(*(one(m) for m in conversations))

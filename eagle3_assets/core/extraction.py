@@ -54,22 +54,19 @@ from typing import Any, Protocol
 import torch
 
 from eagle3_assets.core.shard_files import ShardFileError, quarantine, read_shard_parquet
+from eagle3_assets.core.shard_paths import SIDECAR
 from eagle3_assets.core.storage import PARTIAL_SUFFIX, atomic_path, file_hash, stable_hash, write_json_atomic
 from eagle3_assets.core.target import LAYER_IDS_SETTING, TargetError, layer_id_problem, read_config, text_config
-from eagle3_assets.core.state_layout import (  # noqa: F401  re-exported: the stages and tests import them from here
-    BACKENDS,
+from eagle3_assets.core.state_layout import (
     DEFAULT_DTYPE,
     DEFAULT_PART_BYTES,
     FINAL_STATES,
-    FP8_DTYPE,
     STORAGE_DTYPE_BYTES,
     bytes_per_token,
     is_scaled,
-    state_bytes_per_token,
 )
 
 FORMAT_VERSION = 1
-SIDECAR = "metadata.json"
 PART_PATTERN = "part-{:05d}.safetensors"
 STORAGE_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in STORAGE_DTYPE_BYTES}
 _SAFETENSORS_DTYPE = {
@@ -181,7 +178,6 @@ class TargetFacts:
     num_layers: int
     hidden_size: int
     vocab_size: int
-    rms_norm_eps: float
 
     @classmethod
     def from_path(cls, target_path: Path | str) -> TargetFacts:
@@ -193,7 +189,6 @@ class TargetFacts:
             num_layers=int(text["num_hidden_layers"]),
             hidden_size=int(text["hidden_size"]),
             vocab_size=int(text["vocab_size"]),
-            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
         )
 
 
@@ -896,10 +891,3 @@ def iter_samples(shard_dir: Path, only: set[str] | None = None) -> Iterator[Stor
                     input_ids=input_ids[lo:hi],
                     loss_mask=loss_mask[lo:hi],
                 )
-
-
-def rms_norm(states: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The target's final RMSNorm (Llama form), in fp32: what turns a ``pre_norm`` final state into ``post_norm``."""
-    x = states.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return x * weight.float()

@@ -1,10 +1,12 @@
 """Regenerate reasoning traces through an OpenAI-compatible server (vLLM, SGLang), fast and resumably.
 
-Why a hand-written client and not the ``openai`` SDK: the SDK's httpx transport
-becomes the bottleneck at the concurrency a GPU server needs (measured here at
-concurrency 64 against an instant stub: plain aiohttp ~3,100 requests/s, the
-SDK ~217/s; see DESIGN.md section 3 and ``bench/generation.py``). The wire
-format is still exactly OpenAI's chat completions, so any server that speaks it
+Why a hand-written aiohttp client for the samples and not the ``openai`` SDK:
+the SDK, on its default transport and on its aiohttp one alike, becomes the
+bottleneck at the concurrency a GPU server needs: against an instant stub it
+answers a small fraction of what plain aiohttp does (``bench/generation.py``
+prints both figures; DESIGN.md section 3). The pre-flight's single canary
+request does go through the SDK (:mod:`.openai_client`). The wire format is
+exactly OpenAI's chat completions either way, so any server that speaks it
 works.
 
 What the client gets right, because the story this project comes from got it wrong:
@@ -55,13 +57,16 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import polars as pl
 
-from eagle3_assets.core.journal import ShardJournal, keep_superseded, parquet_fingerprint, parquet_generation, superseded_path
+from eagle3_assets.core.job_schema import JobSchema, given, setting
+from eagle3_assets.core.journal import ShardJournal, keep_superseded, parquet_fingerprint, parquet_generation
+from eagle3_assets.core.shard_paths import superseded_path
 from eagle3_assets.core.markdown import markdown_histogram
+from eagle3_assets.core.openai_client import async_openai_client
 from eagle3_assets.core.redaction import has_credentials, redact_credentials, redact_url
 from eagle3_assets.core.response_rules import (
     DEFAULT_MAX_ATTEMPTS_PER_SAMPLE,
@@ -70,6 +75,12 @@ from eagle3_assets.core.response_rules import (
     content_failures,
 )
 from eagle3_assets.core.storage import stable_hash
+
+if TYPE_CHECKING:
+    import openai
+
+# Makes the pre-flight's canary client for a server's base URL (credentials included; the caller closes it).
+CanaryClient = Callable[[str], "openai.AsyncOpenAI"]
 
 # The contract of ``<data>/raw_responses/<shard>.parquet`` (one row per prompt).
 ROW_SCHEMA: dict[str, pl.DataType] = {
@@ -96,6 +107,8 @@ _JSON = json.JSONEncoder(ensure_ascii=False)  # one encoder for every request bo
 SAMPLE_ID_HEADER = "X-Eagle3-Sample-Id"  # lets server logs (and the tests' fault proxy) name the sample
 CANARY_ID = "eagle3-canary"
 DEFAULT_CANARY_PROMPT = "What is 17 + 25? Think it through step by step, then give the answer."
+DEFAULT_CANARY_MAX_TOKENS = 512
+DEFAULT_PROGRESS_INTERVAL_S = 5.0
 # A server that refused a connection gets no new request for this long while another server is up,
 # then one request at a time until one is answered (a circuit breaker's half-open state). Without it
 # a dead server, having nothing in flight, is the "fewest in flight" choice for every new request:
@@ -110,34 +123,67 @@ MALFORMED_RESPONSE = "malformed_response"
 
 
 @dataclass(frozen=True)
-class GenerationConfig:
+class Sampling(JobSchema):
+    """How the target samples; unset fields are left to the server (vLLM's extensions included)."""
+
+    temperature: float = setting(0.6, "sampling temperature (match how the target is served)", ge=0)
+    top_p: float = setting(0.95, "nucleus sampling: the smallest set of tokens whose probability reaches top_p", gt=0, le=1)
+    top_k: int | None = setting(None, "vLLM extension; unset: the server's default")
+    min_p: float | None = setting(None, "vLLM extension; unset: the server's default")
+    presence_penalty: float | None = setting(None, "OpenAI presence penalty; unset: the server's default")
+    frequency_penalty: float | None = setting(None, "OpenAI frequency penalty; unset: the server's default")
+    repetition_penalty: float | None = setting(None, "vLLM extension; unset: the server's default")
+    seed: int | None = setting(None, "per-request sampling seed; unset: random")
+
+    def request_fields(self) -> dict[str, Any]:
+        """The fields a request carries: the ones that are set."""
+        return {name: value for name, value in self.to_dict().items() if value is not None}
+
+
+@dataclass(frozen=True)
+class GenerationConfig(JobSchema):
     """Everything the client needs; the Dagster resource builds one (``VLLMServerResource.generation_config``)."""
 
-    base_urls: tuple[str, ...]
-    model: str
-    api_key: str | None = field(default=None, repr=False)  # never printed, never part of a fingerprint
-    concurrency: int = 128
-    max_tokens: int = 8192
-    sampling: Mapping[str, Any] = field(default_factory=lambda: {"temperature": 0.6, "top_p": 0.95})
-    extra_body: Mapping[str, Any] = field(default_factory=dict)
-    connect_timeout_s: float = 10.0
-    read_timeout_s: float = 1800.0
+    base_urls: tuple[str, ...] = given("base URLs of the servers (no /v1); requests are spread over them")
+    model: str = given("the model name the server serves (vLLM's --served-model-name)")
+    # Never printed, never part of a fingerprint.
+    api_key: str | None = setting(None, "bearer token; set it with EnvVar('VLLM_API_KEY'), never as a literal", repr=False)
+    concurrency: int = setting(128, "requests in flight per run (per shard being generated)", gt=0)
+    max_tokens: int = setting(8192, "completion token limit per request, reasoning included", gt=0)
+    sampling: Mapping[str, Any] = setting(Sampling().request_fields(), "sampling fields of every request (see Sampling)")
+    extra_body: Mapping[str, Any] = setting({}, "merged into every request body, e.g. {'chat_template_kwargs': {'thinking': true}}")
+    connect_timeout_s: float = setting(10.0, "to open a connection; failures are retried", gt=0)
+    read_timeout_s: float = setting(1800.0, "for one whole generation; a read timeout is not retried", gt=0)
     # /tokenize answers in milliseconds; it must not inherit the read timeout of a whole generation, or one stuck
     # call would hold a worker for half an hour. On a timeout the server judges the prompt itself.
-    tokenize_timeout_s: float = 30.0
-    max_retries: int = 5
-    backoff_initial_s: float = 1.0
-    backoff_max_s: float = 60.0
+    tokenize_timeout_s: float = setting(
+        30.0, "for one /tokenize call (exact count of a prompt that may not fit); on a timeout the server judges the prompt", gt=0
+    )
+    max_retries: int = setting(5, "retries on connection errors, 408, 429 and 5xx (never on other 4xx)", ge=0)
+    retry_backoff_s: float = setting(1.0, "first backoff; doubles per retry, with jitter", ge=0)
+    retry_backoff_max_s: float = setting(60.0, "the longest backoff between two tries of a request", ge=0)
     # So many samples in a row ending with retries exhausted means the server is gone:
     # stop (the journal keeps what is done) rather than fill the shard with error rows.
-    max_consecutive_failures: int = 64
-    # Whether a generation cut by max_tokens is usable; validation reads the same setting from the shard's file.
-    allow_truncated: bool = False
-    # A rerun sends a content failure again only while the sample has had fewer requests than this.
-    max_attempts_per_sample: int = DEFAULT_MAX_ATTEMPTS_PER_SAMPLE
-    # Ask for the prompt's and the generation's token ids (vLLM's ``return_token_ids``). Off for servers that
-    # refuse unknown request fields. Not part of :meth:`identity`: the responses are the same either way.
-    return_token_ids: bool = True
+    max_consecutive_failures: int = setting(64, "samples in a row failing all retries before the run stops", gt=0)
+    # Validation reads the same setting from the shard's file.
+    allow_truncated: bool = setting(
+        False,
+        "generations cut by max_tokens are usable: a rerun does not send them again, and validated_traces keeps them "
+        "(its own allow_truncated, when set, overrides)",
+    )
+    max_attempts_per_sample: int = setting(
+        DEFAULT_MAX_ATTEMPTS_PER_SAMPLE,
+        "requests per sample over all runs after which a response validation rejects (no reasoning, no answer, "
+        "cut, aborted) is kept as it is instead of being sent again on the next run of the shard",
+        gt=0,
+    )
+    # Not part of :meth:`identity`: the responses are the same either way.
+    return_token_ids: bool = setting(
+        True,
+        "ask the server for the prompt's and the generation's token ids (vLLM's return_token_ids), kept in "
+        "raw_responses so that validated_traces checks the supervised tokens against what the target generated. Turn off "
+        "only for a server that refuses unknown request fields; it changes no response and no shard's identity",
+    )
 
     def __post_init__(self) -> None:
         if not self.base_urls:
@@ -349,17 +395,24 @@ class GenerationClient:
 
     def _backoff_s(self, attempt: int, retry_after: str | None) -> float:
         """Exponential backoff with jitter (half fixed, half random), or the server's Retry-After if longer."""
-        ceiling = min(self.config.backoff_max_s, self.config.backoff_initial_s * 2 ** (attempt - 1))
+        ceiling = min(self.config.retry_backoff_max_s, self.config.retry_backoff_s * 2 ** (attempt - 1))
         delay = ceiling / 2 + random.uniform(0, ceiling / 2)
         try:
-            delay = max(delay, min(float(retry_after), self.config.backoff_max_s)) if retry_after else delay
+            delay = max(delay, min(float(retry_after), self.config.retry_backoff_max_s)) if retry_after else delay
         except ValueError:
             pass  # an HTTP-date Retry-After: keep our own backoff
         return delay
 
     # ------------------------------------------------------------ pre-flight
-    async def preflight(self, canary_prompt: str = DEFAULT_CANARY_PROMPT, canary_max_tokens: int = 512) -> PreflightReport:
-        """``/health``, ``/v1/models`` and one canary completion with reasoning on every server, or PreflightError."""
+    async def preflight(
+        self, canary_prompt: str = DEFAULT_CANARY_PROMPT, canary_max_tokens: int = DEFAULT_CANARY_MAX_TOKENS, canary_client: CanaryClient | None = None
+    ) -> PreflightReport:
+        """``/health``, ``/v1/models`` and one canary completion with reasoning on every server, or PreflightError.
+
+        The canary goes through the ``openai`` SDK: ``canary_client`` makes one
+        for a server's base URL (the Dagster resource passes its
+        ``get_async_client``); by default one is built from this client's config.
+        """
         models: dict[str, dict[str, Any]] = {}
         for server in self.config.servers:
             shown = self._shown[server]
@@ -388,11 +441,12 @@ class GenerationClient:
                 f"vllm_server.max_tokens={self.config.max_tokens} exceeds the server's max_model_len={max_model_len} "
                 "(vLLM rejects every such request): lower max_tokens or serve with a longer --max-model-len"
             )
-        canary = Sample(CANARY_ID, [{"role": "user", "content": canary_prompt}])
         canary_row: dict[str, Any] = {}
         for server in self.config.servers:
             shown = self._shown[server]
-            canary_row = await self.complete(canary, max_tokens=min(self.config.max_tokens, canary_max_tokens), server=server)
+            sdk = (canary_client or self._sdk_client)(server)
+            async with sdk:
+                canary_row = await self._canary(sdk, canary_prompt, min(self.config.max_tokens, canary_max_tokens))
             if canary_row["error"]:
                 raise PreflightError(f"vLLM server {shown}: the canary request failed: {canary_row['error']}")
             if not (canary_row["reasoning"] or "").strip():
@@ -408,6 +462,42 @@ class GenerationClient:
             canary_reasoning_field=canary_row["reasoning_field"],
             canary_reasoning=canary_row["reasoning"][:200],
         )
+
+    def _sdk_client(self, server: str) -> openai.AsyncOpenAI:
+        config = self.config
+        return async_openai_client(
+            server, config.api_key, connect_timeout_s=config.connect_timeout_s, read_timeout_s=config.read_timeout_s, max_retries=config.max_retries
+        )
+
+    async def _canary(self, sdk: openai.AsyncOpenAI, prompt: str, max_tokens: int) -> dict[str, Any]:
+        """The canary's completion as a row's fields (``error`` set when it failed); read from the raw JSON as every row is.
+
+        The SDK retries what :meth:`complete` retries (connection errors, 408, 429, 5xx); the request body is the
+        samples' own (sampling, ``extra_body``, ``return_token_ids``), sent as the SDK's ``extra_body``.
+        """
+        import openai
+
+        fields = dict(self._fields)
+        fields["max_tokens"] = max_tokens
+        model = fields.pop("model")
+        try:
+            raw = await sdk.chat.completions.with_raw_response.create(
+                model=model,
+                messages=[{"role": "user", "content": prompt}],
+                extra_body=fields,
+                extra_headers={SAMPLE_ID_HEADER: CANARY_ID},
+            )
+            payload = raw.content
+        except openai.APIStatusError as exc:
+            return {"error": f"{HTTP_ERROR} {exc.status_code}: {_error_message(exc.response.content)}"}
+        except openai.APITimeoutError:
+            return {"error": f"{READ_TIMEOUT}: no response within {self.config.read_timeout_s:g}s"}
+        except openai.APIConnectionError as exc:
+            return {"error": f"{CONNECTION_ERROR}: {_describe(exc.__cause__ or exc)}"}
+        try:
+            return {**parse_completion(json.loads(payload)), "error": None}
+        except ValueError as exc:  # JSONDecodeError is a ValueError
+            return {"error": f"{MALFORMED_RESPONSE}: {exc}; body starts {_excerpt(payload)}"}
 
     async def _get(self, server: str, path: str) -> tuple[int, bytes]:
         try:
@@ -568,9 +658,10 @@ def generate_shard(
     parquet_path: Path,
     *,
     log: Callable[[str], None] = print,
-    progress_interval_s: float = 5.0,
+    progress_interval_s: float = DEFAULT_PROGRESS_INTERVAL_S,
     canary_prompt: str = DEFAULT_CANARY_PROMPT,
-    canary_max_tokens: int = 512,
+    canary_max_tokens: int = DEFAULT_CANARY_MAX_TOKENS,
+    canary_client: CanaryClient | None = None,
 ) -> ShardOutcome:
     """Pre-flight, then generate every sample of a shard not yet durable, then write the shard's Parquet.
 
@@ -578,7 +669,9 @@ def generate_shard(
     and ServerUnavailableError (journal kept) when the server goes away mid-shard.
     """
     return asyncio.run(
-        _generate_shard(config, samples, Path(journal_path), Path(parquet_path), log, progress_interval_s, canary_prompt, canary_max_tokens)
+        _generate_shard(
+            config, samples, Path(journal_path), Path(parquet_path), log, progress_interval_s, canary_prompt, canary_max_tokens, canary_client
+        )
     )
 
 
@@ -591,13 +684,14 @@ async def _generate_shard(
     progress_interval_s: float,
     canary_prompt: str,
     canary_max_tokens: int,
+    canary_client: CanaryClient | None = None,
 ) -> ShardOutcome:
     ids = [s.id for s in samples]
     duplicated = [i for i, n in Counter(ids).items() if n > 1]
     if duplicated:
         raise ValueError(f"{len(duplicated)} sample ids occur more than once in the shard (first: {duplicated[:5]}); ids must be unique")
     async with GenerationClient(config, log=log) as client:
-        report = await client.preflight(canary_prompt, canary_max_tokens)
+        report = await client.preflight(canary_prompt, canary_max_tokens, canary_client)
         log(
             f"pre-flight ok: {', '.join(report.servers)} serve {config.model!r} (max_model_len {report.max_model_len}); "
             f"canary reasoning in message.{report.canary_reasoning_field}"

@@ -15,8 +15,7 @@ from pathlib import Path
 import polars as pl
 
 from eagle3_assets.core.prompt_loading import MESSAGES_DTYPE
-
-HELDOUT_SUFFIX = ".heldout.parquet"
+from eagle3_assets.core.shard_paths import HELDOUT_SUFFIX
 
 
 def is_held_out(sample_id: str, share: float) -> bool:

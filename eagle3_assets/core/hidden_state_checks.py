@@ -22,39 +22,24 @@ Each gate returns its figure, threshold and a few offending ids. Dagster-free.
 
 from __future__ import annotations
 
-import json
 import math
 import random
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from eagle3_assets.core.extraction import (
-    TargetFacts,
-    Trace,
-    iter_samples,
-    read_sidecar,
-    rms_norm,
-)
+from eagle3_assets.core.checks import CheckOutcome
+from eagle3_assets.core.extraction import TargetFacts, Trace, iter_samples, read_sidecar
 from eagle3_assets.core.state_layout import FP8_DTYPE
-from eagle3_assets.core.target import TargetIdentity
+from eagle3_assets.core.target import TargetHead, TargetIdentity
 
 # Every gate of a shard, in the order they are reported; the first is computed before extraction.
 GATES = ("target_matches_traces", "states_finite", "states_match_traces", "final_state_reproduces_logits", "aux_states_match_layer_ids")
 MAX_EXAMPLES = 10
 DEFAULT_MIN_ARGMAX_AGREEMENT = 0.999
-
-
-@dataclass
-class CheckOutcome:
-    name: str
-    passed: bool
-    description: str
-    metadata: dict[str, Any] = field(default_factory=dict)
 
 
 def storage_unit_roundoff(dtype: str, width: int) -> float:
@@ -75,76 +60,19 @@ def storage_unit_roundoff(dtype: str, width: int) -> float:
     return torch.finfo(getattr(torch, dtype)).eps / 2
 
 
-# -- the target's head, straight from its checkpoint ------------------------------------
+def rounding_margin(head: TargetHead, normed: torch.Tensor, token_a: torch.Tensor, token_b: torch.Tensor, dtype: str) -> torch.Tensor:
+    """How far apart rounding the states to ``dtype`` can move the logits of ``token_a`` and ``token_b``.
 
-
-@dataclass
-class TargetHead:
-    """The target's final norm and ``lm_head``, read from its safetensors files (no full model needed).
-
-    For a target too large for transformers this is a few GB, not the model.
-    The norm is Llama's RMSNorm (Llama, Qwen, Mistral, DeepSeek/Kimi families).
+    A state stored in ``dtype`` moves by at most ``u * |h|``
+    (:func:`storage_unit_roundoff`: the unit roundoff for a float format,
+    the scaled 8-bit format's bound for it), so the gap
+    ``(w_a - w_b) . h`` moves by at most ``u * |h| * |w_a - w_b|``.
+    Doubled: the final norm and the reference's own forward (bf16 on a
+    GPU) round once more.
     """
-
-    lm_head: torch.Tensor  # [V, H]
-    norm_weight: torch.Tensor  # [H]
-    eps: float
-
-    @classmethod
-    def from_checkpoint(cls, target_path: Path | str, device: str = "cpu") -> TargetHead:
-        from safetensors import safe_open
-
-        root = Path(target_path)
-        facts = TargetFacts.from_path(root)
-        index = root / "model.safetensors.index.json"
-        if index.is_file():
-            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-        else:
-            files = sorted(root.glob("*.safetensors"))
-            if not files:
-                raise FileNotFoundError(f"target model {root}: no safetensors weights")
-            weight_map = {}
-            for file in files:
-                with safe_open(str(file), framework="pt") as handle:
-                    weight_map.update({name: file.name for name in handle.keys()})
-        names = list(weight_map)
-        head = _pick(names, lambda n: n.endswith("lm_head.weight")) or _pick(names, lambda n: n.endswith("embed_tokens.weight"))
-        norm = _pick(names, lambda n: n.endswith("norm.weight") and ".layers." not in n and n.split(".")[-2] == "norm")
-        if head is None or norm is None:
-            raise ValueError(f"target model {root}: cannot find the lm_head and final norm weights among {len(names)} tensors")
-
-        def load(name: str) -> torch.Tensor:
-            with safe_open(str(root / weight_map[name]), framework="pt") as handle:
-                return handle.get_tensor(name).float().to(device)
-
-        return cls(lm_head=load(head), norm_weight=load(norm), eps=facts.rms_norm_eps)
-
-    def normed(self, final_states: torch.Tensor, final_state: str) -> torch.Tensor:
-        """What the ``lm_head`` reads: the stored final states, through the final norm when they are pre-norm."""
-        states = final_states.to(self.lm_head.device)
-        return rms_norm(states, self.norm_weight, self.eps) if final_state == "pre_norm" else states.float()
-
-    def logits(self, final_states: torch.Tensor, final_state: str) -> torch.Tensor:
-        return self.normed(final_states, final_state) @ self.lm_head.T
-
-    def rounding_margin(self, normed: torch.Tensor, token_a: torch.Tensor, token_b: torch.Tensor, dtype: str) -> torch.Tensor:
-        """How far apart rounding the states to ``dtype`` can move the logits of ``token_a`` and ``token_b``.
-
-        A state stored in ``dtype`` moves by at most ``u * |h|``
-        (:func:`storage_unit_roundoff`: the unit roundoff for a float format,
-        the scaled 8-bit format's bound for it), so the gap
-        ``(w_a - w_b) . h`` moves by at most ``u * |h| * |w_a - w_b|``.
-        Doubled: the final norm and the reference's own forward (bf16 on a
-        GPU) round once more.
-        """
-        unit_roundoff = storage_unit_roundoff(dtype, normed.shape[-1])
-        spread = (self.lm_head[token_a] - self.lm_head[token_b]).norm(dim=-1)
-        return 2 * unit_roundoff * normed.norm(dim=-1) * spread
-
-
-def _pick(names: Sequence[str], predicate: Callable[[str], bool]) -> str | None:
-    matches = sorted((n for n in names if predicate(n)), key=len)
-    return matches[0] if matches else None
+    unit_roundoff = storage_unit_roundoff(dtype, normed.shape[-1])
+    spread = (head.lm_head[token_a] - head.lm_head[token_b]).norm(dim=-1)
+    return 2 * unit_roundoff * normed.norm(dim=-1) * spread
 
 
 # -- the gates ---------------------------------------------------------------------------
@@ -247,7 +175,7 @@ def check_final_state_reproduces_logits(
         stored = logits.argmax(dim=-1)
         expected = reference[index]
         gap = logits.gather(1, stored[:, None])[:, 0] - logits.gather(1, expected[:, None])[:, 0]
-        margin = head.rounding_margin(normed, stored, expected, sidecar["dtype"]).cpu()
+        margin = rounding_margin(head, normed, stored, expected, sidecar["dtype"]).cpu()
         tie = (stored != expected) & (gap <= margin)
         same = (stored == expected) | tie
         agree += int(same.sum())
@@ -384,3 +312,35 @@ def check_target_matches_traces(extracting: TargetIdentity, rendering: dict[str,
             metadata,
         )  # fmt: skip
     return CheckOutcome("target_matches_traces", True, f"extracted with the target that rendered the traces ({extracting.config_hash})", metadata)
+
+
+def gate_extracted_shard(
+    shard_dir: Path,
+    traces: Sequence[Trace],
+    head: TargetHead,
+    reference_argmax: Callable,
+    aux_layer_ids: Sequence[int],
+    facts: TargetFacts,
+    reference_states: Callable | None,
+    recipe: Any,
+    seed: int,
+) -> list[CheckOutcome]:
+    """Every gate after extraction (all of :data:`GATES` but the first), with ``recipe``'s thresholds and samples.
+
+    ``recipe`` is an :class:`~eagle3_assets.core.stage_jobs.ExtractionRecipe`: the
+    ``hidden_states`` stage and bounded-disk training gate their shards alike.
+    """
+    return [
+        check_states_finite(shard_dir),
+        check_states_match_traces(shard_dir, traces),
+        check_final_state_reproduces_logits(
+            shard_dir,
+            head,
+            reference_argmax,
+            samples=recipe.logits_check_samples,
+            max_positions=recipe.logits_check_positions,
+            min_agreement=recipe.min_argmax_agreement,
+            seed=seed,
+        ),
+        check_aux_states_match_layer_ids(shard_dir, aux_layer_ids, facts, reference_states, samples=recipe.aux_check_samples, seed=seed),
+    ]

@@ -47,6 +47,7 @@ from typing import Any
 
 import polars as pl
 
+from eagle3_assets.core.shard_paths import superseded_path
 from eagle3_assets.core.storage import PARTIAL_SUFFIX, atomic_path, fsync_dir, write_json_atomic
 
 JOURNAL_FORMAT = 1
@@ -54,7 +55,6 @@ _JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))  # built onc
 FINGERPRINT_METADATA_KEY = "eagle3.fingerprint"
 # JSON of the settings that made a finished shard (what generation sent, and its retry policy).
 GENERATION_METADATA_KEY = "eagle3.generation"
-SUPERSEDED_DIR = "superseded"
 
 
 class JournalCorruptError(RuntimeError):
@@ -250,12 +250,6 @@ def parquet_generation(path: Path) -> dict[str, Any] | None:
         return None
     recorded = pl.read_parquet_metadata(path).get(GENERATION_METADATA_KEY)
     return json.loads(recorded) if recorded else None
-
-
-def superseded_path(parquet_path: Path, fingerprint: str) -> Path:
-    """Where the finished ``<shard>.parquet`` made with ``fingerprint`` is kept once other settings replace it."""
-    parquet_path = Path(parquet_path)
-    return parquet_path.parent / SUPERSEDED_DIR / f"{parquet_path.stem}.{fingerprint}.parquet"
 
 
 def keep_superseded(parquet_path: Path, new_fingerprint: str, new_generation: Mapping[str, Any] | None = None) -> Path | None:

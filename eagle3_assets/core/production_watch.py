@@ -151,9 +151,6 @@ class ServerMemory:
         return cls(**data) if data else cls()
 
 
-ZERO = SpecDecodeCounters(0.0, 0.0, 0.0, [])
-
-
 def _went_down(now: SpecDecodeCounters, before: SpecDecodeCounters) -> bool:
     pairs = [(now.drafts, before.drafts), (now.draft_tokens, before.draft_tokens), (now.accepted, before.accepted)]
     pairs += list(zip(now.accepted_per_position, before.accepted_per_position))

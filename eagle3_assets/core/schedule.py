@@ -25,6 +25,7 @@ useful draft. Dagster-free.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 MAX_BATCH_TOKENS = 16384
@@ -116,3 +117,16 @@ def fit_schedule(
             "or lower batch_tokens / raise epochs"
         )
     return Schedule(batch_tokens, epochs, learning_rate, steps_per_epoch, steps, supervised_tokens, tuple(fitted), warnings)
+
+
+def lr_lambda(total_steps: int, warmup_ratio: float, min_lr_ratio: float) -> Callable[[int], float]:
+    """The learning-rate factor at each optimizer step: linear warm-up, then cosine decay to ``min_lr_ratio``."""
+    warmup = max(1, round(total_steps * warmup_ratio)) if warmup_ratio > 0 else 0
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor

@@ -49,9 +49,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-LEASE_SUFFIX = ".lease"
+from eagle3_assets.core.shard_paths import lease_path, shard_partials
+
 GUARD_SUFFIX = ".leases.guard"
-PARTIAL_SUFFIX = ".partial"  # what core.storage.atomic_path names its temporary files
 STALE_AFTER_ENV = "EAGLE3_LEASE_STALE_AFTER_S"
 TAKEOVER_ENV = "EAGLE3_LEASE_TAKEOVER"
 DEFAULT_STALE_AFTER_S = 900.0
@@ -63,10 +63,6 @@ ABSENT, LIVE, DEAD, REMOTE, STALE = "absent", "live", "dead", "remote", "stale"
 
 class ShardBusyError(RuntimeError):
     """Another live writer holds the shard's lease; the message names it and what to do."""
-
-
-def lease_path(asset_dir: Path | str, key: str) -> Path:
-    return Path(asset_dir) / f"{key}{LEASE_SUFFIX}"
 
 
 def process_start_ticks(pid: int) -> int | None:
@@ -120,16 +116,6 @@ def describe(record: Mapping[str, Any]) -> str:
         f"run {record.get('run_id') or 'unknown'} on host {record.get('host', '?')} (pid {record.get('pid', '?')}) "
         f"since {record.get('started_at', '?')}"
     )
-
-
-def shard_partials(asset_dir: Path | str, key: str) -> list[Path]:
-    """The shard's temporary files and directories: ``.<key>.*.partial`` beside them, ``*.partial`` under ``<key>/``."""
-    root = Path(asset_dir)
-    found = [p for p in root.glob(f".{key}.*{PARTIAL_SUFFIX}")]
-    inside = root / key
-    if inside.is_dir():
-        found += [p for p in inside.rglob(f"*{PARTIAL_SUFFIX}")]
-    return sorted(found)
 
 
 class ShardLease:

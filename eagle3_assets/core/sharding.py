@@ -11,6 +11,10 @@ from __future__ import annotations
 import re
 
 DEFAULT_SHARD_SIZE = 128
+
+# The partitions of the per-sample assets, and those assets, materialised together one shard at a time.
+SAMPLE_SHARDS = "sample_shards"
+PER_SHARD_ASSETS = ("prompts", "raw_responses", "validated_traces", "hidden_states")
 _KEY = re.compile(r"^shard-(\d{5,})$")
 
 
@@ -23,10 +27,6 @@ def shard_index(key: str) -> int:
     if not match:
         raise ValueError(f"not a shard key: {key!r} (expected 'shard-NNNNN')")
     return int(match.group(1))
-
-
-def shard_of_row(row_index: int, shard_size: int) -> str:
-    return shard_key(row_index // shard_size)
 
 
 def shard_keys_for(num_rows: int, shard_size: int) -> list[str]:

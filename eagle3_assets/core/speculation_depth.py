@@ -15,9 +15,8 @@ the K-run did (it advances by fewer tokens per step), so the derived figure
 weighs the text's easy and hard stretches as the K-run met them. It is an
 estimate, labelled ``derived``; a GPU host measures each k on its own server
 (``measured``), and needs to anyway, since throughput at k cannot be derived.
-Seen here (``bench/k_curve_derivation.py``, tiny target, a draft trained for
-seconds, 32 held-out prompts): derived/measured 0.974, 0.982, 0.989, 0.994 at
-k = 1..4 from a server at k = 5; the derived figures run slightly low.
+``bench/k_curve_derivation.py`` compares derived with measured figures: the
+derived ones run slightly low, closer the nearer k is to the served one.
 
 **The k to deploy.** Where throughput is measured (a GPU host), the k with the
 most output tokens/s. Elsewhere, the cost model: a step costs one target
@@ -134,7 +133,3 @@ def cost_model_note(draft_cost_ratio: float, host_ratio: float | None) -> str:
         "(see the curve's source column)."
     )
 
-
-def curve_point_at(curve: Sequence[dict], k: int) -> dict | None:
-    """The curve's point for k (from a report's JSON form), or None when k was not evaluated."""
-    return next((p for p in curve if int(p["k"]) == int(k)), None)

@@ -19,8 +19,9 @@ from typing import Any
 
 import polars as pl
 
+from eagle3_assets.core.shard_paths import PARTIAL_SUFFIX
+
 DATA_DIR_ENV = "EAGLE3_DATA_DIR"
-PARTIAL_SUFFIX = ".partial"
 
 
 def data_dir() -> Path:

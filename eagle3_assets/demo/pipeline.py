@@ -13,15 +13,10 @@ from dataclasses import dataclass, field
 
 from dagster import DagsterInstance, RunConfig, materialize
 
-from eagle3_assets.definitions import DEMO_SAMPLING, PER_SHARD_ASSETS, WHOLE_DATASET_ASSETS, default_resources
+from eagle3_assets.demo.plugin import SAMPLING, TRAINING_CONFIG, VOCAB_MAPPING_CONFIG, DemoPromptDataset
 from eagle3_assets.demo.targets import DemoTarget, selected_demo_target
-from eagle3_assets.draft_checkpoint import DEMO_TRAINING_CONFIG
-from eagle3_assets.draft_evaluation import DraftEvaluationConfig
+from eagle3_assets.graph import PER_SHARD_ASSETS, WHOLE_DATASET_ASSETS, deployment_resources
 from eagle3_assets.partitions import register_shards
-from eagle3_assets.settings import DEMO_SHARD_SIZE
-from eagle3_assets.vocab_mapping import DEMO_VOCAB_MAPPING_CONFIG
-from resources.prompt_dataset import PromptDataset
-from resources.target_model import TargetModel
 from resources.vllm_server import VLLMServerResource
 
 
@@ -29,11 +24,9 @@ def demo_resources(base_url: str, served_model_name: str, demo: DemoTarget | Non
     """The resources of the embedded default for one of its targets, pointed at a demo vLLM server."""
     demo = demo or selected_demo_target()
     return {
-        **default_resources(),
-        "prompt_dataset": PromptDataset(source="demo", shard_size=DEMO_SHARD_SIZE, holdout_share=demo.holdout_share),
-        # the demo's own target, whatever EAGLE3_TARGET_MODEL says
-        "target_model": TargetModel(path=demo.target_path(), trust_remote_code=demo.trust_remote_code),
-        "vllm_server": VLLMServerResource(base_urls=[base_url], served_model_name=served_model_name, **DEMO_SAMPLING),
+        # the demo's own target and prompts, whatever EAGLE3_TARGET_MODEL and EAGLE3_PROMPTS say
+        **deployment_resources(demo.target_model(), DemoPromptDataset(holdout_share=demo.holdout_share)),
+        "vllm_server": VLLMServerResource(base_urls=[base_url], served_model_name=served_model_name, **SAMPLING),
     }
 
 
@@ -75,8 +68,7 @@ def run_whole_dataset(instance: DagsterInstance, log: Callable[[str], None] = pr
     """
     demo = demo or selected_demo_target()
     resources = demo_resources("http://127.0.0.1:0", "unused", demo)  # no generation here
-    evaluation = DraftEvaluationConfig(eval_prompts=demo.eval_prompts)
-    run_config = RunConfig(ops={"vocab_mapping": DEMO_VOCAB_MAPPING_CONFIG, "draft_checkpoint": DEMO_TRAINING_CONFIG, "draft_evaluation": evaluation})
+    run_config = RunConfig(ops={"vocab_mapping": VOCAB_MAPPING_CONFIG, "draft_checkpoint": TRAINING_CONFIG})
     result = materialize(WHOLE_DATASET_ASSETS, resources=resources, instance=instance, run_config=run_config, raise_on_error=False)
     log(f"demo: whole-dataset assets: {'ok' if result.success else 'FAILED'} (run {result.run_id})")
     _log_failed_gates(result, log)

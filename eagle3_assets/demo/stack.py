@@ -18,9 +18,8 @@ from eagle3_assets.demo.kimi_target import KimiTargetSpec, ensure_kimi_target
 from eagle3_assets.demo.prompt_set import demo_prompts, eval_prompts, write_jsonl
 from eagle3_assets.demo.qwen3_target import Qwen3TargetSpec, ensure_qwen3_target
 from eagle3_assets.demo.tiny_target import TinyTargetSpec, ensure_tiny_target
-from eagle3_assets.settings import DEMO_SHARD_SIZE
 
-__all__ = ["DEMO_SHARD_SIZE", "demo_eval_prompts_path", "demo_prompts_path", "kimi_target_dir", "qwen3_target_dir", "tiny_target_dir"]
+__all__ = ["demo_eval_prompts_path", "demo_prompts_path", "kimi_target_dir", "qwen3_target_dir", "tiny_target_dir"]
 
 
 def tiny_target_dir(spec: TinyTargetSpec = TinyTargetSpec(), log=print) -> Path:

@@ -1,8 +1,9 @@
 """The demo's built-in targets, and how each is served and configured, selected with ``EAGLE3_DEMO_TARGET``.
 
 - ``tiny`` (default): the small Llama whose chat template opens the think
-  block; served in float32 with the ``deepseek_r1`` parser; evaluated on its
-  own built-in held-out prompts;
+  block; served in float32 with the ``deepseek_r1`` parser; the plug-in's
+  target resource (``path: demo``), evaluated on its own built-in held-out
+  prompts;
 - ``kimi``: the DeepSeek-V3 / Kimi-K2 family (MLA, MoE with ``noaux_tc``
   routing, a remote-code tokenizer, Kimi's markup where the model writes
   ``<think>``); served in bfloat16 with ``--trust-remote-code`` and the
@@ -19,6 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from resources.target_model import TargetModel
+
 DEMO_TARGET_ENV = "EAGLE3_DEMO_TARGET"
 
 
@@ -26,11 +29,9 @@ DEMO_TARGET_ENV = "EAGLE3_DEMO_TARGET"
 class DemoTarget:
     name: str
     model_dir: Callable[[], Path]  # builds (once, cached) and returns the model directory
-    target_path: Callable[[], str]  # what target_model.path is set to
-    trust_remote_code: bool = False
+    target_model: Callable[[], TargetModel]  # the target_model resource of the graph's runs
     serving: dict = field(default_factory=dict)  # VLLMServer options of the generation server
     holdout_share: float = 0.0  # demo prompts kept out of training for draft_evaluation
-    eval_prompts: str = "demo"  # draft_evaluation's eval_prompts
 
 
 def _tiny_dir() -> Path:
@@ -51,11 +52,17 @@ def _kimi_serving() -> dict:
     return kimi_serving()
 
 
+def _tiny_target_model() -> TargetModel:
+    from eagle3_assets.demo.plugin import DemoTargetModel
+
+    return DemoTargetModel()
+
+
 DEMO_TARGETS = {
-    "tiny": DemoTarget("tiny", _tiny_dir, lambda: "demo"),
+    "tiny": DemoTarget("tiny", _tiny_dir, _tiny_target_model),
     # A user's own target in all but origin: its real path, remote code opted in, prompts held out of its dataset.
     "kimi": DemoTarget(
-        "kimi", _kimi_dir, lambda: str(_kimi_dir()), trust_remote_code=True, serving=_kimi_serving(), holdout_share=0.1, eval_prompts=""
+        "kimi", _kimi_dir, lambda: TargetModel(path=str(_kimi_dir()), trust_remote_code=True), serving=_kimi_serving(), holdout_share=0.1
     ),
 }
 

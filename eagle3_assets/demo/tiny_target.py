@@ -53,7 +53,7 @@ class TinyTargetSpec:
     num_heads: int = 1  # head_dim 64
     intermediate_size: int = 192
     max_position_embeddings: int = 4096
-    # ~70 s on 2 cores; the model then answers in the reasoning format ~96 % of the time under vLLM
+    # Enough steps that the model answers in the reasoning format ~96 % of the time under vLLM
     train_steps: int = 400
     batch_size: int = 32
     learning_rate: float = 5e-3

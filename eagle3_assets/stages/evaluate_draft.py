@@ -1,24 +1,22 @@
 """``evaluate_draft``: acceptance length of the trained draft and of a baseline, through vLLM (Dagster Pipes).
 
-Runs on the GPU host, where the target can be served. Extras:
-
-- ``target_dir``, ``draft_dir``: the target and the exported draft;
-- ``target_trust_remote_code``, ``max_model_len`` (0: the target's context): how vLLM serves the target;
-- ``baseline``: ``"untrained"`` (a random draft of the same shape, built here)
-  or the directory of the draft training started from;
-- ``eval_prompts``: a held-out prompt set (JSONL/Parquet);
-- ``k_values``: the num_speculative_tokens to evaluate (the drafts are served at the largest);
-- ``measure_each_k``: one server per k, measuring throughput (default: on a GPU host, where
-  throughput is the deciding figure); otherwise the curve is derived from per-position rates
-  and k is chosen with the cost model (``draft_cost_ratio``);
-- ``max_tokens``, ``concurrency``, ``floor``;
-- ``report_path``: where the JSON report goes (written atomically).
+Runs on the GPU host, where the target can be served. Its Pipes extras are an
+:class:`eagle3_assets.core.stage_jobs.EvaluationJob`: the target and the
+exported draft, how vLLM serves the target, the baseline (``"untrained"``, a
+random draft of the same shape built here, or the directory of the draft
+training started from), the held-out prompt set, the k values (the drafts are
+served at the largest; with ``measure_each_k`` one server per k measures
+throughput, by default on a GPU host; otherwise the curve is derived from
+per-position rates and k is chosen with the cost model), and where the JSON
+report goes.
 
 Reports the materialisation and the ``acceptance_above_floor`` check, and
 rewrites the draft's serving notes (``SERVING.md``) with the recommended k.
 """
 
 from __future__ import annotations
+
+from eagle3_assets.core.stage_jobs import EvaluationJob
 
 STAGE = "evaluate_draft"
 CPU_NOTE = (
@@ -77,22 +75,21 @@ def main() -> None:
     from eagle3_assets.core.target import vllm_serving
 
     with open_dagster_pipes() as pipes:
-        extras = dict(pipes.extras or {})
-        report_path = Path(extras["report_path"])
+        job = EvaluationJob.from_dict(dict(pipes.extras or {}))
+        report_path = Path(job.report_path)
         work = report_path.parent
-        draft_dir = Path(extras["draft_dir"])
-        k_values = depth.validated_k_values(extras.get("k_values") or depth.DEFAULT_K_VALUES)
+        draft_dir = Path(job.draft_dir)
+        k_values = depth.validated_k_values(job.k_values)
         served_k = max(k_values)
-        measure_each = extras.get("measure_each_k")
-        measure_each = gpu_available() if measure_each is None else bool(measure_each)
-        draft_cost_ratio = float(extras.get("draft_cost_ratio") or depth.DEFAULT_DRAFT_COST_RATIO)
-        if extras.get("baseline", "untrained") == "untrained":
+        measure_each = gpu_available() if job.measure_each_k is None else job.measure_each_k
+        draft_cost_ratio = job.draft_cost_ratio
+        if job.baseline == "untrained":
             baseline_dir = untrained_twin(draft_dir, work / "baseline_draft")
             baseline_label = "untrained draft of the same shape"
         else:
-            baseline_dir = Path(extras["baseline"])
+            baseline_dir = Path(job.baseline)
             baseline_label = f"starting checkpoint {baseline_dir}"
-        ids, conversations = load_conversations(extras["eval_prompts"])
+        ids, conversations = load_conversations(job.eval_prompts)
         how = "one server per k (throughput measured)" if measure_each else f"one server at k={served_k}, smaller k derived per position"
         pipes.log.info(f"{STAGE}: {len(conversations)} held-out prompts, k in {k_values}: {how}")
         drafts = {"trained": draft_dir, "baseline": baseline_dir}
@@ -102,15 +99,15 @@ def main() -> None:
                 drafts[f"trained@k{k}"] = draft_dir
                 k_by_label[f"trained@k{k}"] = k
         results = evaluate(
-            Path(extras["target_dir"]),
+            Path(job.target_dir),
             drafts,
             conversations,
             num_speculative_tokens=served_k,
-            max_tokens=int(extras["max_tokens"]),
-            concurrency=int(extras["concurrency"]),
+            max_tokens=job.max_tokens,
+            concurrency=job.concurrency,
             server_log_dir=work,
             log=pipes.log.info,
-            serving=vllm_serving(extras["target_dir"], bool(extras.get("target_trust_remote_code")), int(extras.get("max_model_len") or 0)),
+            serving=vllm_serving(job.target_dir, job.target_trust_remote_code, job.max_model_len),
             k_by_label=k_by_label,
         )
         trained, baseline, reference = results["trained"], results["baseline"], results["reference"]
@@ -125,7 +122,7 @@ def main() -> None:
             "k_values": k_values,
             "prompts": len(conversations),
             "prompt_ids": ids,
-            "eval_prompts": extras["eval_prompts"],
+            "eval_prompts": job.eval_prompts,
             "baseline": baseline_label,
             "draft_weights_hash": weights_hash,
             "results": {label: r.to_dict() for label, r in results.items()},
@@ -142,17 +139,17 @@ def main() -> None:
         pipes.log.info(f"{STAGE}: recommended num_speculative_tokens {best.k} (acceptance length {best.acceptance_length:.2f}; {rule})")
         write_serving_notes(
             draft_dir,
-            target=extras["target_dir"],
+            target=job.target_dir,
             num_speculative_tokens=best.k,
             chosen_by="recommended by draft_evaluation: " + ("measured throughput" if measure_each else "acceptance and the cost model"),
             curve_markdown=table + "\n\n" + rule,
         )
-        passed, severity, message = judge(trained.mean_acceptance_length, baseline.mean_acceptance_length, float(extras["floor"]))
+        passed, severity, message = judge(trained.mean_acceptance_length, baseline.mean_acceptance_length, job.floor)
         pipes.log.info(f"{STAGE}: {message}")
         figures = {
             "mean_acceptance_length": round(trained.mean_acceptance_length, 4),
             "baseline_mean_acceptance_length": round(baseline.mean_acceptance_length, 4),
-            "floor": float(extras["floor"]),
+            "floor": job.floor,
         }
         pipes.report_asset_materialization(
             metadata={

@@ -1,8 +1,8 @@
 """``train_draft``: train the EAGLE-3 draft on the GPU host and export it in vLLM's form (Dagster Pipes).
 
-Extras:
+Its Pipes extras are an :class:`eagle3_assets.core.stage_jobs.TrainingJob`:
 
-- ``train``: the :class:`eagle3_assets.core.training.TrainConfig` fields
+- ``train``: the :class:`eagle3_assets.core.training.config.TrainConfig`
   (hidden-state shard directories, vocabulary map, target, training directory,
   hyperparameters, ``init_from`` for fine-tuning);
 - ``nproc_per_node``: processes (GPUs) to train with; above 1 the training
@@ -10,11 +10,10 @@ Extras:
   Pipes connection and relays rank 0's progress and every rank's final share;
 - ``export_dir``: where the vLLM-native directory goes; ``export_dtype``
   (default: the target's dtype);
-- ``gates``: ``aux_layer_ids``, ``target_vocab_size``, ``num_speculative_tokens``
-  and ``log_path`` for the export's gates, run here because ``loads_in_vllm``
-  serves the target with the draft, which only the GPU host can: the results
-  go back in the materialisation's metadata (``config_problems``,
-  ``loads_in_vllm``).
+- ``gates``: what the export's gates compare with, run here because
+  ``loads_in_vllm`` serves the target with the draft, which only the GPU host
+  can: the results go back in the materialisation's metadata
+  (``config_problems``, ``loads_in_vllm``).
 
 A run killed at any point is resumed from its last complete epoch checkpoint
 the next time the same configuration is materialised.
@@ -23,6 +22,8 @@ the next time the same configuration is materialised.
 from __future__ import annotations
 
 from pathlib import Path
+
+from eagle3_assets.core.stage_jobs import ExportGates, TrainingJob
 
 STAGE = "train_draft"
 
@@ -57,21 +58,21 @@ def describe(event: dict) -> str | None:
     return None
 
 
-def run_gates(export_dir: Path, target_path: str, gates: dict, log) -> dict:
+def run_gates(export_dir: Path, target_path: str, gates: ExportGates, num_speculative_tokens: int, log) -> dict:
     """``config_complete``'s problems, then (only when there are none) ``loads_in_vllm``: vLLM on this host."""
     from eagle3_assets.core.export import LOAD_CHECK_CONTEXT, check_loads_in_vllm, config_problems
     from eagle3_assets.core.target import vllm_serving
 
-    problems = config_problems(export_dir, gates["aux_layer_ids"], target_vocab_size=int(gates["target_vocab_size"]))
+    problems = config_problems(export_dir, gates.aux_layer_ids, target_vocab_size=gates.target_vocab_size)
     report = None
     if not problems:
         log(f"{STAGE}: loads_in_vllm: starting vLLM with the target and this draft")
         report = check_loads_in_vllm(
             Path(target_path),
             export_dir,
-            num_speculative_tokens=int(gates["num_speculative_tokens"]),
-            log_path=Path(gates["log_path"]) if gates.get("log_path") else None,
-            serving=vllm_serving(target_path, bool(gates.get("trust_remote_code")), cap=LOAD_CHECK_CONTEXT),
+            num_speculative_tokens=num_speculative_tokens,
+            log_path=Path(gates.log_path) if gates.log_path else None,
+            serving=vllm_serving(target_path, gates.trust_remote_code, cap=LOAD_CHECK_CONTEXT),
         )
         log(f"{STAGE}: loads_in_vllm: {report.detail}")
     loads = (
@@ -82,16 +83,44 @@ def run_gates(export_dir: Path, target_path: str, gates: dict, log) -> dict:
     return {"config_problems": {"raw_value": problems, "type": "json"}, "loads_in_vllm": {"raw_value": loads, "type": "json"}}
 
 
+def export_and_gate(job: TrainingJob, result: dict, log) -> dict:
+    """Export the trained draft, write its serving notes, run its gates; the materialisation's metadata.
+
+    Shared with ``train_draft_bounded``, which trains otherwise and exports alike.
+    """
+    from eagle3_assets.core.deployment import write_serving_notes
+    from eagle3_assets.core.training.checkpoints import export_trained_draft
+
+    config = job.train
+    export_dir = export_trained_draft(result["checkpoint"], config.target_path, Path(job.export_dir), job.export_dtype)
+    log(f"{STAGE}: exported {export_dir}")
+    # The serving notes name the weights' hash (the alias production servers answer to) and a
+    # first num_speculative_tokens; draft_evaluation rewrites them with the k it recommends.
+    k = job.vllm_check_num_speculative_tokens
+    serving = write_serving_notes(export_dir, target=config.target_path, num_speculative_tokens=k)
+    gates = run_gates(export_dir, config.target_path, job.gates, k, log) if job.gates else {}
+    return {
+        **gates,
+        "training_fingerprint": result["fingerprint"],
+        "draft_weights_hash": serving["draft_weights_hash"],
+        "served_model_alias": serving["served_model_alias"],
+        "resumed_from": result["resumed_from"] or "",
+        "init": {"raw_value": result["init"], "type": "json"},
+        "tokens_per_s": round(float(result["tokens_per_s"]), 1),
+        "nproc_per_node": job.nproc_per_node,
+        "schedule": {"raw_value": result.get("schedule"), "type": "json"},
+        "world_size": int(result.get("world_size", 1)),
+        "checkpoint": {"raw_value": result["checkpoint"], "type": "path"},
+    }
+
+
 def main() -> None:
     from dagster_pipes import open_dagster_pipes
 
-    from eagle3_assets.core.deployment import write_serving_notes
-    from eagle3_assets.core.training import TrainConfig, export_trained_draft, run_training
+    from eagle3_assets.core.training.launch import run_training
 
     with open_dagster_pipes() as pipes:
-        extras = pipes.extras or {}
-        config = TrainConfig.from_dict(dict(extras["train"]))
-        nproc = int(extras.get("nproc_per_node", 1))
+        job = TrainingJob.from_dict(dict(pipes.extras or {}))
 
         def on_event(event: dict) -> None:
             line = describe(event)
@@ -100,31 +129,9 @@ def main() -> None:
             for warning in event.get("warnings") or []:  # before training: the data cannot make a useful draft
                 pipes.log.warning(f"{STAGE}: {warning}")
 
-        result = run_training(config, nproc=nproc, on_event=on_event)
-        export_dir = export_trained_draft(result["checkpoint"], config.target_path, Path(extras["export_dir"]), extras.get("export_dtype"))
-        pipes.log.info(f"{STAGE}: exported {export_dir}")
-        # The serving notes name the weights' hash (the alias production servers answer to) and a
-        # first num_speculative_tokens; draft_evaluation rewrites them with the k it recommends.
-        serving = write_serving_notes(
-            export_dir, target=config.target_path, num_speculative_tokens=int((extras.get("gates") or {}).get("num_speculative_tokens", 3))
-        )
-        gates = run_gates(export_dir, config.target_path, extras["gates"], pipes.log.info) if extras.get("gates") else {}
-        pipes.report_asset_materialization(
-            metadata={
-                **gates,
-                "training_fingerprint": result["fingerprint"],
-                "draft_weights_hash": serving["draft_weights_hash"],
-                "served_model_alias": serving["served_model_alias"],
-                "resumed_from": result["resumed_from"] or "",
-                "init": {"raw_value": result["init"], "type": "json"},
-                "tokens_per_s": round(float(result["tokens_per_s"]), 1),
-                "nproc_per_node": nproc,
-                "schedule": {"raw_value": result.get("schedule"), "type": "json"},
-                "world_size": int(result.get("world_size", 1)),
-                "checkpoint": {"raw_value": result["checkpoint"], "type": "path"},
-            },
-            data_version=result["fingerprint"],
-        )
+        result = run_training(job.train, nproc=job.nproc_per_node, on_event=on_event)
+        metadata = export_and_gate(job, result, pipes.log.info)
+        pipes.report_asset_materialization(metadata=metadata, data_version=result["fingerprint"])
 
 
 if __name__ == "__main__":

@@ -1,64 +1,54 @@
 """``train_draft_bounded``: bounded-disk training on the GPU host, then export and gates (Dagster Pipes).
 
 The draft learns from hidden states as they are extracted, with at most a
-window of shards on disk (:mod:`eagle3_assets.core.bounded_training`). Extras:
+window of shards on disk (:mod:`eagle3_assets.core.bounded_training`). Its
+Pipes extras are a :class:`eagle3_assets.core.stage_jobs.BoundedTrainingJob`:
 
-- ``bounded``: the :class:`~eagle3_assets.core.bounded_training.BoundedRun`
-  fields (training settings, the shards with their traces and data versions,
-  the window and its directory, the storage dtype, the gates' settings);
-- ``extraction``: the backend's settings as the ``extract_hidden_states`` stage
-  takes them (``target``, ``backend``, ``max_batch_tokens``, ``max_batch_size``,
-  ``cpu_threads``, ``vllm``, ``checks.aux_reference``);
-- ``export_dir``, ``export_dtype`` and ``gates``: as ``train_draft``.
+- ``bounded``: the :class:`~eagle3_assets.core.stage_jobs.BoundedRun`
+  (training settings, the shards with their traces and data versions, the
+  window and its directory, the target, the extraction recipe with its gates'
+  settings, as ``extract_hidden_states`` takes them);
+- ``export``: the export and its gates, as ``train_draft``'s job.
 
 Run without Dagster (tests, benchmarks): ``python -m
-eagle3_assets.stages.train_draft_bounded --config run.json`` with ``{"bounded":
-..., "extraction": ...}``; it trains only (no export) and prints one event per
-line. A run killed at any point resumes from its last step checkpoint.
+eagle3_assets.stages.train_draft_bounded --config run.json`` with the same job
+and no ``export``; it trains only and prints one event per line. A run killed
+at any point resumes from its last step checkpoint.
 """
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+
+from eagle3_assets.core.stage_jobs import BoundedTrainingJob
 
 STAGE = "train_draft_bounded"
 
 
-def open_backend(extraction: dict[str, Any], run) -> tuple[Any, Any]:
-    """The extraction backend for the whole run and, where it is transformers, its reference forward for the aux gate."""
+def train(job: BoundedTrainingJob, on_event) -> dict:
     import polars as pl
     import torch
 
-    from eagle3_assets.core.extraction import TransformersBackend
-    from eagle3_assets.stages.extract_hidden_states import make_backend
+    from eagle3_assets.core.bounded_training import train_bounded
+    from eagle3_assets.stages.extract_hidden_states import aux_reference, make_backend
 
-    if int(extraction.get("cpu_threads") or 0) > 0:
-        torch.set_num_threads(int(extraction["cpu_threads"]))
+    run = job.bounded
+    run.validate()
+    if run.extraction.cpu_threads > 0:
+        torch.set_num_threads(run.extraction.cpu_threads)
     # make_backend sizes vLLM's context from the longest trace: the longest of every streamed shard.
     longest = max(int(pl.read_parquet(s.traces, columns=["num_tokens"])["num_tokens"].max() or 1) for s in run.shards)
-    backend = make_backend(extraction, [SimpleNamespace(num_tokens=longest)])
-    reference = (extraction.get("checks") or {}).get("aux_reference", "auto")
-    if reference == "auto":
-        reference = "transformers" if backend.name == "transformers" else "none"
-    if reference == "transformers" and not isinstance(backend, TransformersBackend):
-        raise ValueError(f"{STAGE}: aux_reference 'transformers' needs the transformers backend here (one target in memory)")
-    return backend, (lambda ids: backend.reference_forward(ids)[1]) if reference == "transformers" else None
-
-
-def train(raw: dict[str, Any], on_event) -> dict:
-    from eagle3_assets.core.bounded_training import BoundedRun, train_bounded
-
-    run = BoundedRun.from_dict(raw["bounded"])
-    run.validate()
-    backend, reference = open_backend(dict(raw["extraction"]), run)
+    backend = make_backend(run.extraction, run.target, [SimpleNamespace(num_tokens=longest)])
+    opened = [backend]
     try:
+        reference, extra = aux_reference(run.extraction, run.target, backend)
+        opened += extra
         return train_bounded(run, backend, reference_states=reference, on_event=on_event)
     finally:
-        backend.close()
+        for each in opened:
+            each.close()
 
 
 def describe(event: dict) -> str | None:
@@ -90,18 +80,17 @@ def main() -> None:
     if "--config" in sys.argv:
         from eagle3_assets.core.bounded_training import print_event
 
-        raw = json.loads(Path(sys.argv[sys.argv.index("--config") + 1]).read_text())
-        train(raw, print_event)
+        train(BoundedTrainingJob.from_json(Path(sys.argv[sys.argv.index("--config") + 1]).read_text()), print_event)
         return
 
     from dagster_pipes import open_dagster_pipes
 
-    from eagle3_assets.core.deployment import write_serving_notes
-    from eagle3_assets.core.training import export_trained_draft
-    from eagle3_assets.stages.train_draft import run_gates
+    from eagle3_assets.stages.train_draft import export_and_gate
 
     with open_dagster_pipes() as pipes:
-        extras = dict(pipes.extras or {})
+        job = BoundedTrainingJob.from_dict(dict(pipes.extras or {}))
+        if job.export is None:
+            raise ValueError(f"{STAGE}: the job names no export (export_dir, gates): nothing to report to Dagster")
 
         def on_event(event: dict) -> None:
             line = describe(event)
@@ -110,28 +99,12 @@ def main() -> None:
             for warning in event.get("warnings") or []:
                 pipes.log.warning(f"{STAGE}: {warning}")
 
-        result = train(extras, on_event)
-        target_path = extras["bounded"]["train"]["target_path"]
-        export_dir = export_trained_draft(result["checkpoint"], target_path, Path(extras["export_dir"]), extras.get("export_dtype"))
-        pipes.log.info(f"{STAGE}: exported {export_dir}")
-        serving = write_serving_notes(
-            export_dir, target=target_path, num_speculative_tokens=int((extras.get("gates") or {}).get("num_speculative_tokens", 3))
-        )
-        gates = run_gates(export_dir, target_path, extras["gates"], pipes.log.info) if extras.get("gates") else {}
+        result = train(job, on_event)
+        metadata = export_and_gate(job.export, result, pipes.log.info)
         pipes.report_asset_materialization(
             metadata={
-                **gates,
-                "training_fingerprint": result["fingerprint"],
-                "draft_weights_hash": serving["draft_weights_hash"],
-                "served_model_alias": serving["served_model_alias"],
-                "resumed_from": result["resumed_from"] or "",
-                "init": {"raw_value": result["init"], "type": "json"},
-                "tokens_per_s": round(float(result["tokens_per_s"]), 1),
+                **metadata,
                 "train_tokens_per_s": round(float(result["train_tokens_per_s"]), 1),
-                "nproc_per_node": 1,
-                "schedule": {"raw_value": result.get("schedule"), "type": "json"},
-                "world_size": 1,
-                "checkpoint": {"raw_value": result["checkpoint"], "type": "path"},
                 "hidden_states_mode": "bounded",
                 "window_shards": int(result["window_shards"]),
                 "peak_window_bytes": int(result["peak_window_bytes"]),

@@ -1,0 +1,68 @@
+"""What a training run is told: inputs, the recipe, and the draft's shape (each default written once, here).
+
+``draft_checkpoint``'s Dagster config takes the user-facing fields' defaults and
+descriptions from these fields; the ``train_draft`` stage gets a
+:class:`TrainConfig` inside its job (:mod:`eagle3_assets.core.stage_jobs`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from eagle3_assets.core.job_schema import JobSchema, given, setting
+
+
+@dataclass
+class TrainConfig(JobSchema):
+    hidden_state_dirs: list[str] = given("one directory per shard (the hidden_states contract)")
+    vocab_mapping: str = given("vocab_mapping.safetensors (or its directory)")
+    target_path: str = given("the target's HF directory: its lm_head, final norm and embedding")
+    training_dir: str = given("where checkpoints, history.json and result.json go")
+    init_from: str | None = setting(None, "an existing EAGLE-3 directory (on the GPU host) to fine-tune")
+    # Unset: fitted to the data before training (core/schedule.py); the run then records what was used.
+    epochs: int | None = setting(None, "passes over all samples; default: 10, more when that is under 400 optimizer steps")
+    learning_rate: float | None = setting(
+        None, "peak AdamW learning rate; default: 1e-4 for a published-size draft, scaled to the draft's width and batch"
+    )
+    min_lr_ratio: float = setting(0.0, "cosine decay ends at learning_rate * min_lr_ratio")
+    warmup_ratio: float = setting(0.02, "share of all optimizer steps spent warming up linearly")
+    weight_decay: float = setting(0.0, "AdamW weight decay")
+    betas: tuple[float, float] = setting((0.9, 0.95), "AdamW betas")
+    grad_clip: float = setting(0.5, "gradient norm clip")
+    ttt_steps: int = setting(7, "training-time test: draft steps unrolled on the draft's own states")
+    step_weight: float = setting(0.8, "loss weight of unrolled step i is step_weight**i")
+    batch_tokens: int | None = setting(
+        None, "padded tokens per micro-batch per process; default: up to 16,384, at least 64 micro-batches an epoch"
+    )
+    grad_accumulation: int = setting(1, "micro-batches per process per optimizer step")
+    max_seq_len: int = setting(4096, "longer samples are truncated")
+    seed: int = setting(0, "seed of the draft's initial weights and of the batch order")
+    head_from_target: bool = setting(True, "from scratch: start norm + lm_head as the target's (restricted to the draft's rows)")
+    bf16_autocast: bool = setting(True, "bfloat16 autocast on CUDA; a CPU run is in float32")
+    draft_intermediate_size: int | None = setting(None, "MLP width of the draft layer (default: the target's)")
+    draft_num_attention_heads: int | None = setting(None, "attention heads of the draft layer (default: the target's)")
+    draft_num_key_value_heads: int | None = setting(None, "key/value heads of the draft layer (default: the target's)")
+    draft_head_dim: int | None = setting(None, "head width of the draft layer (default: the target's)")
+    log_every: int = setting(10, "optimizer steps between progress events")
+    keep_checkpoints: int = setting(2, "epoch checkpoints kept (the newest)")
+    torch_threads: int | None = setting(None, "torch threads; default: torch's on GPU hosts, 1 on CPU")
+
+    # Fields that do not change what is computed, so resuming across them is fine.
+    _NOT_IN_FINGERPRINT = ("training_dir", "log_every", "keep_checkpoints", "torch_threads")
+
+    def validate(self) -> None:
+        problems = []
+        if self.epochs is not None and self.epochs < 1:
+            problems.append(f"epochs {self.epochs} < 1")
+        if self.ttt_steps < 1:
+            problems.append(f"ttt_steps {self.ttt_steps} < 1")
+        if self.batch_tokens is not None and self.batch_tokens < 1:
+            problems.append(f"batch_tokens {self.batch_tokens} < 1")
+        if self.learning_rate is not None and self.learning_rate <= 0:
+            problems.append(f"learning_rate {self.learning_rate} <= 0")
+        if self.grad_accumulation < 1:
+            problems.append(f"grad_accumulation {self.grad_accumulation} < 1")
+        if not self.hidden_state_dirs:
+            problems.append("no hidden-state shard directories")
+        if problems:
+            raise ValueError("training settings: " + "; ".join(problems))

@@ -1,0 +1,182 @@
+"""The hidden-state shards as an index of samples, token-budget micro-batches, and an epoch's batch plan.
+
+The batch plan of an epoch is a pure function of (seed, epoch), and a
+micro-batch's loss is its own mean: a run with W processes and A accumulation
+micro-batches per step sees exactly the batches of a run with 1 process and
+W*A micro-batches, so 1 process and W processes follow the same loss curve.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+
+from eagle3_assets.core.extraction import PartStates, open_part, verify_part
+from eagle3_assets.core.storage import stable_hash
+from eagle3_assets.core.training.config import TrainConfig
+
+
+@dataclass(frozen=True)
+class Sample:
+    file: str
+    start: int  # token offsets inside the file
+    end: int
+    sample_id: str
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+
+@dataclass
+class HiddenStateIndex:
+    samples: list[Sample]
+    aux_layer_ids: list[int]
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    final_state: str  # "post_norm" | "pre_norm"
+    target_config_hash: str
+    fingerprint: str  # of every sidecar: changes when any shard is re-extracted
+
+
+def index_hidden_states(shard_dirs: list[str | Path]) -> HiddenStateIndex:
+    """Every sample of every shard, from the sidecars; shards must agree on how they were extracted."""
+    samples: list[Sample] = []
+    sidecars = []
+    for shard in map(Path, shard_dirs):
+        meta_path = shard / "metadata.json"
+        if not meta_path.is_file():
+            raise FileNotFoundError(f"hidden states {shard}: no metadata.json, the shard is incomplete (re-run hidden_states)")
+        meta = json.loads(meta_path.read_text())
+        if meta.get("format") != 1:
+            raise ValueError(f"hidden states {meta_path}: format {meta.get('format')!r}, expected 1")
+        if meta.get("final_state") not in ("post_norm", "pre_norm"):
+            raise ValueError(f"hidden states {meta_path}: final_state {meta.get('final_state')!r}, expected post_norm or pre_norm")
+        sidecars.append(meta)
+        for entry in meta["files"]:
+            path = shard / entry["name"]
+            verify_part(path, entry.get("sha256"))  # once, here: a damaged part fails naming the file, not mid-epoch
+            with open_part(path) as fh:
+                offsets = fh.get_tensor("sample_offsets").tolist()
+            if len(offsets) != entry["num_samples"] + 1:
+                raise ValueError(f"hidden states {path}: {len(offsets) - 1} samples in sample_offsets, sidecar says {entry['num_samples']}")
+            ids = meta["sample_ids"][entry["first_sample"] : entry["first_sample"] + entry["num_samples"]]
+            samples += [Sample(str(path), offsets[i], offsets[i + 1], str(ids[i])) for i in range(entry["num_samples"])]
+    first = sidecars[0]
+    for key in ("aux_layer_ids", "hidden_size", "num_layers", "vocab_size", "final_state", "target_config_hash"):
+        values = {json.dumps(m.get(key)) for m in sidecars}
+        if len(values) > 1:
+            raise ValueError(f"hidden-state shards disagree on {key}: {sorted(values)}; re-extract them with one target and one setting")
+    if not samples:
+        raise ValueError(f"hidden states {[str(s) for s in shard_dirs]} hold no samples")
+    return HiddenStateIndex(
+        samples=samples,
+        aux_layer_ids=[int(i) for i in first["aux_layer_ids"]],
+        num_layers=int(first["num_layers"]),
+        hidden_size=int(first["hidden_size"]),
+        vocab_size=int(first["vocab_size"]),
+        final_state=first["final_state"],
+        target_config_hash=str(first.get("target_config_hash")),
+        fingerprint=stable_hash(sidecars),
+    )
+
+
+@dataclass
+class Batch:
+    aux: torch.Tensor  # [B, T, 3*H] float32
+    final: torch.Tensor  # [B, T, H]
+    input_ids: torch.Tensor  # [B, T] int64, 0 after a sample's end
+    loss_mask: torch.Tensor  # [B, T] bool, False after a sample's end
+    num_tokens: int
+
+    def to(self, device: torch.device) -> Batch:
+        return Batch(self.aux.to(device), self.final.to(device), self.input_ids.to(device), self.loss_mask.to(device), self.num_tokens)
+
+
+def load_batch(samples: list[Sample], max_seq_len: int) -> Batch:
+    """Read the samples' tensors (slices only, never whole files) into right-padded tensors."""
+    lengths = [min(s.length, max_seq_len) for s in samples]
+    width = max(lengths)
+    rows: dict[str, list] = {"aux": [], "final": [], "ids": [], "mask": []}
+    by_file: dict[str, list[int]] = {}
+    for i, s in enumerate(samples):
+        by_file.setdefault(s.file, []).append(i)
+    loaded: dict[int, tuple] = {}
+    for path, members in by_file.items():
+        with open_part(Path(path)) as fh:
+            states = PartStates(fh)  # 8-bit parts come back dequantised to float32
+            ids, mask = fh.get_slice("input_ids"), fh.get_slice("loss_mask")
+            for i in members:
+                a, b = samples[i].start, samples[i].start + lengths[i]
+                loaded[i] = (states.aux(a, b), states.final(a, b), ids[a:b], mask[a:b])
+    for i in range(len(samples)):
+        aux, final, ids, mask = loaded[i]
+        pad = width - lengths[i]
+        rows["aux"].append(F.pad(aux.float(), (0, 0, 0, pad)))
+        rows["final"].append(F.pad(final.float(), (0, 0, 0, pad)))
+        rows["ids"].append(F.pad(ids.long(), (0, pad)))
+        rows["mask"].append(F.pad(mask.long(), (0, pad)) == 1)
+    return Batch(
+        torch.stack(rows["aux"]), torch.stack(rows["final"]), torch.stack(rows["ids"]), torch.stack(rows["mask"]), sum(lengths)
+    )
+
+
+# --------------------------------------------------------------------------- batch plan
+
+
+def epoch_micro_batches(lengths: list[int], batch_tokens: int, seed: int, epoch: int) -> list[list[int]]:
+    """Samples packed into micro-batches of at most ``batch_tokens`` padded tokens, in a shuffled order.
+
+    Similar lengths go together (little padding); ties are broken randomly so
+    that an epoch's batches differ from the last one's.
+    """
+    rng = random.Random(f"{seed}:{epoch}")
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], rng.random()))
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for i in order:
+        width = max([lengths[j] for j in current] + [lengths[i]])
+        if current and width * (len(current) + 1) > batch_tokens:
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    rng.shuffle(batches)
+    return batches
+
+
+def epoch_steps(lengths: list[int], config: TrainConfig, world_size: int, epoch: int) -> list[list[list[int]]]:
+    """The epoch's optimizer steps, each a list of ``world_size * grad_accumulation`` micro-batches.
+
+    The last step is filled up with the epoch's first micro-batches, so that
+    every process runs the same number of steps and no sample is dropped.
+    """
+    micro = epoch_micro_batches(lengths, config.batch_tokens, config.seed, epoch)
+    per_step = world_size * config.grad_accumulation
+    epoch_order = list(micro)
+    while len(micro) % per_step:
+        micro.append(epoch_order[(len(micro) - len(epoch_order)) % len(epoch_order)])
+    return [micro[i : i + per_step] for i in range(0, len(micro), per_step)]
+
+
+
+def supervised_token_count(index: HiddenStateIndex, max_seq_len: int) -> int:
+    """Tokens the draft learns from (loss mask 1, within ``max_seq_len``): one read of each part's mask."""
+    by_file: dict[str, list[Sample]] = {}
+    for sample in index.samples:
+        by_file.setdefault(sample.file, []).append(sample)
+    total = 0
+    for path, samples in by_file.items():
+        with safe_open(path, framework="pt") as fh:
+            mask = fh.get_tensor("loss_mask")
+        total += sum(int(mask[s.start : s.start + min(s.length, max_seq_len)].sum()) for s in samples)
+    return total
+

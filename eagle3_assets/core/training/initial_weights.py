@@ -1,0 +1,98 @@
+"""The draft's initial weights: from scratch, or an existing draft with its ``lm_head`` rows remapped by target id."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from eagle3_assets.core.draft_model import DraftConfig, Eagle3Draft
+from eagle3_assets.core.export import draft_config_from_hf, read_draft_dir
+from eagle3_assets.core.target import vllm_default_aux_layer_ids
+from eagle3_assets.core.training.config import TrainConfig
+from eagle3_assets.core.training.data import HiddenStateIndex
+from eagle3_assets.core.vocab import VocabMapping
+
+
+@dataclass
+class InitReport:
+    source: str  # "scratch" or the fine-tuned directory
+    lm_head_rows_kept: int = 0
+    lm_head_rows_new: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+def initial_draft(config: TrainConfig, index: HiddenStateIndex, mapping: VocabMapping, target: dict) -> tuple[Eagle3Draft, InitReport]:
+    """A fresh draft whose embedding is the target's, or an existing draft adapted to the new vocabulary map."""
+    target_config = json.loads((Path(config.target_path) / "config.json").read_text())
+    torch.manual_seed(config.seed)
+    if config.init_from is None:
+        draft_config = DraftConfig.for_target(
+            target_config,
+            mapping.draft_vocab_size,
+            index.aux_layer_ids,
+            intermediate_size=config.draft_intermediate_size,
+            num_attention_heads=config.draft_num_attention_heads,
+            num_key_value_heads=config.draft_num_key_value_heads,
+            head_dim=config.draft_head_dim,
+        )
+        draft = Eagle3Draft(draft_config)
+        with torch.no_grad():
+            draft.embed_tokens.weight.copy_(target["embed"])
+            if config.head_from_target:
+                # The draft's head starts as the target's own (final norm, lm_head rows of the draft
+                # vocabulary): the draft then only has to learn to produce the target's final state.
+                # On a tiny target this gave a clearly longer acceptance after the same training.
+                draft.norm.weight.copy_(target["norm"])
+                draft.lm_head.weight.copy_(target["lm_head"][mapping.draft_to_target])
+        draft.set_vocab_mapping(mapping.d2t, mapping.t2d)
+        return draft, InitReport(source="scratch")
+    return _fine_tune_start(Path(config.init_from), index, mapping, target)
+
+
+def _fine_tune_start(path: Path, index: HiddenStateIndex, mapping: VocabMapping, target: dict) -> tuple[Eagle3Draft, InitReport]:
+    hf, tensors = read_draft_dir(path)
+    old, layer_ids = draft_config_from_hf(hf, str(path))
+    report = InitReport(source=str(path))
+    problems = []
+    if old.target_hidden_size != index.hidden_size:
+        problems.append(f"it reads target states of width {old.target_hidden_size}, the hidden states have {index.hidden_size}")
+    if old.vocab_size != mapping.target_vocab_size:
+        problems.append(f"its vocab_size {old.vocab_size} is not the target's {mapping.target_vocab_size}")
+    if layer_ids is None:
+        default = vllm_default_aux_layer_ids(index.num_layers)
+        if default != index.aux_layer_ids:
+            problems.append(
+                f"its config names no eagle_aux_hidden_state_layer_ids, so vLLM used its default {default}, "
+                f"but the hidden states were extracted at {index.aux_layer_ids}"
+            )
+        report.notes.append(f"config named no layer ids; vLLM's default {default} equals the hidden states'")
+    elif list(layer_ids) != index.aux_layer_ids:
+        problems.append(f"it was trained on layers {layer_ids}, the hidden states are from {index.aux_layer_ids}")
+    if "embed_tokens.weight" not in tensors and old.hidden_size != index.hidden_size:
+        problems.append("it has no embed_tokens and its width differs from the target's, so it cannot share the target's")
+    if problems:
+        raise ValueError(f"cannot fine-tune {path}: " + "; ".join(problems))
+
+    new_config = DraftConfig(**{**asdict(old), "draft_vocab_size": mapping.draft_vocab_size, "aux_layer_ids": tuple(index.aux_layer_ids)})
+    draft = Eagle3Draft(new_config)  # new lm_head rows keep this random init
+    own = {k: v for k, v in tensors.items() if k not in ("lm_head.weight", "d2t", "t2d", "embed_tokens.weight")}
+    missing = sorted(set(draft.state_dict()) - set(own) - {"lm_head.weight", "d2t", "t2d", "embed_tokens.weight"})
+    if missing:
+        raise ValueError(f"cannot fine-tune {path}: its weights lack {missing}")
+    draft.load_state_dict(own, strict=False)
+    with torch.no_grad():
+        draft.embed_tokens.weight.copy_(tensors.get("embed_tokens.weight", target["embed"]).float())
+        # Rows follow target ids: row i of the new head predicts target id i + d2t_new[i].
+        old_targets = torch.arange(old.draft_vocab_size) + tensors.get("d2t", torch.zeros(old.draft_vocab_size, dtype=torch.int64))
+        old_row_of_target = torch.full((mapping.target_vocab_size,), -1, dtype=torch.int64)
+        old_row_of_target[old_targets] = torch.arange(old.draft_vocab_size)
+        old_rows = old_row_of_target[mapping.draft_to_target]
+        kept = old_rows >= 0
+        draft.lm_head.weight[kept] = tensors["lm_head.weight"].float()[old_rows[kept]]
+    draft.set_vocab_mapping(mapping.d2t, mapping.t2d)
+    report.lm_head_rows_kept, report.lm_head_rows_new = int(kept.sum()), int((~kept).sum())
+    return draft, report
+

@@ -1,0 +1,170 @@
+"""Typed stage jobs: each setting's default and description are written once, and a bad job is refused naming the key.
+
+The Dagster ``Config`` classes and the vLLM server resource take their fields
+from the Dagster-free dataclasses (:mod:`eagle3_assets.core.stage_jobs`,
+``TrainConfig``, ``GenerationConfig``); these tests hold them to it, and send a
+bad job to a real stage through the GPU host resource (local mode).
+"""
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+from dagster import AssetExecutionContext, DagsterEventType, DagsterInstance, asset, materialize
+
+from eagle3_assets.core.generation import GenerationConfig, Sampling
+from eagle3_assets.core.job_schema import DESCRIPTION, default_of
+from eagle3_assets.core.preflight import StageRequirements
+from eagle3_assets.core.stage_jobs import (
+    BoundedRun,
+    BoundedTrainingJob,
+    EvaluationJob,
+    ExportGates,
+    ExtractionJob,
+    ExtractionRecipe,
+    HiddenStatesSource,
+    StageTarget,
+    StreamedShard,
+    TrainingJob,
+)
+from eagle3_assets.core.training.config import TrainConfig
+from eagle3_assets.draft_checkpoint import DraftTrainingConfig
+from eagle3_assets.draft_evaluation import DraftEvaluationConfig
+from eagle3_assets.hidden_states import HiddenStatesConfig
+from resources.gpu_host import GPUHost
+from resources.vllm_server import VLLMServerResource
+
+REPO = Path(__file__).resolve().parents[1]
+
+# (Dagster class, the dataclasses its fields come from, its own fields, the dataclasses' settings it does not show)
+SOURCES = [
+    (HiddenStatesConfig, [ExtractionJob], set(), set()),
+    (
+        DraftTrainingConfig,
+        [TrainConfig, TrainingJob, HiddenStatesSource, BoundedRun],
+        {"streamed_extraction"},  # a HiddenStatesConfig: its fields are ExtractionJob's
+        # Recipe constants and run mechanics a launchpad user has no reason to change; the CLI and tests can.
+        {
+            "betas", "head_from_target", "bf16_autocast", "draft_num_attention_heads", "draft_num_key_value_heads",
+            "draft_head_dim", "log_every", "keep_checkpoints", "torch_threads", "gates",
+        },
+    ),  # fmt: skip
+    (DraftEvaluationConfig, [EvaluationJob], {"eval_prompts", "max_eval_prompts"}, set()),
+    (
+        VLLMServerResource,
+        [GenerationConfig, Sampling],
+        {"base_urls", "served_model_name", "canary_prompt", "canary_max_tokens", "progress_interval_s"},
+        {"sampling"},  # shown field by field (Sampling)
+    ),
+]
+
+
+def settings(cls) -> dict[str, dataclasses.Field]:
+    """The dataclass's fields that have a default: what a user may set (the rest the asset fills in)."""
+    return {f.name: f for f in dataclasses.fields(cls) if default_of(f) is not dataclasses.MISSING}
+
+
+@pytest.mark.parametrize("config_class, sources, own, hidden", SOURCES, ids=[s[0].__name__ for s in SOURCES])
+def test_config_fields_are_the_settings_with_their_defaults_and_descriptions(config_class, sources, own, hidden):
+    fields = config_class.model_fields
+    for name, field in fields.items():
+        assert field.description, f"{config_class.__name__}.{name} has no description"
+    by_source = [(source, settings(source)) for source in sources]
+    for name in set(fields) - own:
+        homes = [(source, found[name]) for source, found in by_source if name in found]
+        assert len(homes) == 1, f"{config_class.__name__}.{name} is a setting of {[s.__name__ for s, _ in homes]}, expected exactly one"
+        source, setting = homes[0]
+        assert fields[name].default == default_of(setting), f"{config_class.__name__}.{name}: default differs from {source.__name__}'s"
+        assert fields[name].description == setting.metadata[DESCRIPTION], f"{config_class.__name__}.{name}: description differs"
+    shown = set(fields)
+    for source, found in by_source:
+        unshown = set(found) - shown - hidden
+        assert not unshown, f"{source.__name__} settings {sorted(unshown)} are not in {config_class.__name__}"
+    assert not hidden & shown
+
+
+def test_a_config_with_no_overrides_makes_the_stage_job_with_the_one_defaults():
+    job = ExtractionJob(
+        shard="shard-00000", traces="t.parquet", output="out", data_version="v", check_seed=1,
+        target=StageTarget(path="/t", trust_remote_code=False, aux_layer_ids=[1, 2, 3], config_hash="h"),
+    )  # fmt: skip
+    from eagle3_assets.config_fields import settings_of
+
+    assert ExtractionJob(**{**dataclasses.asdict(job), "target": job.target, **settings_of(HiddenStatesConfig(), ExtractionJob)}) == job
+    assert job.max_batch_tokens == HiddenStatesConfig().max_batch_tokens == 16384  # one default, whichever backend
+
+
+def test_a_job_survives_json_to_the_stage_and_back():
+    train = TrainConfig(hidden_state_dirs=["a", "b"], vocab_mapping="v", target_path="t", training_dir="d", epochs=3)
+    job = TrainingJob(
+        train=train, export_dir="e", gates=ExportGates(aux_layer_ids=[2, 3, 4], target_vocab_size=640, trust_remote_code=False, log_path=None)
+    )
+    back = TrainingJob.from_json(job.to_json())
+    assert back == job and back.train.betas == (0.9, 0.95) and isinstance(back.gates, ExportGates)
+    evaluation = EvaluationJob(target_dir="t", target_trust_remote_code=True, draft_dir="d", eval_prompts="p.jsonl", report_path="r.json")
+    assert EvaluationJob.from_json(evaluation.to_json()) == evaluation
+    bounded = BoundedTrainingJob(
+        bounded=BoundedRun(
+            train=train, shards=[StreamedShard(key="s", traces="s.parquet", data_version="v")], window_dir="w",
+            target=StageTarget(path="/t", trust_remote_code=False, aux_layer_ids=[2, 3, 4], config_hash="h"),
+            extraction=ExtractionRecipe(dtype="float8_e4m3fn"),
+        ),
+        export=job,
+    )  # fmt: skip
+    back = BoundedTrainingJob.from_json(bounded.to_json())
+    assert back == bounded and isinstance(back.bounded.shards[0], StreamedShard) and back.bounded.window_shards == 2
+
+
+def extraction_extras(**changes) -> dict:
+    raw = {
+        "shard": "shard-00000", "traces": "validated_traces/shard-00000.parquet", "output": "hidden_states/shard-00000",
+        "target": {"path": "/t", "trust_remote_code": False, "aux_layer_ids": [2, 3, 4], "config_hash": "h"},
+        "data_version": "v", "check_seed": 7,
+    }  # fmt: skip
+    return {**raw, **changes}
+
+
+@pytest.mark.parametrize(
+    "extras, message",
+    [
+        (extraction_extras(max_batch_token=65536), "ExtractionJob: unknown setting(s) ['max_batch_token']"),
+        (extraction_extras(max_batch_tokens="16384"), "setting ExtractionJob.max_batch_tokens is '16384', expected a whole number"),
+        (extraction_extras(recompute="yes"), "setting ExtractionJob.recompute is 'yes', expected true or false"),
+        (extraction_extras(vllm_gpu_memory_utilization=1.5), "setting ExtractionJob.vllm_gpu_memory_utilization is 1.5, must be <= 1"),
+        ({k: v for k, v in extraction_extras().items() if k != "shard"}, "ExtractionJob: missing setting(s) ['shard']"),
+        (
+            extraction_extras(target={"path": "/t", "trust_remote_code": False, "aux_layer_ids": [2, "x"], "config_hash": "h"}),
+            "setting ExtractionJob.target.aux_layer_ids[1] is 'x', expected a whole number",
+        ),
+    ],
+    ids=["unknown", "mistyped", "not-a-bool", "out-of-range", "missing", "nested"],
+)
+def test_a_bad_extraction_job_is_refused_naming_the_key(extras, message):
+    with pytest.raises(ValueError) as refused:
+        ExtractionJob.from_dict(extras)
+    assert message in str(refused.value)
+
+
+def test_a_bad_training_setting_is_refused_inside_the_job():
+    raw = TrainingJob(train=TrainConfig(hidden_state_dirs=["a"], vocab_mapping="v", target_path="t", training_dir="d"), export_dir="e").to_dict()
+    raw["train"]["epoch"] = 3
+    with pytest.raises(ValueError, match=r"TrainingJob.train: unknown setting\(s\) \['epoch'\]"):
+        TrainingJob.from_dict(raw)
+
+
+def test_the_real_stage_refuses_a_bad_job_with_the_key_in_the_run_error():
+    """A job with a misspelt key sent to the real ``extract_hidden_states`` stage (local GPU host): the step fails
+    before anything is loaded, and the error the run shows names the key."""
+
+    @asset(name="bad_job")
+    def bad_job(context: AssetExecutionContext, gpu_host: GPUHost):
+        requirements = StageRequirements(modules=[], cpu_allowed=True, output_dirs=["hidden_states"])
+        return gpu_host.run_stage(context, "extract_hidden_states", extraction_extras(max_batch_token=65536), requirements=requirements)
+
+    host = GPUHost(mode="local", working_dir=str(REPO))
+    result = materialize([bad_job], resources={"gpu_host": host}, instance=DagsterInstance.ephemeral(), raise_on_error=False)
+    assert not result.success
+    (failure,) = [e for e in result.all_events if e.event_type == DagsterEventType.STEP_FAILURE]
+    message = failure.step_failure_data.error.cause.message
+    assert "stage extract_hidden_states on local failed" in message
+    assert "ExtractionJob: unknown setting(s) ['max_batch_token']" in message, message[-2000:]
