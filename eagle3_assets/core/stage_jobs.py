@@ -1,4 +1,4 @@
-"""The GPU stages' jobs: what ``extract_hidden_states``, ``train_draft`` and ``evaluate_draft`` are told.
+"""The GPU stages' jobs: what ``extract_hidden_states``, ``train_draft`` (``train_draft_bounded``) and ``evaluate_draft`` are told.
 
 Each asset builds its stage's job, sends ``job.to_dict()`` as the Pipes extras
 (JSON), and the stage reads it back with ``Job.from_dict(extras)``: an unknown,
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from eagle3_assets.core.job_schema import JobSchema, given, setting
 from eagle3_assets.core.speculation_depth import DEFAULT_DRAFT_COST_RATIO, DEFAULT_K_VALUES
 from eagle3_assets.core.state_layout import BACKENDS, DEFAULT_PART_BYTES, FP8_DTYPE, STORAGE_DTYPE_BYTES
+from eagle3_assets.core.storage import stable_hash
 from eagle3_assets.core.training.config import TrainConfig
 
 EVAL_MAX_TOKENS = 128  # completion tokens per held-out prompt: enough decode steps to measure acceptance
@@ -32,15 +33,9 @@ class StageTarget(JobSchema):
 
 
 @dataclass
-class ExtractionJob(JobSchema):
-    """One shard's hidden states (``extract_hidden_states``); paths relative to ``$EAGLE3_DATA_DIR`` on the host, or absolute."""
+class ExtractionRecipe(JobSchema):
+    """How states are extracted and gated: ``hidden_states``' settings, shared by offline and bounded-disk mode."""
 
-    shard: str = given("the shard's partition key")
-    traces: str = given("the shard's validated_traces Parquet")
-    output: str = given("the shard's hidden-state directory")
-    target: StageTarget = given("the target to extract from")
-    data_version: str = given("reported with the materialisation")
-    check_seed: int = given("seed of the gates' sampling (from the shard's key)")
     backend: str = setting("transformers", f"one of {BACKENDS}; 'vllm' for targets too large for transformers")
     dtype: str = setting(
         "bfloat16",
@@ -60,12 +55,30 @@ class ExtractionJob(JobSchema):
     logits_check_positions: int = setting(4096, "at most this many positions compared over those samples", gt=0)
     min_argmax_agreement: float = setting(0.999, "final_state_reproduces_logits passes at or above this share", ge=0, le=1)
     aux_check_samples: int = setting(4, "samples drawn for aux_states_match_layer_ids", gt=0)
-    recompute: bool = setting(
-        False, "discard the shard's stored files and extract it again (a rerun otherwise keeps durable parts and re-checks them)"
-    )
     aux_check_reference: str = setting(
         "auto", "'transformers' (a transformers forward), 'none' (sidecar only) or 'auto' (transformers unless backend is vllm)"
     )
+
+
+# kw_only: the shard's fields come after the recipe's defaults.
+@dataclass(kw_only=True)
+class ExtractionJob(ExtractionRecipe):
+    """One shard's hidden states (``extract_hidden_states``); paths relative to ``$EAGLE3_DATA_DIR`` on the host, or absolute."""
+
+    shard: str = given("the shard's partition key")
+    traces: str = given("the shard's validated_traces Parquet")
+    output: str = given("the shard's hidden-state directory")
+    target: StageTarget = given("the target to extract from")
+    data_version: str = given("reported with the materialisation")
+    check_seed: int = given("seed of the gates' sampling (from the shard's key: shard_check_seed)")
+    recompute: bool = setting(
+        False, "discard the shard's stored files and extract it again (a rerun otherwise keeps durable parts and re-checks them)"
+    )
+
+
+def shard_check_seed(key: str) -> int:
+    """The gates' sampling seed of a shard: its key's, so that a rerun samples the same positions."""
+    return int(stable_hash(key, 8), 16)
 
 
 @dataclass
@@ -89,6 +102,82 @@ class TrainingJob(JobSchema):
     export_dtype: str | None = setting(None, "float32, bfloat16 or float16; default: the target's dtype")
     vllm_check_num_speculative_tokens: int = setting(
         3, "num_speculative_tokens of the loads_in_vllm check, and the first one the serving notes name"
+    )
+
+
+HIDDEN_STATES_MODES = ("offline", "bounded")
+
+
+class BoundedModeError(ValueError):
+    """The bounded-disk settings cannot run; the message names the setting and what is wrong."""
+
+
+@dataclass
+class HiddenStatesSource(JobSchema):
+    """Where ``draft_checkpoint`` takes its hidden states from (its launchpad's choice of stage)."""
+
+    hidden_states_mode: str = setting(
+        "offline",
+        "'offline': train on the materialised hidden_states shards (train_draft); 'bounded': extract each shard's states "
+        "as training consumes them, every epoch, keeping at most window_shards shards on disk (train_draft_bounded; "
+        "never materialised as hidden_states)",
+    )
+
+
+@dataclass
+class StreamedShard(JobSchema):
+    """One shard whose states bounded-disk training extracts, every epoch."""
+
+    key: str = given("the shard's partition key")
+    traces: str = given("the shard's validated_traces Parquet")
+    data_version: str = given("what hidden_states would record for this shard's states (traces' version, target, layers, backend, dtype)")
+
+
+@dataclass
+class BoundedRun(JobSchema):
+    """Bounded-disk training (:mod:`eagle3_assets.core.bounded_training`): the states streamed through a window of shards."""
+
+    train: TrainConfig = given("the training run (its hidden_state_dirs stay empty: the states come from shards)")
+    shards: list[StreamedShard] = given("the shards to stream, each epoch")
+    window_dir: str = given("where the transient states live (the training asset's directory, never hidden_states/)")
+    target: StageTarget = given("the target to extract from")
+    extraction: ExtractionRecipe = given("how each streamed shard is extracted and gated (hidden_states' settings)")
+    # No limits here: mode_problems refuses bad values with what they mean, on the orchestrator and in the stage.
+    window_shards: int = setting(2, "bounded mode: shards of hidden states on disk at most (2: the next is extracted while one is trained on)")
+    checkpoint_every_steps: int = setting(50, "bounded mode: optimizer steps between checkpoints (and at each shard's end)")
+
+    def validate(self) -> None:
+        problems = mode_problems("bounded", self.window_shards, self.checkpoint_every_steps)
+        keys = [s.key for s in self.shards]
+        if not keys:
+            problems.append("no shards to stream")
+        if len(set(keys)) != len(keys):
+            problems.append(f"shards named twice: {sorted({k for k in keys if keys.count(k) > 1})}")
+        if problems:
+            raise BoundedModeError("bounded-disk training: " + "; ".join(problems))
+
+
+def mode_problems(mode: str, window_shards: int, checkpoint_every_steps: int = 1, nproc: int = 1) -> list[str]:
+    """What is wrong with the launchpad's hidden-state mode settings (empty when nothing is)."""
+    problems = []
+    if mode not in HIDDEN_STATES_MODES:
+        problems.append(f"hidden_states_mode {mode!r}: one of {HIDDEN_STATES_MODES}")
+    if not isinstance(window_shards, int) or window_shards < 1:
+        problems.append(f"window_shards {window_shards!r}: at least 1 shard of hidden states must fit on disk")
+    if mode == "bounded" and (not isinstance(checkpoint_every_steps, int) or checkpoint_every_steps < 1):
+        problems.append(f"checkpoint_every_steps {checkpoint_every_steps!r}: must be at least 1")
+    if mode == "bounded" and nproc != 1:
+        problems.append(f"nproc_per_node {nproc}: bounded mode trains in one process (use offline mode for DDP)")
+    return problems
+
+
+@dataclass
+class BoundedTrainingJob(JobSchema):
+    """Train while extracting (``train_draft_bounded``), then export and gate as ``train_draft`` does."""
+
+    bounded: BoundedRun = given("the bounded-disk run")
+    export: TrainingJob | None = setting(
+        None, "export_dir, export_dtype, gates as train_draft's job (its train is bounded.train); none: train only"
     )
 
 

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from eagle3_assets.core.stage_jobs import ExtractionJob
+from eagle3_assets.core.stage_jobs import ExtractionJob, ExtractionRecipe, StageTarget
 
 STAGE = "extract_hidden_states"
 PROGRESS_EVERY_S = 5.0
@@ -67,8 +67,8 @@ class Progress:
             self.log(f"{STAGE}: {done}/{self.total} tokens computed, {rate:.0f} tokens/s, ETA {eta:.0f}s")
 
 
-def make_backend(job: ExtractionJob, traces):
-    target = job.target
+def make_backend(job: ExtractionRecipe, target: StageTarget, traces):
+    """The recipe's extraction backend for ``target``; vLLM's context sized from the longest of ``traces``."""
     if job.backend == "transformers":
         from eagle3_assets.core.extraction import TransformersBackend
 
@@ -98,6 +98,21 @@ def make_backend(job: ExtractionJob, traces):
             engine_kwargs=vllm_engine_overrides(target.path),
         )
     raise ValueError(f"backend {job.backend!r}: one of transformers, vllm")
+
+
+def aux_reference(job: ExtractionRecipe, target: StageTarget, backend) -> tuple[Any, list]:
+    """The aux gate's reference forward (or None) per ``aux_check_reference``, and any backend opened for it (to close)."""
+    from eagle3_assets.core.extraction import TransformersBackend
+
+    reference = job.aux_check_reference
+    if reference == "auto":
+        reference = "transformers" if backend.name == "transformers" else "none"
+    if reference != "transformers":
+        return None, []
+    if isinstance(backend, TransformersBackend):
+        return (lambda ids: backend.reference_forward(ids)[1]), []
+    other = TransformersBackend(target.path, target.aux_layer_ids, trust_remote_code=target.trust_remote_code)
+    return (lambda ids: other.reference_forward(ids)[1]), [other]
 
 
 def run(job: ExtractionJob, log=print, run_id: str | None = None) -> tuple[dict[str, Any], list]:
@@ -134,14 +149,9 @@ def run(job: ExtractionJob, log=print, run_id: str | None = None) -> tuple[dict[
 def _extract_and_check(job: ExtractionJob, log, facts, traces, shard_dir: Path, target_check) -> tuple[dict[str, Any], list]:
     import torch
 
-    from eagle3_assets.core.extraction import ExtractionSettings, TransformersBackend, extract_shard
+    from eagle3_assets.core.extraction import ExtractionSettings, extract_shard
+    from eagle3_assets.core.hidden_state_checks import gate_extracted_shard
     from eagle3_assets.core.state_layout import state_bytes_per_token
-    from eagle3_assets.core.hidden_state_checks import (
-        check_aux_states_match_layer_ids,
-        check_final_state_reproduces_logits,
-        check_states_finite,
-        check_states_match_traces,
-    )
     from eagle3_assets.core.target import TargetHead
 
     target = job.target
@@ -157,7 +167,7 @@ def _extract_and_check(job: ExtractionJob, log, facts, traces, shard_dir: Path, 
         part_bytes=job.part_size_bytes,
     )
     started = time.monotonic()
-    backend = make_backend(job, traces)
+    backend = make_backend(job, target, traces)
     load_s = time.monotonic() - started
     log(f"{STAGE}: {backend.name} backend ready in {load_s:.0f}s ({'cuda' if torch.cuda.is_available() else 'cpu'})")
     opened = [backend]
@@ -167,42 +177,14 @@ def _extract_and_check(job: ExtractionJob, log, facts, traces, shard_dir: Path, 
             f"{STAGE}: {report.parts_written} part(s) written, {report.parts_reused} kept, "
             f"{report.tokens_computed} tokens computed in {report.wall_s:.1f}s"
         )
-        aux_reference = job.aux_check_reference
-        if aux_reference == "auto":
-            aux_reference = "transformers" if backend.name == "transformers" else "none"
-        if aux_reference == "transformers":
-            if isinstance(backend, TransformersBackend):
-                reference = backend
-            else:
-                reference = TransformersBackend(target.path, target.aux_layer_ids, trust_remote_code=target.trust_remote_code)
-                opened.append(reference)
-            reference_states = lambda ids: reference.reference_forward(ids)[1]  # noqa: E731
-        else:
-            reference_states = None
+        reference_states, extra = aux_reference(job, target, backend)
+        opened += extra
         # On the CPU: the GPUs are full of the target (or of vLLM's reservation), and a few thousand positions are cheap.
         head = TargetHead.from_checkpoint(target.path)
-        outcomes = [
-            target_check,
-            check_states_finite(shard_dir),
-            check_states_match_traces(shard_dir, traces),
-            check_final_state_reproduces_logits(
-                shard_dir,
-                head,
-                backend.reference_argmax,
-                samples=job.logits_check_samples,
-                max_positions=job.logits_check_positions,
-                min_agreement=job.min_argmax_agreement,
-                seed=job.check_seed,
-            ),
-            check_aux_states_match_layer_ids(
-                shard_dir,
-                target.aux_layer_ids,
-                facts,
-                reference_states,
-                samples=job.aux_check_samples,
-                seed=job.check_seed,
-            ),
-        ]
+        gates = gate_extracted_shard(
+            shard_dir, traces, head, backend.reference_argmax, target.aux_layer_ids, facts, reference_states, job, job.check_seed
+        )
+        outcomes = [target_check, *gates]
     finally:
         for each in opened:
             each.close()

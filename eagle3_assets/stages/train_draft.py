@@ -83,16 +83,44 @@ def run_gates(export_dir: Path, target_path: str, gates: ExportGates, num_specul
     return {"config_problems": {"raw_value": problems, "type": "json"}, "loads_in_vllm": {"raw_value": loads, "type": "json"}}
 
 
+def export_and_gate(job: TrainingJob, result: dict, log) -> dict:
+    """Export the trained draft, write its serving notes, run its gates; the materialisation's metadata.
+
+    Shared with ``train_draft_bounded``, which trains otherwise and exports alike.
+    """
+    from eagle3_assets.core.deployment import write_serving_notes
+    from eagle3_assets.core.training.checkpoints import export_trained_draft
+
+    config = job.train
+    export_dir = export_trained_draft(result["checkpoint"], config.target_path, Path(job.export_dir), job.export_dtype)
+    log(f"{STAGE}: exported {export_dir}")
+    # The serving notes name the weights' hash (the alias production servers answer to) and a
+    # first num_speculative_tokens; draft_evaluation rewrites them with the k it recommends.
+    k = job.vllm_check_num_speculative_tokens
+    serving = write_serving_notes(export_dir, target=config.target_path, num_speculative_tokens=k)
+    gates = run_gates(export_dir, config.target_path, job.gates, k, log) if job.gates else {}
+    return {
+        **gates,
+        "training_fingerprint": result["fingerprint"],
+        "draft_weights_hash": serving["draft_weights_hash"],
+        "served_model_alias": serving["served_model_alias"],
+        "resumed_from": result["resumed_from"] or "",
+        "init": {"raw_value": result["init"], "type": "json"},
+        "tokens_per_s": round(float(result["tokens_per_s"]), 1),
+        "nproc_per_node": job.nproc_per_node,
+        "schedule": {"raw_value": result.get("schedule"), "type": "json"},
+        "world_size": int(result.get("world_size", 1)),
+        "checkpoint": {"raw_value": result["checkpoint"], "type": "path"},
+    }
+
+
 def main() -> None:
     from dagster_pipes import open_dagster_pipes
 
-    from eagle3_assets.core.deployment import write_serving_notes
-    from eagle3_assets.core.training.checkpoints import export_trained_draft
     from eagle3_assets.core.training.launch import run_training
 
     with open_dagster_pipes() as pipes:
         job = TrainingJob.from_dict(dict(pipes.extras or {}))
-        config, nproc = job.train, job.nproc_per_node
 
         def on_event(event: dict) -> None:
             line = describe(event)
@@ -101,30 +129,9 @@ def main() -> None:
             for warning in event.get("warnings") or []:  # before training: the data cannot make a useful draft
                 pipes.log.warning(f"{STAGE}: {warning}")
 
-        result = run_training(config, nproc=nproc, on_event=on_event)
-        export_dir = export_trained_draft(result["checkpoint"], config.target_path, Path(job.export_dir), job.export_dtype)
-        pipes.log.info(f"{STAGE}: exported {export_dir}")
-        # The serving notes name the weights' hash (the alias production servers answer to) and a
-        # first num_speculative_tokens; draft_evaluation rewrites them with the k it recommends.
-        k = job.vllm_check_num_speculative_tokens
-        serving = write_serving_notes(export_dir, target=config.target_path, num_speculative_tokens=k)
-        gates = run_gates(export_dir, config.target_path, job.gates, k, pipes.log.info) if job.gates else {}
-        pipes.report_asset_materialization(
-            metadata={
-                **gates,
-                "training_fingerprint": result["fingerprint"],
-                "draft_weights_hash": serving["draft_weights_hash"],
-                "served_model_alias": serving["served_model_alias"],
-                "resumed_from": result["resumed_from"] or "",
-                "init": {"raw_value": result["init"], "type": "json"},
-                "tokens_per_s": round(float(result["tokens_per_s"]), 1),
-                "nproc_per_node": nproc,
-                "schedule": {"raw_value": result.get("schedule"), "type": "json"},
-                "world_size": int(result.get("world_size", 1)),
-                "checkpoint": {"raw_value": result["checkpoint"], "type": "path"},
-            },
-            data_version=result["fingerprint"],
-        )
+        result = run_training(job.train, nproc=job.nproc_per_node, on_event=on_event)
+        metadata = export_and_gate(job, result, pipes.log.info)
+        pipes.report_asset_materialization(metadata=metadata, data_version=result["fingerprint"])
 
 
 if __name__ == "__main__":

@@ -32,15 +32,27 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def save_checkpoint(checkpoints: Path, epoch: int, model: Eagle3Draft, optimizer, scheduler, state: dict, keep: int) -> Path:
+def save_checkpoint(
+    checkpoints: Path,
+    epoch: int,
+    model: Eagle3Draft,
+    optimizer,
+    scheduler,
+    state: dict,
+    keep: int,
+    name: str | None = None,
+    pattern: str = CHECKPOINT_GLOB,
+) -> Path:
     """Write an epoch's checkpoint into a temporary directory, seal it with a manifest, rename it into place.
 
     A crash at any point leaves either no ``epoch-NNNN`` directory or a
     complete one; :func:`latest_checkpoint` also verifies the manifest's
-    hashes, so a checkpoint damaged later is skipped too.
+    hashes, so a checkpoint damaged later is skipped too. ``name`` and
+    ``pattern`` let bounded-disk training (core/bounded_training.py) keep
+    checkpoints by step (``step-NNNNNNNN``) instead of by epoch.
     """
     checkpoints.mkdir(parents=True, exist_ok=True)
-    final = checkpoints / f"epoch-{epoch:04d}"
+    final = checkpoints / (name or f"epoch-{epoch:04d}")
     staging = staging_dir(final)
     try:
         weights = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items() if k != "embed_tokens.weight"}
@@ -64,7 +76,7 @@ def save_checkpoint(checkpoints: Path, epoch: int, model: Eagle3Draft, optimizer
         fsync_dir(checkpoints)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    for old in sorted(checkpoints.glob(CHECKPOINT_GLOB))[:-keep]:
+    for old in sorted(checkpoints.glob(pattern))[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
 
@@ -96,9 +108,9 @@ def checkpoint_is_complete(path: Path) -> bool:
     return {"model.safetensors", "trainer.pt", "state.json"} <= files.keys()
 
 
-def latest_checkpoint(checkpoints: Path, fingerprint: str) -> Path | None:
+def latest_checkpoint(checkpoints: Path, fingerprint: str, pattern: str = CHECKPOINT_GLOB) -> Path | None:
     """The newest complete checkpoint of this very run (same fingerprint), else None."""
-    for path in sorted(checkpoints.glob(CHECKPOINT_GLOB), reverse=True):
+    for path in sorted(checkpoints.glob(pattern), reverse=True):
         if checkpoint_is_complete(path) and json.loads((path / "state.json").read_text()).get("fingerprint") == fingerprint:
             return path
     return None

@@ -118,13 +118,15 @@ class Trainer:
         }
 
 
-def resolve_schedule(config: TrainConfig, index: HiddenStateIndex, lengths: list[int], world: int) -> tuple[TrainConfig, Schedule]:
+def fitted_config(
+    config: TrainConfig, *, total_tokens: int, supervised_tokens: int, hidden_size: int, steps_per_epoch_for: Callable[[int], int], world: int = 1
+) -> tuple[TrainConfig, Schedule]:
     """``config`` with every unset schedule setting fitted to the data (the same data always gives the same fit)."""
     schedule = fit_schedule(
-        total_tokens=sum(lengths),
-        supervised_tokens=supervised_token_count(index, config.max_seq_len),
-        hidden_size=index.hidden_size,
-        steps_per_epoch_for=lambda batch_tokens: len(epoch_steps(lengths, replace(config, batch_tokens=batch_tokens), world, 0)),
+        total_tokens=total_tokens,
+        supervised_tokens=supervised_tokens,
+        hidden_size=hidden_size,
+        steps_per_epoch_for=steps_per_epoch_for,
         world_size=world,
         grad_accumulation=config.grad_accumulation,
         batch_tokens=config.batch_tokens,
@@ -133,6 +135,18 @@ def resolve_schedule(config: TrainConfig, index: HiddenStateIndex, lengths: list
     )
     resolved = replace(config, batch_tokens=schedule.batch_tokens, epochs=schedule.epochs, learning_rate=schedule.learning_rate)
     return resolved, schedule
+
+
+def resolve_schedule(config: TrainConfig, index: HiddenStateIndex, lengths: list[int], world: int) -> tuple[TrainConfig, Schedule]:
+    """:func:`fitted_config` for the stored hidden states of ``index``."""
+    return fitted_config(
+        config,
+        total_tokens=sum(lengths),
+        supervised_tokens=supervised_token_count(index, config.max_seq_len),
+        hidden_size=index.hidden_size,
+        steps_per_epoch_for=lambda batch_tokens: len(epoch_steps(lengths, replace(config, batch_tokens=batch_tokens), world, 0)),
+        world=world,
+    )
 
 
 def train(config: TrainConfig, on_event: OnEvent | None = None) -> TrainResult:

@@ -1,0 +1,321 @@
+"""Bounded-disk training: a window of shards on disk, the gates on every streamed shard, SIGKILL and resume.
+
+Real tiny target, real transformers extraction on the CPU, the real stage
+process (``python -m eagle3_assets.stages.train_draft_bounded --config``).
+The window is asserted from the files while the stage runs: a watcher thread
+polls the window directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import polars as pl
+import pytest
+import torch
+from dagster import DagsterInstance, RunConfig, materialize
+
+from eagle3_assets.core.bounded_training import EVENT_PREFIX, JOURNAL, StreamedGateError, directory_bytes, read_journal, train_bounded
+from eagle3_assets.core.extraction import TransformersBackend, read_traces
+from eagle3_assets.core.stage_jobs import BoundedModeError, BoundedRun
+from eagle3_assets.core.state_layout import FP8_DTYPE, bytes_per_token
+from eagle3_assets.core.storage import write_json_atomic
+from eagle3_assets.core.vocab import build_vocab_mapping, save_vocab_mapping
+from tests.extraction_helpers import write_validated_traces
+
+REPO = Path(__file__).resolve().parents[1]
+LAYER_IDS = [2, 3, 4]
+KEYS = ("shard-a", "shard-b", "shard-c")
+WINDOW = 2
+SAMPLES_PER_SHARD = 10
+
+
+@pytest.fixture(scope="module")
+def streamed(tiny_target, tmp_path_factory) -> dict:
+    """Three shards of validated traces and a vocabulary map built from them."""
+    root = tmp_path_factory.mktemp("bounded")
+    traces = {key: write_validated_traces(root, key, tiny_target, count=SAMPLES_PER_SHARD, seed=20 + i) for i, key in enumerate(KEYS)}
+    counts = torch.zeros(640, dtype=torch.int64)
+    for path in traces.values():
+        frame = pl.read_parquet(path, columns=["input_ids", "loss_mask"])
+        ids = torch.from_numpy(frame["input_ids"].explode().cast(pl.Int64).to_numpy().copy())
+        mask = torch.from_numpy(frame["loss_mask"].explode().cast(pl.Int8).to_numpy().copy())
+        counts += torch.bincount(ids[mask == 1], minlength=640)
+    mapping = save_vocab_mapping(root / "vocab_mapping", build_vocab_mapping(counts, 200), {})
+    return {"traces": traces, "mapping": mapping}
+
+
+def run_settings(tiny_target, streamed, work: Path, *, dtype="bfloat16", epochs=2, every=2) -> dict:
+    """A BoundedTrainingJob without export, as the stage's --config takes it."""
+    from eagle3_assets.core.target import target_identity
+
+    train = dict(
+        hidden_state_dirs=[], vocab_mapping=str(streamed["mapping"]), target_path=str(tiny_target), training_dir=str(work / "training"),
+        epochs=epochs, learning_rate=2e-3, warmup_ratio=0.1, ttt_steps=2, batch_tokens=96, max_seq_len=32, seed=3, log_every=1,
+    )  # fmt: skip
+    shards = [{"key": key, "traces": str(path), "data_version": f"v-{key}"} for key, path in streamed["traces"].items()]
+    target = {"path": str(tiny_target), "trust_remote_code": False, "aux_layer_ids": LAYER_IDS, "config_hash": target_identity(tiny_target).config_hash}
+    extraction = dict(
+        backend="transformers", cpu_threads=1, dtype=dtype, part_size_bytes=20_000,
+        logits_check_samples=3, logits_check_positions=256, aux_check_samples=2,
+    )  # fmt: skip
+    bounded = dict(
+        train=train, shards=shards, window_dir=str(work / "streamed_states"), target=target, extraction=extraction,
+        window_shards=WINDOW, checkpoint_every_steps=every,
+    )  # fmt: skip
+    return {"bounded": bounded}
+
+
+class WindowWatcher(threading.Thread):
+    """Polls the window directory while the stage runs: shard directories and bytes, as the files show them."""
+
+    def __init__(self, window: Path):
+        super().__init__(daemon=True)
+        self.window, self.stop = window, threading.Event()
+        self.max_dirs = self.max_bytes = self.polls = 0
+        self.names: set[str] = set()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            if self.window.is_dir():
+                try:
+                    dirs = [p.name for p in self.window.iterdir() if p.is_dir()]
+                except FileNotFoundError:
+                    dirs = []
+                self.names.update(dirs)
+                self.max_dirs = max(self.max_dirs, len(dirs))
+                self.max_bytes = max(self.max_bytes, directory_bytes(self.window))
+                self.polls += 1
+            time.sleep(0.005)
+
+
+def start_stage(config_file: Path, log: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.Popen(
+        [sys.executable, "-m", "eagle3_assets.stages.train_draft_bounded", "--config", str(config_file)],
+        stdout=open(log, "a"), stderr=subprocess.STDOUT, env=env,
+    )  # fmt: skip
+
+
+def events(log: Path) -> list[dict]:
+    return [json.loads(line.split(EVENT_PREFIX, 1)[1]) for line in log.read_text().splitlines() if EVENT_PREFIX in line]
+
+
+def test_killed_bounded_training_resumes_without_training_a_batch_twice_and_never_exceeds_the_window(tiny_target, streamed, tmp_path):
+    settings = run_settings(tiny_target, streamed, tmp_path)
+    config_file, log = tmp_path / "run.json", tmp_path / "stage.log"
+    write_json_atomic(config_file, settings)
+    training = Path(settings["bounded"]["train"]["training_dir"])
+    watcher = WindowWatcher(Path(settings["bounded"]["window_dir"]))
+    watcher.start()
+
+    # First run: SIGKILL once some steps are committed, in the middle of the run.
+    process = start_stage(config_file, log)
+    deadline = time.monotonic() + 300
+    try:
+        while len(read_journal(training / JOURNAL)) < 6:  # mid-shard when the kill lands in time (4 steps a shard)
+            assert process.poll() is None, "the stage exited before the kill:\n" + log.read_text()[-3000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait()
+    assert not (training / "result.json").exists(), "the kill came too late to interrupt anything"
+    committed_before = len(read_journal(training / JOURNAL))
+
+    # Second run: resumes and finishes.
+    process = start_stage(config_file, log)
+    assert process.wait(timeout=600) == 0, log.read_text()[-3000:]
+    watcher.stop.set()
+    watcher.join()
+
+    # -- no batch twice, every batch once per epoch: from the journal of committed steps
+    journal = read_journal(training / JOURNAL)
+    assert [r["step"] for r in journal] == list(range(1, len(journal) + 1)), "steps are committed once each, in order"
+    batch_ids = [b for r in journal for b in r["batches"]]
+    assert len(batch_ids) == len(set(batch_ids)), f"trained twice: {[b for b, n in Counter(batch_ids).items() if n > 1]}"
+    assert len({r["pid"] for r in journal}) == 2 and committed_before < len(journal), "the second process trained the rest"
+    for epoch in (1, 2):
+        for key, path in streamed["traces"].items():
+            ids = [t.id for t in read_traces(path)]
+            seen = [s for r in journal if r["epoch"] == epoch and r["shard"] == key for s in r["samples"]]
+            assert sorted(seen) == sorted(ids), f"epoch {epoch} {key}: every sample exactly once"
+    logged = events(log)
+    (resumed,) = [e for e in logged if e["event"] == "resumed"]
+    assert 0 < resumed["step"] < len(journal)
+
+    # -- the window, from the files seen during the run
+    result = json.loads((training / "result.json").read_text())
+    shard_bytes = {e["shard"]: e["bytes"] for e in logged if e["event"] == "extracted"}
+    assert watcher.polls > 100 and watcher.max_dirs >= 1
+    assert watcher.max_dirs <= WINDOW, f"{watcher.max_dirs} shards of states on disk at once (window {WINDOW})"
+    window_bound = sum(sorted(shard_bytes.values(), reverse=True)[:WINDOW])
+    assert watcher.max_bytes <= window_bound, f"{watcher.max_bytes} B on disk at once, the window holds {window_bound} B"
+    assert 0 < result["peak_window_bytes"] <= window_bound
+    assert watcher.names <= {f"e{e:04d}-{k}" for e in (1, 2) for k in KEYS}, "the states live in the window, named by epoch and shard"
+    assert not any(Path(settings["bounded"]["window_dir"]).iterdir()), "nothing is left on disk after training"
+    # Every streamed shard recorded once per epoch, with the data version it was given and its gates.
+    assert sorted((s["epoch"], s["shard"]) for s in result["streamed"]) == sorted((e, k) for e in (1, 2) for k in KEYS)
+    assert all(s["data_version"] == f"v-{s['shard']}" and all(s["gates"].values()) for s in result["streamed"])
+    assert Path(result["checkpoint"]).name == f"step-{len(journal):08d}"
+
+
+class NaNForOneSample:
+    """Fault injection: the real transformers backend, except that one sample's final states come back NaN."""
+
+    def __init__(self, backend: TransformersBackend, poisoned: torch.Tensor):
+        self.backend, self.poisoned = backend, poisoned
+        self.name, self.final_state = backend.name, backend.final_state
+
+    def __getattr__(self, name):
+        return getattr(self.backend, name)
+
+    def capture(self, sequences, dtype):
+        states = []
+        for ids, (aux, final) in zip(sequences, self.backend.capture(sequences, dtype)):
+            if torch.equal(ids, self.poisoned):
+                final = final.clone()
+                final[0, 0] = float("nan")
+            states.append((aux, final))
+        return states
+
+
+def test_a_streamed_shard_failing_a_gate_stops_training_before_it_learns_from_it(tiny_target, streamed, tmp_path):
+    settings = run_settings(tiny_target, streamed, tmp_path, epochs=1, dtype=FP8_DTYPE)
+    run = BoundedRun.from_dict(settings["bounded"])
+    poisoned = read_traces(streamed["traces"]["shard-b"])[0].input_ids
+    backend = TransformersBackend(tiny_target, LAYER_IDS)
+    try:
+        with pytest.raises(StreamedGateError, match=r"streamed shard shard-b \(epoch 1\): gate states_finite failed: .*training stopped"):
+            train_bounded(run, NaNForOneSample(backend, poisoned))
+    finally:
+        backend.close()
+    journal = read_journal(Path(run.train.training_dir) / JOURNAL)
+    assert all(r["shard"] != "shard-b" for r in journal), "no step learned from the failing shard"
+    assert (Path(run.window_dir) / "e0001-shard-b").is_dir(), "the failing states are kept for inspection"
+
+
+def test_bad_mode_settings_are_refused_naming_the_setting(data_dir, tiny_target):
+    from eagle3_assets.draft_checkpoint import DraftTrainingConfig, draft_checkpoint
+    from eagle3_assets.draft_checkpoint_bounded import check_mode
+    from resources.gpu_host import GPUHost
+    from resources.target_model import TargetModel
+
+    with pytest.raises(BoundedModeError, match=r"hidden_states_mode 'streaming': one of \('offline', 'bounded'\)"):
+        check_mode("streaming", 2)
+    with pytest.raises(BoundedModeError, match=r"window_shards 0: at least 1"):
+        check_mode("bounded", 0)
+    with pytest.raises(BoundedModeError, match=r"nproc_per_node 2: bounded mode trains in one process"):
+        check_mode("bounded", 2, nproc=2)
+    check_mode("offline", 2, nproc=2)  # DDP stays offline mode's
+    result = materialize(
+        [draft_checkpoint],
+        resources={"target_model": TargetModel(path=str(tiny_target)), "gpu_host": GPUHost()},
+        instance=DagsterInstance.ephemeral(),
+        run_config=RunConfig(ops={"draft_checkpoint": DraftTrainingConfig(hidden_states_mode="bounded", window_shards=-1)}),
+        raise_on_error=False,
+    )
+    assert not result.success
+    (failure,) = [e for e in result.all_events if e.event_type_value == "STEP_FAILURE"]
+    assert "window_shards -1: at least 1 shard of hidden states must fit on disk" in failure.step_failure_data.error.to_string()
+
+
+def test_the_preflight_estimates_the_window_and_names_the_mode_and_both_numbers(data_dir, tiny_target):
+    from eagle3_assets.draft_checkpoint_bounded import STAGE, bounded_requirements
+    from eagle3_assets.hidden_states import HiddenStatesConfig
+    from resources.gpu_host import GPUHost
+
+    free = __import__("shutil").disk_usage(data_dir).free
+    per_token = bytes_per_token(64, "bfloat16")
+    claimed = {"shard-a": int(0.7 * free / per_token), "shard-b": int(0.2 * free / per_token), "shard-c": int(0.5 * free / per_token)}
+    for i, (key, tokens) in enumerate(claimed.items()):
+        path = write_validated_traces(data_dir, key, tiny_target, count=4, seed=i)
+        # Fault injection: the traces claim many tokens (real states of that many would not fit any disk here).
+        frame, metadata = pl.read_parquet(path), pl.read_parquet_metadata(path)
+        frame.with_columns(pl.Series("num_tokens", [tokens // 4] * 4, dtype=pl.Int64)).write_parquet(path, metadata=metadata)
+    sizes = {key: (tokens // 4) * 4 * per_token for key, tokens in claimed.items()}
+    config = HiddenStatesConfig()
+
+    one = bounded_requirements(list(claimed), 64, config, window_shards=1)
+    assert one.disk_bytes == sizes["shard-a"]  # the largest shard: the window of one can hold it
+    assert f"bounded mode: a window of 1 of 3 shards = {sizes['shard-a']} B" in one.disk_note
+    assert f"offline mode would keep all {sum(sizes.values())} B" in one.disk_note
+    report = GPUHost().preflight(STAGE, one)
+    assert not any(f.startswith("disk:") for f in report["failures"]), report["failures"]
+
+    two = bounded_requirements(list(claimed), 64, config, window_shards=2)
+    assert two.disk_bytes == sizes["shard-a"] + sizes["shard-c"]
+    report = GPUHost().preflight(STAGE, two)
+    (line,) = [f for f in report["failures"] if f.startswith("disk:")]
+    assert f"< {two.disk_bytes} bytes" in line and "bounded mode: a window of 2 of 3 shards" in line, line
+    assert f"offline mode would keep all {sum(sizes.values())} B" in line, line
+
+
+@pytest.mark.vllm
+def test_bounded_mode_through_dagster_records_what_was_streamed_and_materialises_no_hidden_states(tiny_target, data_dir, streamed):
+    """draft_checkpoint in bounded mode: the GPU host's stage streams, trains, exports; vLLM loads the draft."""
+    from dagster import AssetKey
+
+    from eagle3_assets.draft_checkpoint import DraftTrainingConfig, draft_checkpoint
+    from eagle3_assets.draft_checkpoint_bounded import streamed_data_version
+    from eagle3_assets.hidden_states import HiddenStatesConfig
+    from eagle3_assets.partitions import register_shards
+    from eagle3_assets.vocab_mapping import VocabMappingConfig, vocab_mapping
+    from resources.gpu_host import GPUHost
+    from resources.target_model import TargetModel
+
+    for key, path in streamed["traces"].items():
+        (data_dir / "validated_traces").mkdir(exist_ok=True)
+        (data_dir / "validated_traces" / f"{key}.parquet").write_bytes(path.read_bytes())
+    instance = DagsterInstance.ephemeral()
+    register_shards(instance, list(KEYS))
+    target = TargetModel(path=str(tiny_target), aux_layer_ids=LAYER_IDS)
+    training = DraftTrainingConfig(
+        epochs=2, learning_rate=3e-3, ttt_steps=2, batch_tokens=256, max_seq_len=64, hidden_states_mode="bounded", window_shards=1,
+        streamed_extraction=HiddenStatesConfig(dtype=FP8_DTYPE, cpu_threads=1, part_size_bytes=50_000),
+    )  # fmt: skip
+    result = materialize(
+        [vocab_mapping, draft_checkpoint],
+        resources={"target_model": target, "gpu_host": GPUHost()},
+        instance=instance,
+        run_config=RunConfig(ops={"vocab_mapping": VocabMappingConfig(draft_vocab_size=200), "draft_checkpoint": training}),
+        raise_on_error=False,
+    )
+    logs = [entry.user_message for entry in instance.all_logs(result.run_id) if entry.user_message]
+    assert result.success, "\n".join(logs[-30:])
+    metadata = next(
+        e.materialization.metadata for e in result.get_asset_materialization_events() if e.materialization.asset_key == AssetKey("draft_checkpoint")
+    )
+    assert metadata["hidden_states_mode"].value == "bounded" and metadata["window_shards"].value == 1
+    assert metadata["hidden_state_dtypes"].value == [FP8_DTYPE] and metadata["samples"].value == len(KEYS) * SAMPLES_PER_SHARD
+    records = metadata["streamed_shards"].value
+    assert sorted((r["epoch"], r["shard"]) for r in records) == sorted((e, k) for e in (1, 2) for k in KEYS)
+    largest = max(r["bytes"] for r in records)
+    assert 0 < metadata["peak_window_bytes"].value <= largest  # a window of one shard
+    assert any("bounded mode: a window of 1 of 3 shards" in line for line in logs), "the estimate is said before the stage starts"
+    # Each shard streamed with the version hidden_states would have given its states (same traces, target, layers, backend, dtype).
+    assert {r["data_version"] for r in records if r["shard"] == "shard-a"} == {
+        streamed_data_version(_context_for(instance), "shard-a", target, training.streamed_extraction)
+    }
+    # Nothing claims a deleted file: no hidden_states partition exists, and no states are left on disk.
+    assert instance.get_latest_materialization_event(AssetKey("hidden_states")) is None
+    assert not (data_dir / "hidden_states").exists() or not any((data_dir / "hidden_states").iterdir())
+    assert not any((data_dir / "draft_checkpoint" / "streamed_states").iterdir())
+    checks = {e.check_name: e for e in result.get_asset_check_evaluations()}
+    for name in ("config_complete", "loads_in_vllm"):
+        assert checks[name].passed, (name, checks[name].description)
+
+
+def _context_for(instance):
+    """What streamed_data_version reads of a context: the instance (validated_traces' recorded versions)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(instance=instance)
