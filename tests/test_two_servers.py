@@ -21,6 +21,7 @@ import pytest
 from dagster import DagsterInstance
 
 from eagle3_assets.core.generation import SERVER_DOWN_COOLDOWN_S
+from eagle3_assets.core.openai_client import openai_client
 from eagle3_assets.core.vllm_launcher import VLLMServer
 from eagle3_assets.prompts import prompts
 from eagle3_assets.raw_responses import raw_responses
@@ -73,6 +74,10 @@ def test_two_servers_share_a_shard_and_the_survivor_finishes_it_when_one_is_kill
 
     with VLLMServer(tiny_target, log_path=tmp_path / "second-vllm.log") as second:
         victim = second.base_url
+        # A fresh server's first generations are slow: warmed, it answers its share from the start, so
+        # the kill below falls mid-shard instead of after the warm session server has done nearly all.
+        with openai_client(victim, None, connect_timeout_s=5.0, read_timeout_s=120.0, max_retries=0) as client:
+            client.chat.completions.create(model=vllm_server.served_model_name, messages=[{"role": "user", "content": "Is 12 even?"}], max_tokens=16)
         resource = VLLMServerResource(
             base_urls=[survivor, victim], served_model_name=vllm_server.served_model_name,
             **{**FAST, "concurrency": CONCURRENCY, "connect_timeout_s": 5.0, "read_timeout_s": 300.0},
