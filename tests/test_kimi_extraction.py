@@ -94,10 +94,10 @@ def test_the_vllm_extraction_of_the_bf16_moe_target_passes_its_gate(kimi_target,
     # Every checked sample was judged against the pass that stored it, and on the 99.9 % threshold.
     assert logits.metadata["reference_passes"] == {"same_pass": SAMPLES, "separate_pass": 0}
     assert logits.metadata["threshold"] == DEFAULT_MIN_ARGMAX_AGREEMENT and logits.metadata["argmax_agreement"] >= 0.999
-    assert logits.metadata["positions"] > 1000
+    assert logits.metadata["positions"] == sum(t.num_tokens for t in kimi_traces if t.id in set(logits_ids(shard)))
     # Across engines (bf16 vLLM states against a transformers fp32 forward): its own figure and tolerance.
     assert logits.metadata["cross_engine_tolerance"] == DEFAULT_CROSS_ENGINE_MIN_AGREEMENT
-    assert DEFAULT_CROSS_ENGINE_MIN_AGREEMENT <= logits.metadata["cross_engine_argmax_agreement"] < 1.0
+    assert logits.metadata["cross_engine_argmax_agreement"] >= DEFAULT_CROSS_ENGINE_MIN_AGREEMENT
 
     # For the record (not asserted: it varies by run, which is why the gate no longer uses it): the same states
     # against a second vLLM pass, in which the MoE may route some tokens otherwise.
@@ -110,6 +110,12 @@ def test_the_vllm_extraction_of_the_bf16_moe_target_passes_its_gate(kimi_target,
     finally:
         backend._same_pass_references.update(recorded)
     print(f"kimi target, against a second vLLM pass: {second.description}")
+
+
+def logits_ids(shard) -> list[str]:
+    from eagle3_assets.core.hidden_state_checks import sample_ids_for_checks
+
+    return sample_ids_for_checks(shard, SAMPLES, SEED)
 
 
 def rewrite_final_states(shard, into, change) -> None:

@@ -323,7 +323,9 @@ def checked_build(name: str, out_dir: Path, spec, log: Callable[[str], None] = p
         if "greedy_token_ids" not in info:  # built before the check: check it once
             _build_process("fingerprint", name, str(out_dir), log=log)
             info = json.loads(info_path.read_text())
-            if info.get("greedy_token_ids") == recorded:
+            if "greedy_token_ids" not in info:
+                raise TargetBuildError(f"{name} target at {out_dir}: its greedy outputs could not be recorded in {info_path}")
+            if info["greedy_token_ids"] == recorded:
                 return out_dir
         difference = fingerprint_difference(info["greedy_token_ids"], recorded)
         if os.environ.get(ACCEPT_UNRECORDED_ENV) == "1":
