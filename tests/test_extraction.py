@@ -41,7 +41,7 @@ from eagle3_assets.core.hidden_state_checks import (
     check_final_state_reproduces_logits,
     check_states_match_traces,
 )
-from tests.extraction_helpers import write_validated_traces
+from tests.extraction_helpers import in_process_vllm_environment, write_validated_traces
 
 REPO = Path(__file__).resolve().parents[1]
 LAYER_IDS = (1, 4, 6)
@@ -310,18 +310,12 @@ def test_bad_traces_get_an_error_naming_the_file_and_the_sample(tmp_path):
 @pytest.fixture(scope="module")
 def vllm_backend(tiny_target, tmp_path_factory):
     """One vLLM engine for the module (extract_hidden_states + the CPU-safe connector), in this process."""
-    saved = {k: os.environ.get(k) for k in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_HOST_IP")}
-    os.environ.update({"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1"})
     from eagle3_assets.core.vllm_extraction import VLLMBackend
 
-    backend = VLLMBackend(tiny_target, LAYER_IDS, dtype="float32", max_model_len=512, scratch_dir=tmp_path_factory.mktemp("vllm-scratch"))
-    yield backend
-    backend.close()
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+    with in_process_vllm_environment():
+        backend = VLLMBackend(tiny_target, LAYER_IDS, dtype="float32", max_model_len=512, scratch_dir=tmp_path_factory.mktemp("vllm-scratch"))
+        yield backend
+        backend.close()
 
 
 @pytest.mark.vllm

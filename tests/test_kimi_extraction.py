@@ -9,7 +9,6 @@ when the stored states are wrong: shifted by one token, or scaled out of shape (
 
 from __future__ import annotations
 
-import os
 import shutil
 
 import pytest
@@ -27,6 +26,7 @@ from eagle3_assets.core.hidden_state_checks import (
 from eagle3_assets.core.stage_jobs import ExtractionRecipe
 from eagle3_assets.core.target import TargetHead, config_hash, load_tokenizer, vllm_engine_overrides
 from eagle3_assets.demo.prompt_set import make_traces
+from tests.extraction_helpers import in_process_vllm_environment
 
 pytestmark = pytest.mark.vllm
 LAYER_IDS = (2, 3, 4)
@@ -48,27 +48,21 @@ def kimi_traces(kimi_target) -> list[Trace]:
 @pytest.fixture(scope="module")
 def vllm_extraction(kimi_target, kimi_traces, tmp_path_factory):
     """The Kimi target's states through vLLM in bf16 (the stage's engine settings), the gate's samples named first."""
-    saved = {k: os.environ.get(k) for k in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_HOST_IP")}
-    os.environ.update({"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1"})
     from eagle3_assets.core.vllm_extraction import VLLMBackend
 
-    backend = VLLMBackend(
-        kimi_target, LAYER_IDS, dtype="bfloat16", max_model_len=1024, trust_remote_code=True,
-        scratch_dir=tmp_path_factory.mktemp("kimi-vllm-scratch"), engine_kwargs=vllm_engine_overrides(kimi_target),
-    )  # fmt: skip
-    shard = tmp_path_factory.mktemp("kimi-states") / "shard"
-    try:
-        keep_logits_references(backend, kimi_traces, SAMPLES, SEED)
-        settings = ExtractionSettings(str(kimi_target), config_hash(kimi_target), LAYER_IDS, dtype="bfloat16")
-        extract_shard(kimi_traces, shard, settings, backend)
-        yield backend, shard
-    finally:
-        backend.close()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    with in_process_vllm_environment():
+        backend = VLLMBackend(
+            kimi_target, LAYER_IDS, dtype="bfloat16", max_model_len=1024, trust_remote_code=True,
+            scratch_dir=tmp_path_factory.mktemp("kimi-vllm-scratch"), engine_kwargs=vllm_engine_overrides(kimi_target),
+        )  # fmt: skip
+        shard = tmp_path_factory.mktemp("kimi-states") / "shard"
+        try:
+            keep_logits_references(backend, kimi_traces, SAMPLES, SEED)
+            settings = ExtractionSettings(str(kimi_target), config_hash(kimi_target), LAYER_IDS, dtype="bfloat16")
+            extract_shard(kimi_traces, shard, settings, backend)
+            yield backend, shard
+        finally:
+            backend.close()
 
 
 @pytest.fixture(scope="module")
