@@ -77,6 +77,7 @@ ENVIRONMENT: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "EAGLE3_DAGSTER_URL": ("`http://127.0.0.1:3000`", "the webserver `python -m eagle3_assets.backfill` talks to", ()),
     "EAGLE3_DEMO_TARGET": ("`tiny`", "the built-in target `make demo` uses (`make demo DEMO_TARGET=kimi`)", ()),
     "EAGLE3_TINY_TARGET_DIR": ("`<data>/demo/tiny_target`", "where the built-in tiny target is cached (the tests use `.cache/`)", ()),
+    "EAGLE3_ACCEPT_TARGET_FINGERPRINT": ("`0`", "`1`: use a built-in target whose greedy outputs differ from the recorded ones (`eagle3_assets/demo/target_fingerprints.json`)", ()),
     "EAGLE3_KIMI_TARGET_DIR": ("`<data>/demo/kimi_target`", "where the built-in Kimi-family target is cached", ()),
     "EAGLE3_QWEN3_TARGET_DIR": ("`<data>/demo/qwen3_target`", "where the built-in Qwen3 target is cached", ()),
 }

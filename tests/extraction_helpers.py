@@ -11,6 +11,8 @@ trailing newline.
 
 from __future__ import annotations
 
+import os
+from contextlib import contextmanager
 from pathlib import Path
 
 import polars as pl
@@ -74,3 +76,18 @@ def write_validated_traces(data_dir: Path, shard: str, target_dir: Path, count: 
     with atomic_path(path) as tmp:  # with the identity of the target that rendered them, as validated_traces writes it
         pl.DataFrame(rows, schema=TRACES_SCHEMA).write_parquet(tmp, metadata=parquet_metadata(target_identity(target_dir)))
     return path
+
+
+@contextmanager
+def in_process_vllm_environment():
+    """What an in-process vLLM engine needs on this CPU host (a 1 GiB KV cache, a loopback address), put back after."""
+    saved = {k: os.environ.get(k) for k in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_HOST_IP")}
+    os.environ.update({"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1"})
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

@@ -41,7 +41,7 @@ from eagle3_assets.core.hidden_state_checks import (
     check_final_state_reproduces_logits,
     check_states_match_traces,
 )
-from tests.extraction_helpers import write_validated_traces
+from tests.extraction_helpers import in_process_vllm_environment, write_validated_traces
 
 REPO = Path(__file__).resolve().parents[1]
 LAYER_IDS = (1, 4, 6)
@@ -310,18 +310,12 @@ def test_bad_traces_get_an_error_naming_the_file_and_the_sample(tmp_path):
 @pytest.fixture(scope="module")
 def vllm_backend(tiny_target, tmp_path_factory):
     """One vLLM engine for the module (extract_hidden_states + the CPU-safe connector), in this process."""
-    saved = {k: os.environ.get(k) for k in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_HOST_IP")}
-    os.environ.update({"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1"})
     from eagle3_assets.core.vllm_extraction import VLLMBackend
 
-    backend = VLLMBackend(tiny_target, LAYER_IDS, dtype="float32", max_model_len=512, scratch_dir=tmp_path_factory.mktemp("vllm-scratch"))
-    yield backend
-    backend.close()
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+    with in_process_vllm_environment():
+        backend = VLLMBackend(tiny_target, LAYER_IDS, dtype="float32", max_model_len=512, scratch_dir=tmp_path_factory.mktemp("vllm-scratch"))
+        yield backend
+        backend.close()
 
 
 @pytest.mark.vllm
@@ -447,3 +441,25 @@ def plant_nan(part) -> None:
     with open(part, "r+b") as fh:
         fh.seek(aux_start + 4 * 7)
         fh.write(torch.tensor([float("nan")], dtype=torch.float32).numpy().tobytes())
+
+
+@pytest.mark.vllm
+def test_the_vllm_logits_gate_uses_the_pass_that_stored_the_states(tmp_path, tiny_target, traces, vllm_backend):
+    """The gate's samples named before extraction get vLLM's prompt logprobs in their capture requests; others a pass of their own."""
+    from eagle3_assets.core.hidden_state_checks import keep_logits_references, sample_ids_for_checks
+
+    keep_logits_references(vllm_backend, traces, 4, 0)
+    extract_shard(traces, tmp_path / "vllm", settings_for(tiny_target), vllm_backend)
+    head = TargetHead.from_checkpoint(tiny_target)
+    outcome = check_final_state_reproduces_logits(tmp_path / "vllm", head, vllm_backend.reference_argmax, samples=4)
+    assert outcome.passed and outcome.metadata["argmax_agreement"] == 1.0, outcome.description
+    assert outcome.metadata["reference_passes"] == {"same_pass": 4, "separate_pass": 0}
+    # Samples drawn with another seed were not named: their references come from a pass of their own, counted.
+    other_seed = check_final_state_reproduces_logits(tmp_path / "vllm", head, vllm_backend.reference_argmax, samples=4, seed=1)
+    assert other_seed.passed and other_seed.metadata["reference_passes"]["separate_pass"] > 0, other_seed.description
+    # The same-pass choices are the engine's own greedy choices: a second pass of this dense fp32 target agrees.
+    checked = {t.id: t for t in traces if t.id in set(sample_ids_for_checks(tmp_path / "vllm", 4, 0))}
+    same_pass = vllm_backend.reference_argmax([t.input_ids for t in checked.values()])
+    vllm_backend.keep_references([])  # forget them: the next call runs a pass of its own
+    second_pass = vllm_backend.reference_argmax([t.input_ids for t in checked.values()])
+    assert all(torch.equal(a, b) for a, b in zip(same_pass, second_pass))

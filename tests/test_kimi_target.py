@@ -24,7 +24,12 @@ from eagle3_assets.demo.kimi_target import (
     response_text,
 )
 from eagle3_assets.demo.prompt_set import demo_prompts, training_traces
-from tests.test_tiny_target import assert_fields_rebuild_what_the_model_wrote, assert_same_seed_builds_the_same, complete_reasoning_answers
+from tests.test_tiny_target import (
+    assert_built_as_recorded,
+    assert_fields_rebuild_what_the_model_wrote,
+    assert_same_seed_builds_the_same,
+    complete_reasoning_answers,
+)
 
 
 def load_tokenizer(path, **kwargs):
@@ -36,6 +41,10 @@ def load_tokenizer(path, **kwargs):
 def test_same_seed_builds_the_same_kimi_target(tmp_path):
     spec = dataclasses.replace(KimiTargetSpec(), train_steps=4)
     assert_same_seed_builds_the_same(build_kimi_target, spec, tmp_path, ("model.safetensors", BPE_FILE, "config.json", "tokenizer_config.json"))
+
+
+def test_the_kimi_target_does_what_was_recorded(kimi_target):
+    assert_built_as_recorded("kimi", kimi_target)
 
 
 def test_config_is_a_deepseek_v3_that_vllm_cpu_can_serve(kimi_target):
@@ -133,7 +142,7 @@ def test_vllm_serves_the_kimi_target_in_reasoning_format(kimi_vllm_server, kimi_
 
     # kimi_k2 split the model's own <think>...</think>: neither marker is left in either field, and the
     # platform rebuilds from the two fields the token sequence the model wrote.
-    assert_fields_rebuild_what_the_model_wrote(ChatRenderer(load_tokenizer(kimi_target, trust_remote_code=True)), complete)
+    assert_fields_rebuild_what_the_model_wrote(ChatRenderer(load_tokenizer(kimi_target, trust_remote_code=True)), complete, "kimi target")
 
 
 @pytest.mark.vllm

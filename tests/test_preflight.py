@@ -313,3 +313,71 @@ def _preflight(host: GPUHost, requirements: StageRequirements, **spec_overrides)
         cpu_allowed_by_host=host.allow_cpu,
     )
     return run_preflight({**spec, **spec_overrides})
+
+
+# -- the target pre-flight: a remote-code tokenizer recognised from the model directory ------------------
+
+OWN_VOCABULARY_TOKENIZER = '''
+from tokenizers import Tokenizer
+from transformers import PreTrainedTokenizerFast
+
+
+class OwnVocabularyTokenizer(PreTrainedTokenizerFast):
+    vocab_files_names = {"vocab_file": "own_vocabulary.json"}
+
+    def __init__(self, vocab_file=None, **kwargs):
+        kwargs.pop("tokenizer_object", None)
+        super().__init__(tokenizer_object=Tokenizer.from_file(vocab_file), **kwargs)
+'''
+
+
+def with_own_vocabulary_tokenizer(tiny_target: Path, where: Path) -> Path:
+    """The tiny target with its tokenizer made remote code the way Kimi's is: a class of the directory's own
+    (``auto_map``, ``tokenizer_class``) whose vocabulary is a file no transformers class reads, in a model
+    directory of DeepSeek-V3's model type (for which transformers, not trusted, skips ``auto_map`` silently)."""
+    shutil.copytree(tiny_target, where)
+    model_config = json.loads((where / "config.json").read_text())
+    (where / "config.json").write_text(json.dumps({**model_config, "model_type": "deepseek_v3"}))
+    (where / "tokenizer.json").rename(where / "own_vocabulary.json")
+    (where / "tokenization_own.py").write_text(OWN_VOCABULARY_TOKENIZER)
+    config = json.loads((where / "tokenizer_config.json").read_text())
+    config.update(tokenizer_class="OwnVocabularyTokenizer", auto_map={"AutoTokenizer": ["tokenization_own.OwnVocabularyTokenizer", None]})
+    (where / "tokenizer_config.json").write_text(json.dumps(config))
+    return where
+
+
+def test_a_remote_code_tokenizer_is_named_from_the_directory_not_from_the_error_text(tiny_target, tmp_path):
+    from transformers import AutoTokenizer
+
+    from eagle3_assets.core.target import TargetError, TargetSettings, load_tokenizer, preflight_problems, remote_code_tokenizer
+
+    remote = with_own_vocabulary_tokenizer(tiny_target, tmp_path / "own-vocabulary")
+    # The case of the issue: transformers' own failure says nothing of remote code.
+    with pytest.raises(Exception) as raw:
+        AutoTokenizer.from_pretrained(str(remote))
+    assert "Couldn't instantiate the backend tokenizer" in str(raw.value) and "remote" not in str(raw.value).lower(), raw.value
+
+    assert remote_code_tokenizer(tiny_target) is None
+    found = remote_code_tokenizer(remote)
+    assert (found.tokenizer_class, found.code, found.declared_in) == ("OwnVocabularyTokenizer", ("tokenization_own.py",), "tokenizer_config.json")
+    with pytest.raises(TargetError) as refused:
+        load_tokenizer(remote)
+    message = str(refused.value)
+    assert "EAGLE3_TRUST_REMOTE_CODE=1" in message and str(remote / "tokenization_own.py") in message, message
+    (problem,) = preflight_problems(TargetSettings(str(remote)), max_tokens=256, eval_max_tokens=128)
+    assert "EAGLE3_TRUST_REMOTE_CODE=1" in problem and "tokenization_own.py" in problem, problem
+
+    # Opted in, the directory's own class loads and the target passes its pre-flight.
+    assert type(load_tokenizer(remote, trust_remote_code=True)).__name__ == "OwnVocabularyTokenizer"
+    assert preflight_problems(TargetSettings(str(remote), trust_remote_code=True), max_tokens=256, eval_max_tokens=128) == []
+
+
+def test_a_tokenizer_class_transformers_lacks_without_code_for_it_is_named(tiny_target, tmp_path):
+    from eagle3_assets.core.target import TargetError, load_tokenizer, remote_code_tokenizer
+
+    where = shutil.copytree(tiny_target, tmp_path / "unknown-class")
+    config = json.loads((where / "tokenizer_config.json").read_text())
+    (where / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "NoSuchTokenizerAnywhere"}))
+    assert remote_code_tokenizer(where).code == ()
+    with pytest.raises(TargetError, match="NoSuchTokenizerAnywhere.*transformers does not ship.*no auto_map"):
+        load_tokenizer(where, trust_remote_code=True)

@@ -20,7 +20,12 @@ from eagle3_assets.demo.qwen3_target import (
     build_qwen3_target,
     response_text,
 )
-from tests.test_tiny_target import assert_fields_rebuild_what_the_model_wrote, assert_same_seed_builds_the_same, complete_reasoning_answers
+from tests.test_tiny_target import (
+    assert_built_as_recorded,
+    assert_fields_rebuild_what_the_model_wrote,
+    assert_same_seed_builds_the_same,
+    complete_reasoning_answers,
+)
 
 
 def load_tokenizer(path):
@@ -31,6 +36,10 @@ def load_tokenizer(path):
 
 def test_same_seed_builds_the_same_qwen3_target(tmp_path):
     assert_same_seed_builds_the_same(build_qwen3_target, dataclasses.replace(Qwen3TargetSpec(), train_steps=4), tmp_path)
+
+
+def test_the_qwen3_target_does_what_was_recorded(qwen3_target):
+    assert_built_as_recorded("qwen3", qwen3_target)
 
 
 def test_config_is_a_qwen3_with_grouped_query_attention(qwen3_target):
@@ -87,4 +96,4 @@ def test_vllm_serves_the_qwen3_target_in_reasoning_format(qwen3_vllm_server, qwe
 
     # The qwen3 parser dropped the <think> the model wrote and split at </think>: neither marker is left
     # in either field, and the platform rebuilds from the two fields the token sequence the model wrote.
-    assert_fields_rebuild_what_the_model_wrote(ChatRenderer(load_tokenizer(qwen3_target)), complete)
+    assert_fields_rebuild_what_the_model_wrote(ChatRenderer(load_tokenizer(qwen3_target)), complete, "qwen3 target")

@@ -50,12 +50,14 @@ def test_held_out_prompts_never_appear_in_the_demo_set():
 
 
 def chat(server, content, timeout_s: float = 120, **sampling):
-    body = {"model": server.served_model_name, "messages": [{"role": "user", "content": content}], **sampling}
+    """One chat completion; the choice, with the server's own token ids (``token_ids``, ``prompt_token_ids``)."""
+    body = {"model": server.served_model_name, "messages": [{"role": "user", "content": content}], "return_token_ids": True, **sampling}
     request = urllib.request.Request(
         f"{server.base_url}/v1/chat/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
     )
     with urllib.request.urlopen(request, timeout=timeout_s) as response:
-        return json.load(response)["choices"][0]
+        answer = json.load(response)
+    return {**answer["choices"][0], "prompt_token_ids": answer["prompt_token_ids"]}
 
 
 @pytest.mark.vllm
@@ -89,20 +91,79 @@ def complete_reasoning_answers(server, label: str, timeout_s: float = 120, count
     return complete
 
 
-def assert_fields_rebuild_what_the_model_wrote(renderer, complete: list[tuple[str, dict]]) -> None:
-    """The server's reasoning parser left no think marker in either field, and ``renderer`` rebuilds from the
-    two fields the token sequence the model wrote (its supervised text is exactly reasoning and answer)."""
-    for question, choice in complete:
+# Of the complete answers, at least this share must be in the target's format by the rule below: a tiny target
+# sampled at the demo's temperature sometimes writes a marker where it does not belong (one in ~90 was seen).
+MIN_WELL_FORMED_SHARE = 0.9
+
+
+def model_format_breach(tokenizer, choice: dict, think_open: str, think_close: str, model_opens_think: bool) -> str | None:
+    """Why the tokens the model wrote break its own reasoning format, or None when they follow it.
+
+    Judged on the server's ``token_ids`` (what the model generated, before any
+    parser), never on the parsed fields under test: one ``think_close``; a
+    ``think_open`` only as the first token, and only for a target whose model
+    opens its own think block; and ids that are the tokenizer's own encoding of
+    their text (a sampled non-canonical split, e.g. ``<`` ``think`` ``>``, cannot
+    be rendered back from text by any renderer).
+    """
+    ids = choice["token_ids"]
+    open_id, close_id = tokenizer.convert_tokens_to_ids(think_open), tokenizer.convert_tokens_to_ids(think_close)
+    opens = [i for i, t in enumerate(ids) if t == open_id]
+    if opens != ([0] if model_opens_think else []):
+        return f"{think_open} at token(s) {opens}"
+    if ids.count(close_id) != 1:
+        return f"{ids.count(close_id)} x {think_close}"
+    text = tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    if tokenizer(text, add_special_tokens=False)["input_ids"] != ids:
+        return "tokens that are not the tokenizer's encoding of their own text"
+    return None
+
+
+def assert_fields_rebuild_what_the_model_wrote(
+    renderer, complete: list[tuple[str, dict]], label: str = "target", token_exact_share: float = 1.0
+) -> None:
+    """On every complete answer that follows the model's format (:func:`model_format_breach`): the server's
+    reasoning parser left no think marker in either field, ``renderer`` rebuilds from the two fields a trace
+    whose supervised text is the completion rebuilt from them and whose prompt tokens are the server's, and on
+    at least ``token_exact_share`` of them (all, unless a caller names why not) its supervised tokens are
+    exactly the server's ``token_ids``: what the model wrote, not what the fields say."""
+    tokenizer = renderer.tokenizer
+    model_opens_think = not renderer.template_opens_think_block()
+    breaches = {q: model_format_breach(tokenizer, c, renderer.think_open, renderer.think_close, model_opens_think) for q, c in complete}
+    kept = [(q, c) for q, c in complete if breaches[q] is None]
+    apart = {q: why for q, why in breaches.items() if why}
+    print(f"{label}: {len(kept)}/{len(complete)} complete answers in the model's format; kept apart: {apart}")
+    assert len(kept) >= MIN_WELL_FORMED_SHARE * len(complete), apart
+    token_differences = {}
+    for question, choice in kept:
         reasoning, content = choice["message"]["reasoning"], choice["message"]["content"]
         assert THINK_OPEN not in reasoning + content and THINK_CLOSE not in reasoning + content, choice
         messages = [{"role": "user", "content": question}]
         trace = renderer.render(messages, reasoning, content)
         assert renderer.supervised_text_problem(trace.input_ids, trace.loss_mask, messages, reasoning, content) is None
+        assert [t for t, m in zip(trace.input_ids, trace.loss_mask) if not m] == choice["prompt_token_ids"], question
+        supervised = [t for t, m in zip(trace.input_ids, trace.loss_mask) if m]
+        difference = renderer.token_difference(supervised, choice["token_ids"], "completion")
+        if difference:
+            token_differences[question] = difference
+    exact = 1 - len(token_differences) / len(kept)
+    print(f"{label}: rendered completion tokens equal the server's token_ids on {exact:.1%} of kept rows; e.g. {list(token_differences.items())[:2]}")
+    assert exact >= token_exact_share, list(token_differences.items())[:3]
 
 
 @pytest.mark.vllm
-def test_ninety_percent_of_demo_responses_are_complete_reasoning(vllm_server):
-    complete_reasoning_answers(vllm_server, "tiny target")
+def test_ninety_percent_of_demo_responses_are_complete_reasoning(vllm_server, tiny_target):
+    from transformers import AutoTokenizer
+
+    from eagle3_assets.core.chat_rendering import ChatRenderer
+
+    complete = complete_reasoning_answers(vllm_server, "tiny target")
+    # Token-exact on 92 of 92 kept rows in one run; in another one kept row ("Is 32 even or odd?", the answer
+    # after </think> beginning with newlines) rendered two tokens more than the server's, not yet explained
+    # (core/chat_rendering.py's completion text against deepseek_r1's fields): 95 %, not 100 %, until it is.
+    assert_fields_rebuild_what_the_model_wrote(
+        ChatRenderer(AutoTokenizer.from_pretrained(tiny_target)), complete, "tiny target", token_exact_share=0.95
+    )
 
 
 def test_launcher_stops_the_whole_process_group_when_startup_fails(tmp_path):
@@ -114,3 +175,55 @@ def test_launcher_stops_the_whole_process_group_when_startup_fails(tmp_path):
     assert server.process is not None and server.process.poll() is not None
     with pytest.raises(ProcessLookupError):
         os.killpg(server.process.pid, signal.SIG_DFL or 0)
+
+
+# -- built the same on every machine: checked by what the build does ---------------------------------------------
+
+
+def assert_built_as_recorded(name: str, target_dir) -> None:
+    """The session's build of target ``name`` was checked: its greedy outputs are the ones recorded for its spec."""
+    from eagle3_assets.demo.target_building import BUILD_INFO, recorded_fingerprint, _spec
+
+    info = json.loads((target_dir / BUILD_INFO).read_text())
+    recorded = recorded_fingerprint(name, _spec(name))
+    assert recorded is not None, f"nothing recorded for the {name} target's spec: python -m eagle3_assets.demo.target_building record"
+    assert info["fingerprint"] == _spec(name).fingerprint and info["greedy_token_ids"] == recorded
+
+
+def test_the_tiny_target_does_what_was_recorded(tiny_target):
+    assert_built_as_recorded("tiny", tiny_target)
+
+
+def test_a_build_that_does_not_do_what_was_recorded_is_refused_and_a_stale_cache_rebuilt(tmp_path, monkeypatch):
+    """Fault injection: recorded greedy outputs that this build cannot match (one token changed)."""
+    from eagle3_assets.demo import target_building
+    from eagle3_assets.demo.target_building import BUILD_INFO, TargetBuildError, checked_build
+
+    spec = dataclasses.replace(TinyTargetSpec(), train_steps=4)
+    built = checked_build("tiny", tmp_path / "unrecorded", spec, log=lambda _: None)  # a spec nothing was recorded for
+    greedy = json.loads((built / BUILD_INFO).read_text())["greedy_token_ids"]
+    assert len(greedy) == 8 and all(len(tokens) == 24 for tokens in greedy)
+
+    recorded = [list(tokens) for tokens in greedy]
+    recorded[3][5] = (recorded[3][5] + 1) % spec.vocab_size
+    fingerprints = tmp_path / "target_fingerprints.json"
+    fingerprints.write_text(json.dumps({"tiny": {"spec_fingerprint": spec.fingerprint, "greedy_token_ids": recorded}}))
+    monkeypatch.setattr(target_building, "RECORDED_FINGERPRINTS", fingerprints)
+    monkeypatch.delenv(target_building.ACCEPT_UNRECORDED_ENV, raising=False)
+    lines = []
+    with pytest.raises(TargetBuildError, match=r"after prompt 3 .* greedy token 5 is .*EAGLE3_ACCEPT_TARGET_FINGERPRINT=1"):
+        checked_build("tiny", built, spec, log=lines.append)
+    assert any("rebuilding" in line for line in lines)  # the cached build was checked, found different, rebuilt
+
+    monkeypatch.setenv(target_building.ACCEPT_UNRECORDED_ENV, "1")
+    assert checked_build("tiny", built, spec, log=lambda _: None) == built
+
+    # Recorded as this build does: a cache from before the check is checked once, then used as it is.
+    fingerprints.write_text(json.dumps({"tiny": {"spec_fingerprint": spec.fingerprint, "greedy_token_ids": greedy}}))
+    info = json.loads((built / BUILD_INFO).read_text())
+    (built / BUILD_INFO).write_text(json.dumps({k: v for k, v in info.items() if k != "greedy_token_ids"}))
+    weights = file_hash(built / "model.safetensors")
+    lines.clear()
+    assert checked_build("tiny", built, spec, log=lines.append) == built
+    assert json.loads((built / BUILD_INFO).read_text())["greedy_token_ids"] == greedy
+    assert not any("rebuilding" in line or "step" in line for line in lines) and file_hash(built / "model.safetensors") == weights

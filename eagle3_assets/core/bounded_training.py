@@ -57,7 +57,7 @@ from pathlib import Path
 import torch
 
 from eagle3_assets.core.extraction import ExtractionSettings, TargetFacts, extract_shard, read_traces
-from eagle3_assets.core.hidden_state_checks import check_target_matches_traces, gate_extracted_shard
+from eagle3_assets.core.hidden_state_checks import check_target_matches_traces, gate_extracted_shard, keep_logits_references
 from eagle3_assets.core.stage_jobs import BoundedRun, StreamedShard, shard_check_seed
 from eagle3_assets.core.storage import fsync_dir, stable_hash, write_bytes_atomic, write_json_atomic
 from eagle3_assets.core.target import TargetHead, identity_in_parquet, load_head_weights, target_identity
@@ -360,6 +360,7 @@ def _train_bounded(run: BoundedRun, backend, reference_states, emit: OnEvent, de
         outcomes = [check_target_matches_traces(identity, identity_in_parquet(Path(item.shard.traces)))]
         started = time.monotonic()
         if outcomes[0].passed:  # nothing is extracted for a target that did not render the traces
+            keep_logits_references(backend, traces, run.extraction.logits_check_samples, shard_check_seed(item.shard.key))
             report = extract_shard(traces, shard_dir, settings, backend, on_event=lambda e: e["event"] in ("batch", "part") and peak.measure())
             outcomes += gate_extracted_shard(
                 shard_dir, traces, gate_head, backend.reference_argmax, settings.aux_layer_ids, facts, reference_states,

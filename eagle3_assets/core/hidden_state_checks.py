@@ -7,11 +7,19 @@
   ``validated_traces`` shard, each with the same tokens and loss mask;
 - ``final_state_reproduces_logits``: the target's ``lm_head`` applied to the
   stored final states (after the target's final norm when the sidecar says
-  ``pre_norm``) gives the argmax of the target's own forward pass on sampled
-  positions; a flip between two tokens whose logits are closer than the
-  storage dtype's rounding can separate is a tie, not a fault (a flat
-  distribution after a sampled token has many of them in bf16, and more in
-  8-bit storage, whose bound :func:`storage_unit_roundoff` derives);
+  ``pre_norm``) gives the argmax of the engine that produced them on sampled
+  positions, held at ``min_argmax_agreement`` (99.9 %). For the vLLM backend
+  that argmax comes from the very pass that captured the states (its prompt
+  logprobs, :func:`keep_logits_references`): a second pass of a bf16 MoE
+  target may route some tokens to other experts, and would then check
+  another forward than the one stored. A flip between two tokens whose logits
+  are closer than the storage dtype's rounding (and the engine's own logit
+  rounding) can separate is a tie, not a fault (a flat distribution after a
+  sampled token has many of them in bf16, and more in 8-bit storage, whose
+  bound :func:`storage_unit_roundoff` derives). Where a transformers fp32
+  forward is at hand for a vLLM extraction, the agreement *across engines* is
+  its own figure with its own tolerance (:data:`DEFAULT_CROSS_ENGINE_MIN_AGREEMENT`):
+  bf16 against fp32 differs by more than rounding ties even on a dense model;
 - ``aux_states_match_layer_ids``: the sidecar's layer ids are the configured
   ones, and, where a transformers reference is at hand, each stored aux block
   is closest to ``hidden_states[k]`` for exactly the id ``k`` the sidecar
@@ -32,7 +40,7 @@ from typing import Any
 import torch
 
 from eagle3_assets.core.checks import CheckOutcome
-from eagle3_assets.core.extraction import TargetFacts, Trace, iter_samples, read_sidecar
+from eagle3_assets.core.extraction import TargetFacts, Trace, iter_samples, read_sidecar, storage_order
 from eagle3_assets.core.state_layout import FP8_DTYPE
 from eagle3_assets.core.target import TargetHead, TargetIdentity
 
@@ -40,6 +48,11 @@ from eagle3_assets.core.target import TargetHead, TargetIdentity
 GATES = ("target_matches_traces", "states_finite", "states_match_traces", "final_state_reproduces_logits", "aux_states_match_layer_ids")
 MAX_EXAMPLES = 10
 DEFAULT_MIN_ARGMAX_AGREEMENT = 0.999
+# Stored states of a bf16 engine against an fp32 forward of another engine (transformers). Measured: a demo
+# shard extracted in bf16 on an H200 and in fp32 on a CPU agree on 99.78 % of final-state argmaxes (a dense
+# model); the bf16 MoE tiny Kimi target, vLLM against transformers here: see docs/hidden-states.md. Not a tie
+# bound: bf16 moves every state, and a token routed to other experts moves further.
+DEFAULT_CROSS_ENGINE_MIN_AGREEMENT = 0.99
 
 
 def storage_unit_roundoff(dtype: str, width: int) -> float:
@@ -60,7 +73,15 @@ def storage_unit_roundoff(dtype: str, width: int) -> float:
     return torch.finfo(getattr(torch, dtype)).eps / 2
 
 
-def rounding_margin(head: TargetHead, normed: torch.Tensor, token_a: torch.Tensor, token_b: torch.Tensor, dtype: str) -> torch.Tensor:
+def rounding_margin(
+    head: TargetHead,
+    normed: torch.Tensor,
+    token_a: torch.Tensor,
+    token_b: torch.Tensor,
+    dtype: str,
+    logits: torch.Tensor | None = None,
+    reference_dtype: str | None = None,
+) -> torch.Tensor:
     """How far apart rounding the states to ``dtype`` can move the logits of ``token_a`` and ``token_b``.
 
     A state stored in ``dtype`` moves by at most ``u * |h|``
@@ -68,11 +89,18 @@ def rounding_margin(head: TargetHead, normed: torch.Tensor, token_a: torch.Tenso
     the scaled 8-bit format's bound for it), so the gap
     ``(w_a - w_b) . h`` moves by at most ``u * |h| * |w_a - w_b|``.
     Doubled: the final norm and the reference's own forward (bf16 on a
-    GPU) round once more.
+    GPU) round once more. An engine that hands out its logits in a 16-bit
+    ``reference_dtype`` (vLLM serving bf16) rounds each of them once more,
+    to within ``u' * |l|``: two logits closer than that are equal to it.
     """
     unit_roundoff = storage_unit_roundoff(dtype, normed.shape[-1])
     spread = (head.lm_head[token_a] - head.lm_head[token_b]).norm(dim=-1)
-    return 2 * unit_roundoff * normed.norm(dim=-1) * spread
+    margin = 2 * unit_roundoff * normed.norm(dim=-1) * spread
+    if logits is not None and reference_dtype is not None and reference_dtype != "float32":
+        engine_roundoff = torch.finfo(getattr(torch, reference_dtype)).eps / 2
+        pair = logits.gather(1, token_a[:, None])[:, 0].abs() + logits.gather(1, token_b[:, None])[:, 0].abs()
+        margin = margin + engine_roundoff * pair.to(margin.device)
+    return margin
 
 
 # -- the gates ---------------------------------------------------------------------------
@@ -141,9 +169,29 @@ def check_states_match_traces(shard_dir: Path, traces: Sequence[Trace]) -> Check
     )
 
 
-def sample_ids_for_checks(shard_dir: Path, count: int, seed: int) -> list[str]:
-    ids = list(read_sidecar(shard_dir)["sample_ids"])
+def checked_ids(ids_in_storage_order: Sequence[str], count: int, seed: int) -> list[str]:
+    """The ``count`` sample ids a gate checks, drawn with ``seed`` from a shard's ids in storage order."""
+    ids = list(ids_in_storage_order)
     return sorted(random.Random(seed).sample(ids, min(count, len(ids))))
+
+
+def sample_ids_for_checks(shard_dir: Path, count: int, seed: int) -> list[str]:
+    return checked_ids(read_sidecar(shard_dir)["sample_ids"], count, seed)
+
+
+def keep_logits_references(backend: Any, traces: Sequence[Trace], samples: int, seed: int) -> None:
+    """Before extraction: name to ``backend`` the samples ``final_state_reproduces_logits`` will check.
+
+    A backend that can (vLLM's) then records its own greedy choice for them in
+    the pass that captures their states, so the gate compares the stored states
+    with the logits of that same forward. The draw is the gate's own
+    (:func:`checked_ids` over the storage order that the sidecar will list).
+    """
+    keep = getattr(backend, "keep_references", None)
+    if keep is None:
+        return
+    chosen = set(checked_ids([traces[i].id for i in storage_order(traces)], samples, seed))
+    keep([trace.input_ids for trace in traces if trace.id in chosen])
 
 
 def check_final_state_reproduces_logits(
@@ -155,15 +203,31 @@ def check_final_state_reproduces_logits(
     max_positions: int = 4096,
     min_agreement: float = DEFAULT_MIN_ARGMAX_AGREEMENT,
     seed: int = 0,
+    reference_dtype: str | None = None,
+    cross_engine_argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    cross_engine_min_agreement: float = DEFAULT_CROSS_ENGINE_MIN_AGREEMENT,
 ) -> CheckOutcome:
-    """The ``lm_head`` on the stored final states picks the same token as the target's own forward pass."""
+    """The ``lm_head`` on the stored final states picks the same token as the engine that produced them.
+
+    ``reference_argmax`` is that engine's greedy choice per position (for the
+    vLLM backend, from the capture pass itself where the samples were named
+    before extraction); ``reference_dtype`` the dtype its logits come in.
+    ``cross_engine_argmax`` (optional) is another engine's choice for one
+    sequence, e.g. transformers in fp32 for a vLLM extraction: its agreement is
+    reported as its own figure and held at ``cross_engine_min_agreement``,
+    with exact comparison (a precision difference is not a tie).
+    """
     sidecar = read_sidecar(shard_dir)
     chosen = set(sample_ids_for_checks(shard_dir, samples, seed))
     sequences = {sample.id: sample.input_ids for sample in iter_samples(shard_dir, only=chosen)}
+    engine = getattr(reference_argmax, "__self__", None)
+    passes_before = dict(getattr(engine, "reference_passes", None) or {})
     references = dict(zip(sequences, reference_argmax(list(sequences.values()))))  # one call: vLLM batches them
+    passes = {k: v - passes_before.get(k, 0) for k, v in (getattr(engine, "reference_passes", None) or {}).items()}
     rng = random.Random(seed + 1)
     per_sample_budget = max(1, max_positions // max(1, len(chosen)))
     agree = total = ties = 0
+    cross_agree = cross_total = 0
     disagreements: list[dict[str, Any]] = []
     for sample in iter_samples(shard_dir, only=chosen):
         reference = references[sample.id].cpu()
@@ -175,12 +239,16 @@ def check_final_state_reproduces_logits(
         stored = logits.argmax(dim=-1)
         expected = reference[index]
         gap = logits.gather(1, stored[:, None])[:, 0] - logits.gather(1, expected[:, None])[:, 0]
-        margin = rounding_margin(head, normed, stored, expected, sidecar["dtype"]).cpu()
+        margin = rounding_margin(head, normed, stored, expected, sidecar["dtype"], logits, reference_dtype).cpu()
         tie = (stored != expected) & (gap <= margin)
         same = (stored == expected) | tie
         agree += int(same.sum())
         ties += int(tie.sum())
         total += len(positions)
+        if cross_engine_argmax is not None:
+            other = cross_engine_argmax(sample.input_ids).cpu()[index]
+            cross_agree += int((other == stored).sum())
+            cross_total += len(positions)
         for j in (~same).nonzero().flatten().tolist()[:3]:
             disagreements.append(
                 {
@@ -193,13 +261,25 @@ def check_final_state_reproduces_logits(
                 }
             )
     agreement = agree / total if total else 0.0
-    passed = total > 0 and agreement >= min_agreement
+    cross_agreement = cross_agree / cross_total if cross_total else None
+    same_engine_passed = total > 0 and agreement >= min_agreement
+    cross_passed = cross_agreement is None or cross_agreement >= cross_engine_min_agreement
+    passed = same_engine_passed and cross_passed
+    how = ", ".join(f"{n} from {k.replace('_', ' ')}" for k, n in passes.items() if n) or "from the engine's own forward"
+    description = (
+        f"argmax agreement {agreement:.4%} with the producing engine on {total} sampled positions of {len(chosen)} samples "
+        f"({'>=' if same_engine_passed else '<'} {min_agreement:.1%}; references {how}; final state {sidecar['final_state']}; "
+        f"{ties} rounding ties)"
+    )
+    if cross_agreement is not None:
+        description += (
+            f"; across engines (stored states against transformers fp32) {cross_agreement:.4%} "
+            f"({'>=' if cross_passed else '<'} the tolerance {cross_engine_min_agreement:.1%})"
+        )
     return CheckOutcome(
         name="final_state_reproduces_logits",
         passed=passed,
-        description=f"argmax agreement {agreement:.4%} on {total} sampled positions of {len(chosen)} samples "
-        f"({'>=' if passed else '<'} {min_agreement:.1%}; final state {sidecar['final_state']}; "
-        f"{ties} rounding ties)",
+        description=description,
         metadata={
             "argmax_agreement": agreement,
             "threshold": min_agreement,
@@ -207,6 +287,13 @@ def check_final_state_reproduces_logits(
             "rounding_ties": ties,
             "samples": len(chosen),
             "final_state": sidecar["final_state"],
+            "reference_passes": passes or {"own_forward": len(chosen)},
+            "reference_logits_dtype": reference_dtype or "float32",
+            **(
+                {"cross_engine_argmax_agreement": cross_agreement, "cross_engine_tolerance": cross_engine_min_agreement}
+                if cross_agreement is not None
+                else {}
+            ),
             "disagreements": disagreements[:MAX_EXAMPLES],
             "offending_ids": sorted({d["id"] for d in disagreements})[:MAX_EXAMPLES],
         },
@@ -329,7 +416,17 @@ def gate_extracted_shard(
 
     ``recipe`` is an :class:`~eagle3_assets.core.stage_jobs.ExtractionRecipe`: the
     ``hidden_states`` stage and bounded-disk training gate their shards alike.
+    ``reference_argmax`` is the producing backend's; for a vLLM extraction with a
+    transformers reference at hand (``reference_states``), the agreement across
+    engines is computed too, from that reference's post-norm ``hidden_states[L]``.
     """
+    engine = getattr(reference_argmax, "__self__", None)
+    cross_engine = None
+    if reference_states is not None and getattr(engine, "name", None) == "vllm":
+
+        def cross_engine(input_ids: torch.Tensor) -> torch.Tensor:
+            return head.logits(reference_states(input_ids)[-1], "post_norm").argmax(dim=-1)
+
     return [
         check_states_finite(shard_dir),
         check_states_match_traces(shard_dir, traces),
@@ -341,6 +438,9 @@ def gate_extracted_shard(
             max_positions=recipe.logits_check_positions,
             min_agreement=recipe.min_argmax_agreement,
             seed=seed,
+            reference_dtype=getattr(engine, "logits_dtype", None),
+            cross_engine_argmax=cross_engine,
+            cross_engine_min_agreement=getattr(recipe, "cross_engine_min_argmax_agreement", DEFAULT_CROSS_ENGINE_MIN_AGREEMENT),
         ),
         check_aux_states_match_layer_ids(shard_dir, aux_layer_ids, facts, reference_states, samples=recipe.aux_check_samples, seed=seed),
     ]

@@ -15,6 +15,15 @@ final norm. So this backend stores the final state ``pre_norm``; readers apply
 the target's final norm before its ``lm_head`` (the sidecar says so), and the
 training sees the same inputs as with the transformers backend.
 
+The gate ``final_state_reproduces_logits`` compares the stored final states
+with the engine's own greedy choice. Asked in a second pass, a bf16 MoE target
+can route a token to other experts than in the pass that produced the states
+(another batch, other rounding): the reference would then be another forward.
+So the samples the gate will check are named before extraction
+(:meth:`VLLMBackend.keep_references`), and their capture requests also ask for
+prompt logprobs: vLLM computes them from the very hidden states the connector
+writes, in the same step, in the engine's own precision.
+
 On CPU the stock ``ExampleHiddenStatesConnector`` allocates pinned memory
 for its asynchronous copy, which kills the engine; :class:`SyncHiddenStatesConnector`
 copies synchronously there and defers to the stock code on GPUs.
@@ -176,6 +185,16 @@ class VLLMBackend:
         # With the engine core in this process nothing steps it between our calls, so the
         # connector's last writes wait for a step we drive; a separate core process steps itself.
         self._engine_in_process = isinstance(self.llm.llm_engine.engine_core, InprocClient)
+        # The engine's greedy choice per position of the sequences the gate will check, from their capture pass.
+        self._wanted_references: set[bytes] = set()
+        self._same_pass_references: dict[bytes, torch.Tensor] = {}
+        self.reference_passes = {"same_pass": 0, "separate_pass": 0}
+        self.logits_dtype = str(self.llm.llm_engine.model_config.dtype).removeprefix("torch.")
+
+    def keep_references(self, sequences: Sequence[Sequence[int]]) -> None:
+        """Record the engine's argmax for these sequences in the pass that captures their states (for the gate)."""
+        self._wanted_references = {_key(s) for s in sequences}
+        self._same_pass_references.clear()
 
     # -- the backend protocol
 
@@ -198,15 +217,18 @@ class VLLMBackend:
         from vllm import SamplingParams
 
         self._check_lengths(sequences)
+        plain = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+        with_reference = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1, detokenize=False)
+        keys = [_key(s) for s in sequences]
         outputs = self.llm.generate(
             [{"prompt_token_ids": _token_list(s)} for s in sequences],
-            SamplingParams(max_tokens=1, temperature=0.0, detokenize=False),
+            [with_reference if key in self._wanted_references else plain for key in keys],
             use_tqdm=False,
         )
         aux_columns = [self.engine_layer_ids.index(k) for k in self.aux_layer_ids]
         final_column = self.engine_layer_ids.index(self.num_layers)
         results = []
-        for sequence, output in zip(sequences, outputs):
+        for key, sequence, output in zip(keys, sequences, outputs):
             states = self._load(output)  # [T, n_ids, H]
             token_ids = states["token_ids"]
             if token_ids.tolist() != _token_list(sequence):
@@ -214,26 +236,40 @@ class VLLMBackend:
             hidden = states["hidden_states"]
             aux = torch.cat([hidden[:, c] for c in aux_columns], dim=-1).to(dtype)
             results.append((aux, hidden[:, final_column].to(dtype)))
+            if output.prompt_logprobs is not None:
+                self._same_pass_references[key] = _greedy_choices(output)
         return results
 
     def reference_argmax(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
-        """The target's own greedy choice after each position, from vLLM's prompt logprobs (for the checks)."""
+        """The engine's own greedy choice after each position (for the gates), from vLLM's prompt logprobs.
+
+        From the pass that captured the states where :meth:`keep_references`
+        named the sequence; otherwise (a part kept from an interrupted run) from
+        a pass of its own, counted in :attr:`reference_passes`.
+        """
         from vllm import SamplingParams
 
-        self._check_lengths(sequences)
-        outputs = self.llm.generate(
-            [{"prompt_token_ids": _token_list(s)} for s in sequences],
-            SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1, detokenize=False),
-            use_tqdm=False,
-        )
-        choices = []
-        for output in outputs:
-            self._discard(output)
-            # Entry i is the distribution after token i-1; rank 1 is its argmax.
-            row = [next(t for t, logprob in entry.items() if logprob.rank == 1) for entry in output.prompt_logprobs[1:]]
-            row.append(output.outputs[0].token_ids[0])  # after the last token: the greedy output token
-            choices.append(torch.tensor(row, dtype=torch.long))
-        return choices
+        choices: dict[int, torch.Tensor] = {}
+        separate = []
+        for position, sequence in enumerate(sequences):
+            recorded = self._same_pass_references.get(_key(sequence))
+            if recorded is not None:
+                choices[position] = recorded
+            else:
+                separate.append(position)
+        self.reference_passes["same_pass"] += len(choices)
+        self.reference_passes["separate_pass"] += len(separate)
+        if separate:
+            self._check_lengths([sequences[p] for p in separate])
+            outputs = self.llm.generate(
+                [{"prompt_token_ids": _token_list(sequences[p])} for p in separate],
+                SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1, detokenize=False),
+                use_tqdm=False,
+            )
+            for position, output in zip(separate, outputs):
+                self._discard(output)
+                choices[position] = _greedy_choices(output)
+        return [choices[p] for p in range(len(sequences))]
 
     def close(self) -> None:
         llm, self.llm = getattr(self, "llm", None), None
@@ -309,6 +345,18 @@ def _restore_environ(values: dict[str, str | None]) -> None:
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+def _greedy_choices(output) -> torch.Tensor:
+    """The argmax after every position of a request's prompt (rank 1 of its prompt logprobs), then its greedy output token."""
+    # Entry i is the distribution after token i-1 (entry 0, before the first token, is None).
+    row = [next(t for t, logprob in entry.items() if logprob.rank == 1) for entry in output.prompt_logprobs[1:]]
+    row.append(output.outputs[0].token_ids[0])
+    return torch.tensor(row, dtype=torch.long)
+
+
+def _key(sequence) -> bytes:
+    return torch.as_tensor(_token_list(sequence), dtype=torch.int64).numpy().tobytes()
 
 
 def _token_list(sequence) -> list[int]:

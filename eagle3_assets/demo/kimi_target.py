@@ -48,7 +48,7 @@ from pathlib import Path
 from eagle3_assets.core.storage import file_hash, stable_hash
 from eagle3_assets.core.target import CPU_MLA_COMPILATION_CONFIG
 from eagle3_assets.demo.target_building import (
-    cached_build,
+    checked_build,
     generation_prompt,
     train_and_save,
     trained_tokenizer,
@@ -236,5 +236,5 @@ def build_kimi_target(out_dir: Path, spec: KimiTargetSpec = KimiTargetSpec(), lo
 
 
 def ensure_kimi_target(out_dir: Path, spec: KimiTargetSpec = KimiTargetSpec(), log=print) -> Path:
-    """The cached target at ``out_dir``, rebuilt only when missing or built from another spec."""
-    return cached_build(Path(out_dir), spec.fingerprint, lambda path: build_kimi_target(path, spec, log=log))
+    """The cached target at ``out_dir``, rebuilt when missing, built from another spec or doing other than recorded."""
+    return checked_build("kimi", Path(out_dir), spec, log=log)

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from eagle3_assets.core.storage import stable_hash
 from eagle3_assets.demo.target_building import (
-    cached_build,
+    checked_build,
     train_and_save,
     trained_tokenizer,
     training_conversations,
@@ -136,5 +136,5 @@ def build_qwen3_target(out_dir: Path, spec: Qwen3TargetSpec = Qwen3TargetSpec(),
 
 
 def ensure_qwen3_target(out_dir: Path, spec: Qwen3TargetSpec = Qwen3TargetSpec(), log=print) -> Path:
-    """The cached target at ``out_dir``, rebuilt only when missing or built from another spec."""
-    return cached_build(Path(out_dir), spec.fingerprint, lambda path: build_qwen3_target(path, spec, log=log))
+    """The cached target at ``out_dir``, rebuilt when missing, built from another spec or doing other than recorded."""
+    return checked_build("qwen3", Path(out_dir), spec, log=log)

@@ -21,7 +21,7 @@ from pathlib import Path
 from eagle3_assets.core.storage import stable_hash
 from eagle3_assets.demo.prompt_set import training_traces
 from eagle3_assets.demo.target_building import (
-    cached_build,
+    checked_build,
     train_and_save,
     trained_tokenizer,
     training_conversations,
@@ -111,5 +111,5 @@ def build_tiny_target(out_dir: Path, spec: TinyTargetSpec = TinyTargetSpec(), lo
 
 
 def ensure_tiny_target(out_dir: Path, spec: TinyTargetSpec = TinyTargetSpec(), log=print) -> Path:
-    """The cached target at ``out_dir``, rebuilt only when missing or built from another spec."""
-    return cached_build(Path(out_dir), spec.fingerprint, lambda path: build_tiny_target(path, spec, log=log))
+    """The cached target at ``out_dir``, rebuilt when missing, built from another spec or doing other than recorded."""
+    return checked_build("tiny", Path(out_dir), spec, log=log)

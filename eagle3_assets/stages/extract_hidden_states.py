@@ -150,7 +150,7 @@ def _extract_and_check(job: ExtractionJob, log, facts, traces, shard_dir: Path, 
     import torch
 
     from eagle3_assets.core.extraction import ExtractionSettings, extract_shard
-    from eagle3_assets.core.hidden_state_checks import gate_extracted_shard
+    from eagle3_assets.core.hidden_state_checks import gate_extracted_shard, keep_logits_references
     from eagle3_assets.core.state_layout import state_bytes_per_token
     from eagle3_assets.core.target import TargetHead
 
@@ -172,6 +172,8 @@ def _extract_and_check(job: ExtractionJob, log, facts, traces, shard_dir: Path, 
     log(f"{STAGE}: {backend.name} backend ready in {load_s:.0f}s ({'cuda' if torch.cuda.is_available() else 'cpu'})")
     opened = [backend]
     try:
+        # The logits gate compares with the engine's own choice in the pass that captures the states.
+        keep_logits_references(backend, traces, job.logits_check_samples, job.check_seed)
         report = extract_shard(traces, shard_dir, settings, backend, on_event=Progress(log))
         log(
             f"{STAGE}: {report.parts_written} part(s) written, {report.parts_reused} kept, "
