@@ -20,16 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_assets.core.preflight import (
-    GPUMemory,
-    StageLock,
-    StageRequirements,
-    evaluate_gpus,
-    evaluate_unit,
-    lock_holder,
-    parse_nvidia_smi_csv,
-    systemd_unit_state,
-)
+from eagle3_assets.core.preflight import GPUMemory, evaluate_gpus, evaluate_unit, lock_holder, parse_nvidia_smi_csv, systemd_unit_state
+from eagle3_assets.core.stage_lock import StageLock
+from eagle3_assets.core.stage_requirements import StageRequirements
 from eagle3_assets.core.remote import SSHTarget, remote_shell_command
 from resources.gpu_host import GPUHost
 
@@ -300,7 +293,8 @@ time.sleep(120)
 
 def _preflight(host: GPUHost, requirements: StageRequirements, **spec_overrides) -> dict:
     """Run the host-side pre-flight with some spec fields replaced (e.g. a missing nvidia-smi)."""
-    from eagle3_assets.core.preflight import build_spec, run_preflight
+    from eagle3_assets.core.preflight import run_preflight
+    from eagle3_assets.core.stage_requirements import build_spec
     from eagle3_assets.core.storage import PARTIAL_SUFFIX
 
     spec = build_spec(

@@ -19,8 +19,12 @@ import polars as pl
 import pytest
 from dagster import DagsterInstance, RunConfig, materialize
 
-from eagle3_assets.core import target as core_target
-from eagle3_assets.core.target import TargetError, TargetSettings, default_aux_layer_ids, preflight_problems, vllm_serving
+from eagle3_assets.core.target_head import HeadWeightNames
+from eagle3_assets.core.target_identity import config_hash
+from eagle3_assets.core.tokenizer_loading import load_tokenizer
+from eagle3_assets.core.target import TargetError, default_aux_layer_ids
+from eagle3_assets.core.target_preflight import TargetSettings, preflight_problems
+from eagle3_assets.core.target_serving import vllm_serving
 from eagle3_assets.partitions import register_shards
 from resources.target_model import TargetModel
 
@@ -97,7 +101,7 @@ def test_the_preflight_refuses_repeated_ids_a_short_context_and_remote_code_with
     refused = preflight_problems(TargetSettings(str(remote)), max_tokens=256, eval_max_tokens=128)
     assert len(refused) == 1 and "remote code" in refused[0] and "target_model.trust_remote_code" in refused[0]
     with pytest.raises(TargetError, match="EAGLE3_TRUST_REMOTE_CODE"):
-        core_target.load_tokenizer(remote)
+        load_tokenizer(remote)
     assert preflight_problems(TargetSettings(str(remote), trust_remote_code=True), max_tokens=256, eval_max_tokens=128) == []
 
 
@@ -147,7 +151,7 @@ def test_hidden_states_refuses_another_model_than_the_one_that_rendered_the_trac
     checks = {e.check_name: e for e in result.get_asset_check_evaluations()}
     assert not checks["target_matches_traces"].passed
     description = checks["target_matches_traces"].description
-    assert str(other) in description and core_target.config_hash(tiny_target) in description
+    assert str(other) in description and config_hash(tiny_target) in description
     assert not list((data_dir / "hidden_states" / SHARD).glob("part-*.safetensors"))  # no GPU time spent on the wrong model
 
 
@@ -206,10 +210,10 @@ def test_the_target_head_gives_the_targets_own_logits_from_pre_and_post_norm_sta
     import torch
     from transformers import AutoModelForCausalLM
 
-    from eagle3_assets.core.target import TargetHead, head_weight_names
+    from eagle3_assets.core.target_head import TargetHead, head_weight_names
 
     path = request.getfixturevalue(fixture)
-    assert head_weight_names(path) == core_target.HeadWeightNames("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
+    assert head_weight_names(path) == HeadWeightNames("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
     # float32 throughout: a bf16 checkpoint (Kimi) is upcast exactly as the head reads it
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     ids = torch.randint(0, model.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))
@@ -230,7 +234,7 @@ def test_the_target_head_gives_the_targets_own_logits_from_pre_and_post_norm_sta
 
 def test_the_head_weights_are_found_by_name_in_a_wrapped_checkpoint(tmp_path):
     """Kimi-K2.5 prefixes the language model's names, and a vision tower brings norms of its own."""
-    from eagle3_assets.core.target import HeadWeightNames, head_weight_names
+    from eagle3_assets.core.target_head import HeadWeightNames, head_weight_names
 
     wrapped = [
         "vision_tower.norm.weight",
