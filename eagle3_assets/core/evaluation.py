@@ -160,7 +160,8 @@ def untrained_twin(trained_dir: Path, out_dir: Path, seed: int = 0) -> Path:
 
 def load_conversations(source: str) -> tuple[list[str], list[list[dict]]]:
     """Ids and messages of an evaluation prompt set (any dataset form the prompts asset reads)."""
-    from eagle3_assets.core.prompt_loading import RowRejected, iter_dataset_rows, normalise_record
+    from eagle3_assets.core.prompt_records import RowRejected, normalise_record
+    from eagle3_assets.core.prompt_sources import iter_dataset_rows
 
     ids, conversations = [], []
     for row in iter_dataset_rows(source):
