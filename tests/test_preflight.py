@@ -283,7 +283,8 @@ def test_a_lock_held_in_this_process_is_seen_and_released():
 
 LOCK_HOLDER_SOURCE = """
 import os, sys, time, pathlib
-from eagle3_assets.core.preflight import StageLock, process_cmdline
+from eagle3_assets.core.stage_lock import StageLock
+from eagle3_assets.core.preflight import process_cmdline
 lock = StageLock(sys.argv[1])
 assert lock.try_acquire({"pid": os.getpid(), "cmdline": process_cmdline(os.getpid())}) is None
 pathlib.Path(sys.argv[2]).touch()
