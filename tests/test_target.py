@@ -22,7 +22,7 @@ from dagster import DagsterInstance, RunConfig, materialize
 from eagle3_assets.core.target_head import HeadWeightNames
 from eagle3_assets.core.target_identity import config_hash
 from eagle3_assets.core.tokenizer_loading import load_tokenizer
-from eagle3_assets.core.target import TargetError, default_aux_layer_ids
+from eagle3_assets.core.target import TargetDescription, TargetError, default_aux_layer_ids
 from eagle3_assets.core.target_preflight import TargetSettings, preflight_problems
 from eagle3_assets.core.target_serving import vllm_serving
 from eagle3_assets.partitions import register_shards
@@ -84,6 +84,30 @@ def test_default_layer_ids_are_vllms_when_distinct_and_never_repeat():
     for layers in range(3, 64):
         ids = default_aux_layer_ids(layers)
         assert len(set(ids)) == 3 and all(0 < i <= layers for i in ids), (layers, ids)
+
+
+def test_the_layer_ids_are_checked_in_one_place_whoever_is_handed_them(tmp_path):
+    """The resource, the pre-flight and the extraction backends all refuse bad ids with the one check's words."""
+    from eagle3_assets.core.extraction import ExtractionInputError, validate_layer_ids
+
+    config = {"num_hidden_layers": 6, "hidden_size": 64, "vocab_size": 320, "max_position_embeddings": 2048}
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": config}))  # a multimodal wrapper's nesting
+    described = TargetDescription.read(tmp_path)
+    assert described == TargetDescription(str(tmp_path), 6, 64, 320, 2048, tuple(default_aux_layer_ids(6)))
+    assert TargetModel(path=str(tmp_path)).layer_ids() == default_aux_layer_ids(6)
+
+    for ids, problem in (([2, 3, 3], "repeated id"), ([0, 2, 4], "each must be in 1..6"), ([2, 4], "exactly three ids")):
+        with pytest.raises(TargetError) as caught:
+            TargetDescription.read(tmp_path, ids)
+        message = str(caught.value)
+        assert problem in message and "EAGLE3_AUX_LAYER_IDS" in message, message
+        with pytest.raises(TargetError, match=problem):
+            TargetModel(path=str(tmp_path), aux_layer_ids=ids).layer_ids()
+        with pytest.raises(ExtractionInputError) as extraction:
+            validate_layer_ids(ids, 6)
+        assert str(extraction.value) == message
+        # the pre-flight goes on to the tokenizer (none here) but names the ids first, in the same words
+        assert preflight_problems(TargetSettings(str(tmp_path), aux_layer_ids=tuple(ids)), max_tokens=256, eval_max_tokens=128)[0] == message
 
 
 def test_the_preflight_passes_the_demo_target(tiny_target):
