@@ -40,7 +40,9 @@ os.environ.setdefault("EAGLE3_TINY_TARGET_DIR", str(REPO / ".cache" / "tiny_targ
 
 import aiohttp  # noqa: E402
 
-from eagle3_assets.core.generation import GenerationConfig, Sample, generate_shard  # noqa: E402
+from eagle3_assets.core.completions import Sample  # noqa: E402
+from eagle3_assets.core.generation import generate_shard  # noqa: E402
+from eagle3_assets.core.generation_config import GenerationConfig  # noqa: E402
 
 CONCURRENCY = 64
 STUB_REPLY = {
@@ -77,7 +79,7 @@ async def sdk_client(url: str, bodies: list[dict], concurrency: int) -> tuple[in
     """
     from openai import AsyncOpenAI, DefaultAioHttpClient
 
-    from eagle3_assets.core.generation import parse_completion
+    from eagle3_assets.core.completions import parse_completion
 
     http = DefaultAioHttpClient()
     async with AsyncOpenAI(base_url=url + "/v1", api_key="unused", http_client=http, max_retries=0) as client:

@@ -121,7 +121,7 @@ def train_bounded_mode(shard_paths: list[Path], mapping: Path, target: Path, wor
     from eagle3_assets.core.bounded_training import train_bounded
     from eagle3_assets.core.extraction import TransformersBackend
     from eagle3_assets.core.stage_jobs import BoundedRun, ExtractionRecipe, StageTarget, StreamedShard
-    from eagle3_assets.core.target import target_identity
+    from eagle3_assets.core.target_identity import target_identity
     from eagle3_assets.core.training.config import TrainConfig
 
     torch.set_num_threads(threads)

@@ -42,7 +42,7 @@ def child(spec: dict) -> dict:
     import torch
 
     from eagle3_assets.core.draft_model import DraftConfig, Eagle3Draft
-    from eagle3_assets.core.target import TargetHead
+    from eagle3_assets.core.target_head import TargetHead
     from eagle3_assets.core.training.loss import TrainingTimeTest
     from eagle3_assets.core.vocab import build_vocab_mapping
 

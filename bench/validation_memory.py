@@ -42,7 +42,7 @@ def write_shard(root: Path, rows: int, sentences: int) -> int:
     import polars as pl
 
     from eagle3_assets.core.prompt_loading import PROMPTS_SCHEMA
-    from eagle3_assets.core.validation import RAW_RESPONSES_SCHEMA
+    from eagle3_assets.core.trace_files import RAW_RESPONSES_SCHEMA
 
     prompts, raw, text_bytes = [], [], 0
     for i in range(rows):
@@ -64,7 +64,9 @@ def child(root: Path, target: Path, batch_rows: int) -> None:
     from transformers import AutoTokenizer
 
     from eagle3_assets.core.chat_rendering import ChatRenderer
-    from eagle3_assets.core.validation import ValidationRules, mask_alignment_problems, validate_shard, written_token_lengths
+    from eagle3_assets.core.mask_alignment import mask_alignment_problems
+    from eagle3_assets.core.trace_files import written_token_lengths
+    from eagle3_assets.core.validation import ValidationRules, validate_shard
 
     renderer = ChatRenderer(AutoTokenizer.from_pretrained(target))
     renderer.render([{"role": "user", "content": "warm up"}], "r", "c")

@@ -35,7 +35,7 @@ from dagster import (
 from pydantic import Field
 
 from eagle3_assets.config_fields import config_field, settings_of
-from eagle3_assets.core.preflight import StageRequirements
+from eagle3_assets.core.stage_requirements import StageRequirements
 from eagle3_assets.core.shard_paths import SIDECAR, ShardPaths
 from eagle3_assets.core.stage_jobs import BoundedRun, ExportGates, HiddenStatesSource, TrainingJob
 from eagle3_assets.core.storage import asset_dir, stable_hash

@@ -27,7 +27,7 @@ from dagster import AssetExecutionContext
 
 from eagle3_assets.config_fields import settings_of
 from eagle3_assets.core.bounded_training import describe_estimate
-from eagle3_assets.core.preflight import StageRequirements
+from eagle3_assets.core.stage_requirements import StageRequirements
 from eagle3_assets.core.shard_paths import ShardPaths
 from eagle3_assets.core.stage_jobs import (
     BoundedModeError,

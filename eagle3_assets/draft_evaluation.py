@@ -27,7 +27,7 @@ from pydantic import Field
 from eagle3_assets.config_fields import config_field, settings_of
 from eagle3_assets.core.evaluation import load_conversations
 from eagle3_assets.core.heldout import held_out_prompts
-from eagle3_assets.core.preflight import StageRequirements
+from eagle3_assets.core.stage_requirements import StageRequirements
 from eagle3_assets.core.shard_files import read_shard_parquet
 from eagle3_assets.core.shard_paths import training_shards
 from eagle3_assets.core.speculation_depth import validated_k_values

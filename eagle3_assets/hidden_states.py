@@ -33,7 +33,7 @@ from dagster._core.definitions.data_version import extract_data_version_from_ent
 from eagle3_assets.check_results import check_result
 from eagle3_assets.config_fields import config_field, settings_of
 from eagle3_assets.core.checks import CheckOutcome
-from eagle3_assets.core.preflight import StageRequirements
+from eagle3_assets.core.stage_requirements import StageRequirements
 from eagle3_assets.core.shard_files import read_shard_parquet
 from eagle3_assets.core.shard_paths import ShardPaths
 from eagle3_assets.core.stage_jobs import ExtractionJob, StageTarget, shard_check_seed

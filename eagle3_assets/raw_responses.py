@@ -34,14 +34,10 @@ from dagster import (
     asset,
 )
 
-from eagle3_assets.core.generation import (
-    PreflightError,
-    Sample,
-    ServerUnavailableError,
-    completion_length_histogram,
-    generate_shard,
-    shard_summary,
-)
+from eagle3_assets.core.completions import Sample
+from eagle3_assets.core.generation import ServerUnavailableError, generate_shard
+from eagle3_assets.core.generation_client import PreflightError
+from eagle3_assets.core.generation_report import completion_length_histogram, shard_summary
 from eagle3_assets.check_results import check_result, share_at_most
 from eagle3_assets.core.redaction import redact_credentials, redact_url
 from eagle3_assets.core.response_rules import DEFAULT_MIN_REASONING_SHARE
@@ -50,7 +46,7 @@ from eagle3_assets.core.shard_lease import ShardLease
 from eagle3_assets.core.stage_jobs import EVAL_MAX_TOKENS
 from eagle3_assets.core.shard_paths import ShardPaths
 from eagle3_assets.core.storage import file_hash, stable_hash
-from eagle3_assets.core.validation import check_reasoning_present
+from eagle3_assets.core.trace_gates import check_reasoning_present
 from eagle3_assets.partitions import sample_shards
 from eagle3_assets.prompts import prompts
 from resources.target_model import TargetModel

@@ -37,12 +37,12 @@ from eagle3_assets.core.journal import parquet_generation
 from eagle3_assets.core.response_rules import DEFAULT_MIN_REASONING_SHARE
 from eagle3_assets.core.shard_files import quarantine_if_corrupt, verify_shard_parquet
 from eagle3_assets.core.shard_lease import ShardLease
-from eagle3_assets.core.target import parquet_metadata
+from eagle3_assets.core.target_identity import parquet_metadata
 from eagle3_assets.core.shard_paths import ShardPaths
 from eagle3_assets.core.storage import data_dir, file_hash, stable_hash
-from eagle3_assets.core.validation import (
-    REJECTION_REASONS,
-    ValidationRules,
+from eagle3_assets.core.mask_alignment import mask_alignment_problems
+from eagle3_assets.core.trace_files import written_ids, written_token_lengths
+from eagle3_assets.core.trace_gates import (
     check_loss_mask_aligned,
     check_prompts_fit_context,
     check_reasoning_present,
@@ -51,13 +51,10 @@ from eagle3_assets.core.validation import (
     check_think_markers_absent,
     check_traces_present,
     check_truncation_rate_low,
-    mask_alignment_problems,
     token_length_histogram_markdown,
     token_length_stats,
-    validate_shard,
-    written_ids,
-    written_token_lengths,
 )
+from eagle3_assets.core.validation import REJECTION_REASONS, ValidationRules, validate_shard
 from eagle3_assets.partitions import sample_shards
 from resources.target_model import TargetModel
 

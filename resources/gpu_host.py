@@ -45,7 +45,8 @@ from dagster._core.errors import DagsterPipesExecutionError
 from pydantic import Field
 
 from eagle3_assets.core import preflight as preflight_module
-from eagle3_assets.core.preflight import STAGE_PACKAGE, StageRequirements, build_spec, validate_stage_name
+from eagle3_assets.core.preflight import STAGE_PACKAGE
+from eagle3_assets.core.stage_requirements import StageRequirements, build_spec, validate_stage_name
 from eagle3_assets.core.remote import HostConnection, HostError, SSHTarget, StageProcess
 from eagle3_assets.core.storage import DATA_DIR_ENV, PARTIAL_SUFFIX, data_dir
 from resources.pools import ensure_pool_limit

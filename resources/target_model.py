@@ -23,6 +23,9 @@ from dagster import ConfigurableResource
 from pydantic import Field, PrivateAttr
 
 from eagle3_assets.core import target as core_target
+from eagle3_assets.core.target_identity import TargetIdentity, config_hash, target_identity
+from eagle3_assets.core.target_preflight import TargetSettings, preflight_problems
+from eagle3_assets.core.tokenizer_loading import load_tokenizer
 
 PATH_ENV = "EAGLE3_TARGET_MODEL"
 TRUST_REMOTE_CODE_ENV = "EAGLE3_TRUST_REMOTE_CODE"
@@ -100,10 +103,10 @@ class TargetModel(ConfigurableResource):
         return core_target.text_config(self.config())
 
     def config_hash(self) -> str:
-        return core_target.config_hash(self.resolved_path())
+        return config_hash(self.resolved_path())
 
-    def identity(self) -> core_target.TargetIdentity:
-        return core_target.target_identity(self.resolved_path())
+    def identity(self) -> TargetIdentity:
+        return target_identity(self.resolved_path())
 
     def num_layers(self) -> int:
         return int(self.text_config()["num_hidden_layers"])
@@ -114,14 +117,18 @@ class TargetModel(ConfigurableResource):
     def context_length(self) -> int | None:
         return core_target.context_length(self.config())
 
+    def description(self) -> core_target.TargetDescription:
+        """The target as configured, its layer ids checked (TargetError naming the setting when they do not fit)."""
+        return core_target.TargetDescription.read(self.resolved_path(), self.aux_layer_ids)
+
     def layer_ids(self) -> list[int]:
-        return core_target.validated_layer_ids(self.aux_layer_ids, self.num_layers())
+        return list(self.description().aux_layer_ids)
 
     def load_tokenizer(self):
-        return core_target.load_tokenizer(self.resolved_path(), self.trust_remote_code)
+        return load_tokenizer(self.resolved_path(), self.trust_remote_code)
 
-    def settings(self) -> core_target.TargetSettings:
-        return core_target.TargetSettings(
+    def settings(self) -> TargetSettings:
+        return TargetSettings(
             path=str(self.resolved_path()),
             trust_remote_code=self.trust_remote_code,
             aux_layer_ids=tuple(self.aux_layer_ids) if self.aux_layer_ids else None,
@@ -137,7 +144,7 @@ class TargetModel(ConfigurableResource):
         return ChatRenderer(self.load_tokenizer(), self.think_open, self.think_close, self.end_of_turn)
 
     def preflight_problems(self, *, max_tokens: int, eval_max_tokens: int) -> list[str]:
-        return core_target.preflight_problems(self.settings(), max_tokens=max_tokens, eval_max_tokens=eval_max_tokens)
+        return preflight_problems(self.settings(), max_tokens=max_tokens, eval_max_tokens=eval_max_tokens)
 
     def stage_extras(self) -> dict:
         """What a GPU stage needs to load this target exactly as configured."""

@@ -51,13 +51,9 @@ from dagster import ConfigurableResource, DagsterInstance, EnvVar
 from pydantic import Field
 
 from eagle3_assets.config_fields import config_field, settings_of
-from eagle3_assets.core.generation import (
-    DEFAULT_CANARY_MAX_TOKENS,
-    DEFAULT_CANARY_PROMPT,
-    DEFAULT_PROGRESS_INTERVAL_S,
-    GenerationConfig,
-    Sampling,
-)
+from eagle3_assets.core.generation import DEFAULT_PROGRESS_INTERVAL_S
+from eagle3_assets.core.generation_client import DEFAULT_CANARY_MAX_TOKENS, DEFAULT_CANARY_PROMPT
+from eagle3_assets.core.generation_config import GenerationConfig, Sampling
 from eagle3_assets.core.openai_client import async_openai_client, openai_client
 from eagle3_assets.core.redaction import has_credentials, redact_url
 from eagle3_assets.core.vllm_launcher import DEFAULT_SERVED_NAME

@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from eagle3_assets.core.draft_model import DraftConfig, Eagle3Draft
 from eagle3_assets.core.export import export_draft
-from eagle3_assets.core.target import load_head_weights
+from eagle3_assets.core.target_head import load_head_weights
 from eagle3_assets.core.training.loss import shift_left
 from eagle3_assets.core.vocab import (
     build_vocab_mapping,

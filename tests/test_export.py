@@ -18,7 +18,7 @@ from dagster import AssetKey, RunConfig, materialize
 from safetensors.torch import load_file, save_file
 
 from eagle3_assets.core.export import REQUIRED_FIELDS, check_loads_in_vllm, config_problems, export_draft
-from eagle3_assets.core.target import load_head_weights
+from eagle3_assets.core.target_head import load_head_weights
 from eagle3_assets.core.training.curves import render_curve
 from eagle3_assets.draft_checkpoint import DraftTrainingConfig
 from eagle3_assets.vocab_mapping import VocabMappingConfig, vocab_mapping

@@ -34,7 +34,7 @@ from eagle3_assets.core.extraction import (
     read_traces,
 )
 from eagle3_assets.core.storage import file_hash, stable_hash
-from eagle3_assets.core.target import TargetHead, rms_norm
+from eagle3_assets.core.target_head import TargetHead, rms_norm
 from eagle3_assets.core.hidden_state_checks import (
     rounding_margin,
     check_aux_states_match_layer_ids,

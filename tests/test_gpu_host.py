@@ -32,7 +32,8 @@ from dagster import (
     materialize,
 )
 
-from eagle3_assets.core.preflight import StageRequirements, lock_holder, process_cmdline, stray_stage_processes
+from eagle3_assets.core.preflight import lock_holder, process_cmdline, stray_stage_processes
+from eagle3_assets.core.stage_requirements import StageRequirements
 from eagle3_assets.core.vllm_launcher import free_port
 from eagle3_assets.gpu_host_ready import gpu_host_ready_job
 from eagle3_assets.hidden_states import HiddenStatesConfig, hidden_states

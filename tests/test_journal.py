@@ -7,7 +7,7 @@ import json
 import polars as pl
 import pytest
 
-from eagle3_assets.core.generation import ROW_SCHEMA
+from eagle3_assets.core.completions import ROW_SCHEMA
 from eagle3_assets.core.journal import (
     JournalCorruptError,
     ShardJournal,

@@ -20,16 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_assets.core.preflight import (
-    GPUMemory,
-    StageLock,
-    StageRequirements,
-    evaluate_gpus,
-    evaluate_unit,
-    lock_holder,
-    parse_nvidia_smi_csv,
-    systemd_unit_state,
-)
+from eagle3_assets.core.preflight import GPUMemory, evaluate_gpus, evaluate_unit, lock_holder, parse_nvidia_smi_csv, systemd_unit_state
+from eagle3_assets.core.stage_lock import StageLock
+from eagle3_assets.core.stage_requirements import StageRequirements
 from eagle3_assets.core.remote import SSHTarget, remote_shell_command
 from resources.gpu_host import GPUHost
 
@@ -290,7 +283,8 @@ def test_a_lock_held_in_this_process_is_seen_and_released():
 
 LOCK_HOLDER_SOURCE = """
 import os, sys, time, pathlib
-from eagle3_assets.core.preflight import StageLock, process_cmdline
+from eagle3_assets.core.stage_lock import StageLock
+from eagle3_assets.core.preflight import process_cmdline
 lock = StageLock(sys.argv[1])
 assert lock.try_acquire({"pid": os.getpid(), "cmdline": process_cmdline(os.getpid())}) is None
 pathlib.Path(sys.argv[2]).touch()
@@ -300,7 +294,8 @@ time.sleep(120)
 
 def _preflight(host: GPUHost, requirements: StageRequirements, **spec_overrides) -> dict:
     """Run the host-side pre-flight with some spec fields replaced (e.g. a missing nvidia-smi)."""
-    from eagle3_assets.core.preflight import build_spec, run_preflight
+    from eagle3_assets.core.preflight import run_preflight
+    from eagle3_assets.core.stage_requirements import build_spec
     from eagle3_assets.core.storage import PARTIAL_SUFFIX
 
     spec = build_spec(
@@ -349,7 +344,9 @@ def with_own_vocabulary_tokenizer(tiny_target: Path, where: Path) -> Path:
 def test_a_remote_code_tokenizer_is_named_from_the_directory_not_from_the_error_text(tiny_target, tmp_path):
     from transformers import AutoTokenizer
 
-    from eagle3_assets.core.target import TargetError, TargetSettings, load_tokenizer, preflight_problems, remote_code_tokenizer
+    from eagle3_assets.core.target import TargetError
+    from eagle3_assets.core.target_preflight import TargetSettings, preflight_problems
+    from eagle3_assets.core.tokenizer_loading import load_tokenizer, remote_code_tokenizer
 
     remote = with_own_vocabulary_tokenizer(tiny_target, tmp_path / "own-vocabulary")
     # The case of the issue: transformers' own failure says nothing of remote code.
@@ -373,7 +370,8 @@ def test_a_remote_code_tokenizer_is_named_from_the_directory_not_from_the_error_
 
 
 def test_a_tokenizer_class_transformers_lacks_without_code_for_it_is_named(tiny_target, tmp_path):
-    from eagle3_assets.core.target import TargetError, load_tokenizer, remote_code_tokenizer
+    from eagle3_assets.core.target import TargetError
+    from eagle3_assets.core.tokenizer_loading import load_tokenizer, remote_code_tokenizer
 
     where = shutil.copytree(tiny_target, tmp_path / "unknown-class")
     config = json.loads((where / "tokenizer_config.json").read_text())

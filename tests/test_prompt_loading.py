@@ -13,7 +13,8 @@ from contextlib import contextmanager
 import polars as pl
 import pytest
 
-from eagle3_assets.core.prompt_loading import DatasetReadError, count_rows, load_shard
+from eagle3_assets.core.prompt_loading import count_rows, load_shard
+from eagle3_assets.core.prompt_sources import DatasetReadError
 from eagle3_assets.core.sharding import shard_keys_for
 
 

@@ -19,11 +19,15 @@ import pytest
 from transformers import AutoTokenizer
 
 from eagle3_assets.core.chat_rendering import ChatRenderer
-from eagle3_assets.core.generation import GenerationConfig, Sample, generate_shard, generation_fingerprint
+from eagle3_assets.core.completions import Sample
+from eagle3_assets.core.generation import generate_shard, generation_fingerprint
+from eagle3_assets.core.generation_config import GenerationConfig
 from eagle3_assets.core.journal import ShardJournal
 from eagle3_assets.core.prompt_loading import PROMPTS_SCHEMA
 from eagle3_assets.core.response_rules import content_failures
-from eagle3_assets.core.validation import ValidationRules, check_loss_mask_aligned, mask_alignment_problems, validate_shard
+from eagle3_assets.core.mask_alignment import mask_alignment_problems
+from eagle3_assets.core.trace_gates import check_loss_mask_aligned
+from eagle3_assets.core.validation import ValidationRules, validate_shard
 from eagle3_assets.demo.prompt_set import demo_prompts
 from eagle3_assets.demo.plugin import MAX_TOKENS as DEMO_MAX_TOKENS
 from eagle3_assets.demo.plugin import TEMPERATURE as DEMO_TEMPERATURE

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from dagster import AssetExecutionContext, DagsterEventType, DagsterInstance, asset, materialize
 
-from eagle3_assets.core.generation import GenerationConfig, Sampling
+from eagle3_assets.core.generation_config import GenerationConfig, Sampling
 from eagle3_assets.core.job_schema import DESCRIPTION, default_of
-from eagle3_assets.core.preflight import StageRequirements
+from eagle3_assets.core.stage_requirements import StageRequirements
 from eagle3_assets.core.stage_jobs import (
     BoundedRun,
     BoundedTrainingJob,

@@ -42,7 +42,7 @@ from eagle3_assets.core.hidden_state_checks import (
     storage_unit_roundoff,
 )
 from eagle3_assets.core.state_layout import FP8_DTYPE, bytes_per_token, state_bytes_per_token
-from eagle3_assets.core.target import TargetHead
+from eagle3_assets.core.target_head import TargetHead
 from eagle3_assets.core.training.checkpoints import export_trained_draft
 from eagle3_assets.core.training.config import TrainConfig
 from eagle3_assets.core.training.data import index_hidden_states

@@ -19,8 +19,12 @@ import polars as pl
 import pytest
 from dagster import DagsterInstance, RunConfig, materialize
 
-from eagle3_assets.core import target as core_target
-from eagle3_assets.core.target import TargetError, TargetSettings, default_aux_layer_ids, preflight_problems, vllm_serving
+from eagle3_assets.core.target_head import HeadWeightNames
+from eagle3_assets.core.target_identity import config_hash
+from eagle3_assets.core.tokenizer_loading import load_tokenizer
+from eagle3_assets.core.target import TargetDescription, TargetError, default_aux_layer_ids
+from eagle3_assets.core.target_preflight import TargetSettings, preflight_problems
+from eagle3_assets.core.target_serving import vllm_serving
 from eagle3_assets.partitions import register_shards
 from resources.target_model import TargetModel
 
@@ -82,6 +86,30 @@ def test_default_layer_ids_are_vllms_when_distinct_and_never_repeat():
         assert len(set(ids)) == 3 and all(0 < i <= layers for i in ids), (layers, ids)
 
 
+def test_the_layer_ids_are_checked_in_one_place_whoever_is_handed_them(tmp_path):
+    """The resource, the pre-flight and the extraction backends all refuse bad ids with the one check's words."""
+    from eagle3_assets.core.extraction import ExtractionInputError, validate_layer_ids
+
+    config = {"num_hidden_layers": 6, "hidden_size": 64, "vocab_size": 320, "max_position_embeddings": 2048}
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": config}))  # a multimodal wrapper's nesting
+    described = TargetDescription.read(tmp_path)
+    assert described == TargetDescription(str(tmp_path), 6, 64, 320, 2048, tuple(default_aux_layer_ids(6)))
+    assert TargetModel(path=str(tmp_path)).layer_ids() == default_aux_layer_ids(6)
+
+    for ids, problem in (([2, 3, 3], "repeated id"), ([0, 2, 4], "each must be in 1..6"), ([2, 4], "exactly three ids")):
+        with pytest.raises(TargetError) as caught:
+            TargetDescription.read(tmp_path, ids)
+        message = str(caught.value)
+        assert problem in message and "EAGLE3_AUX_LAYER_IDS" in message, message
+        with pytest.raises(TargetError, match=problem):
+            TargetModel(path=str(tmp_path), aux_layer_ids=ids).layer_ids()
+        with pytest.raises(ExtractionInputError) as extraction:
+            validate_layer_ids(ids, 6)
+        assert str(extraction.value) == message
+        # the pre-flight goes on to the tokenizer (none here) but names the ids first, in the same words
+        assert preflight_problems(TargetSettings(str(tmp_path), aux_layer_ids=tuple(ids)), max_tokens=256, eval_max_tokens=128)[0] == message
+
+
 def test_the_preflight_passes_the_demo_target(tiny_target):
     assert preflight_problems(TargetSettings(str(tiny_target)), max_tokens=256, eval_max_tokens=128) == []
 
@@ -97,7 +125,7 @@ def test_the_preflight_refuses_repeated_ids_a_short_context_and_remote_code_with
     refused = preflight_problems(TargetSettings(str(remote)), max_tokens=256, eval_max_tokens=128)
     assert len(refused) == 1 and "remote code" in refused[0] and "target_model.trust_remote_code" in refused[0]
     with pytest.raises(TargetError, match="EAGLE3_TRUST_REMOTE_CODE"):
-        core_target.load_tokenizer(remote)
+        load_tokenizer(remote)
     assert preflight_problems(TargetSettings(str(remote), trust_remote_code=True), max_tokens=256, eval_max_tokens=128) == []
 
 
@@ -147,7 +175,7 @@ def test_hidden_states_refuses_another_model_than_the_one_that_rendered_the_trac
     checks = {e.check_name: e for e in result.get_asset_check_evaluations()}
     assert not checks["target_matches_traces"].passed
     description = checks["target_matches_traces"].description
-    assert str(other) in description and core_target.config_hash(tiny_target) in description
+    assert str(other) in description and config_hash(tiny_target) in description
     assert not list((data_dir / "hidden_states" / SHARD).glob("part-*.safetensors"))  # no GPU time spent on the wrong model
 
 
@@ -206,10 +234,10 @@ def test_the_target_head_gives_the_targets_own_logits_from_pre_and_post_norm_sta
     import torch
     from transformers import AutoModelForCausalLM
 
-    from eagle3_assets.core.target import TargetHead, head_weight_names
+    from eagle3_assets.core.target_head import TargetHead, head_weight_names
 
     path = request.getfixturevalue(fixture)
-    assert head_weight_names(path) == core_target.HeadWeightNames("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
+    assert head_weight_names(path) == HeadWeightNames("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
     # float32 throughout: a bf16 checkpoint (Kimi) is upcast exactly as the head reads it
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     ids = torch.randint(0, model.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))
@@ -230,7 +258,7 @@ def test_the_target_head_gives_the_targets_own_logits_from_pre_and_post_norm_sta
 
 def test_the_head_weights_are_found_by_name_in_a_wrapped_checkpoint(tmp_path):
     """Kimi-K2.5 prefixes the language model's names, and a vision tower brings norms of its own."""
-    from eagle3_assets.core.target import HeadWeightNames, head_weight_names
+    from eagle3_assets.core.target_head import HeadWeightNames, head_weight_names
 
     wrapped = [
         "vision_tower.norm.weight",

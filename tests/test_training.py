@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from eagle3_assets.core.draft_model import DraftConfig, Eagle3Draft
 from eagle3_assets.core.export import export_draft, read_draft_dir
 from eagle3_assets.core.storage import write_json_atomic
-from eagle3_assets.core.target import TargetHead, load_head_weights
+from eagle3_assets.core.target_head import TargetHead, load_head_weights
 from eagle3_assets.core.training.checkpoints import latest_checkpoint, run_fingerprint
 from eagle3_assets.core.training.config import TrainConfig
 from eagle3_assets.core.training.data import HiddenStateIndex, index_hidden_states, load_batch

@@ -20,7 +20,7 @@ import polars as pl
 import pytest
 from dagster import DagsterInstance
 
-from eagle3_assets.core.generation import SERVER_DOWN_COOLDOWN_S
+from eagle3_assets.core.generation_client import SERVER_DOWN_COOLDOWN_S
 from eagle3_assets.core.openai_client import openai_client
 from eagle3_assets.core.vllm_launcher import VLLMServer
 from eagle3_assets.prompts import prompts

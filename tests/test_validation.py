@@ -17,20 +17,16 @@ from transformers import AutoTokenizer
 from eagle3_assets.core.chat_rendering import ChatRenderer
 from eagle3_assets.core.prompt_loading import PROMPTS_SCHEMA
 from eagle3_assets.core.storage import asset_dir, write_parquet_atomic
-from eagle3_assets.core.validation import (
-    KEPT_SCHEMA,
-    RAW_RESPONSES_SCHEMA,
-    REJECTED_SCHEMA,
-    ValidationInputError,
-    ValidationRules,
+from eagle3_assets.core.mask_alignment import mask_alignment_problems
+from eagle3_assets.core.trace_files import KEPT_SCHEMA, RAW_RESPONSES_SCHEMA, REJECTED_SCHEMA, ValidationInputError
+from eagle3_assets.core.trace_gates import (
     check_reasoning_present,
     check_responses_accounted,
     check_truncation_rate_low,
-    mask_alignment_problems,
     token_length_histogram_markdown,
     token_length_stats,
-    validate_shard,
 )
+from eagle3_assets.core.validation import ValidationRules, validate_shard
 from eagle3_assets.partitions import register_shards, sample_shards
 from eagle3_assets.validated_traces import validated_traces
 from resources.target_model import TargetModel
@@ -488,7 +484,7 @@ def test_a_gates_outcome_reaches_dagster_through_the_one_adapter_and_over_pipes(
 
     from eagle3_assets.check_results import check_result
     from eagle3_assets.core.checks import CheckOutcome
-    from eagle3_assets.core.validation import check_truncation_rate_low
+    from eagle3_assets.core.trace_gates import check_truncation_rate_low
 
     outcome = check_truncation_rate_low(10, ["q1", "q2"], 0.05)
     assert (outcome.name, outcome.passed, outcome.figure, outcome.threshold, outcome.offending_ids) == ("truncation_rate_low", False, 0.2, 0.05, ["q1", "q2"])

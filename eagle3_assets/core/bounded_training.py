@@ -60,7 +60,8 @@ from eagle3_assets.core.extraction import ExtractionSettings, TargetFacts, extra
 from eagle3_assets.core.hidden_state_checks import check_target_matches_traces, gate_extracted_shard, keep_logits_references
 from eagle3_assets.core.stage_jobs import BoundedRun, StreamedShard, shard_check_seed
 from eagle3_assets.core.storage import fsync_dir, stable_hash, write_bytes_atomic, write_json_atomic
-from eagle3_assets.core.target import TargetHead, identity_in_parquet, load_head_weights, target_identity
+from eagle3_assets.core.target_head import TargetHead, load_head_weights
+from eagle3_assets.core.target_identity import identity_in_parquet, target_identity
 from eagle3_assets.core.training.checkpoints import latest_checkpoint, restore_checkpoint, run_fingerprint, save_checkpoint
 from eagle3_assets.core.training.config import TrainConfig
 from eagle3_assets.core.training.data import HiddenStateIndex, epoch_micro_batches, index_hidden_states, load_batch

@@ -31,7 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle3_assets.core.target import rms_norm, rms_norm_eps, text_config
+from eagle3_assets.core.target import rms_norm_eps, text_config
+from eagle3_assets.core.target_head import rms_norm
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from eagle3_assets.core.openai_client import async_openai_client
 from eagle3_assets.core.stage_jobs import EVAL_MAX_TOKENS
-from eagle3_assets.core.target import vllm_serving
+from eagle3_assets.core.target_serving import vllm_serving
 from eagle3_assets.core.vllm_launcher import VLLMServer
 from eagle3_assets.core.vllm_metrics import SpecDecodeCounters, fetch_metrics_text
 
@@ -111,7 +111,7 @@ def evaluate(
     """Serve the target alone (``reference``) and with each draft in turn; one pass each.
 
     ``serving``: the target's ``VLLMServer`` options (remote code, dtype, context:
-    :func:`eagle3_assets.core.target.vllm_serving`); by default from its config.
+    :func:`eagle3_assets.core.target_serving.vllm_serving`); by default from its config.
     ``k_by_label``: a draft's own ``num_speculative_tokens`` where it differs from
     the common one (the same draft served at several k, each under its label).
     """
@@ -160,7 +160,8 @@ def untrained_twin(trained_dir: Path, out_dir: Path, seed: int = 0) -> Path:
 
 def load_conversations(source: str) -> tuple[list[str], list[list[dict]]]:
     """Ids and messages of an evaluation prompt set (any dataset form the prompts asset reads)."""
-    from eagle3_assets.core.prompt_loading import RowRejected, iter_dataset_rows, normalise_record
+    from eagle3_assets.core.prompt_records import RowRejected, normalise_record
+    from eagle3_assets.core.prompt_sources import iter_dataset_rows
 
     ids, conversations = [], []
     for row in iter_dataset_rows(source):

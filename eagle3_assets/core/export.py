@@ -273,11 +273,11 @@ def check_loads_in_vllm(
     Passes when the server comes up, answers, and its ``/metrics`` show that
     the draft proposed tokens (a draft that loads but is never run would not
     prove anything). ``serving``: the target's ``VLLMServer`` options
-    (:func:`eagle3_assets.core.target.vllm_serving`); by default from its config.
+    (:func:`eagle3_assets.core.target_serving.vllm_serving`); by default from its config.
     """
     import sys
 
-    from eagle3_assets.core.target import vllm_serving
+    from eagle3_assets.core.target_serving import vllm_serving
     from eagle3_assets.core.vllm_launcher import VLLMServer
 
     spec = {"method": "eagle3", "model": str(Path(draft_dir).resolve()), "num_speculative_tokens": num_speculative_tokens}

@@ -56,7 +56,7 @@ import torch
 from eagle3_assets.core.shard_files import ShardFileError, quarantine, read_shard_parquet
 from eagle3_assets.core.shard_paths import SIDECAR
 from eagle3_assets.core.storage import PARTIAL_SUFFIX, atomic_path, file_hash, stable_hash, write_json_atomic
-from eagle3_assets.core.target import LAYER_IDS_SETTING, TargetError, layer_id_problem, read_config, text_config
+from eagle3_assets.core.target import TargetError, checked_layer_ids, read_config, text_config
 from eagle3_assets.core.state_layout import (
     DEFAULT_DTYPE,
     DEFAULT_PART_BYTES,
@@ -193,10 +193,11 @@ class TargetFacts:
 
 
 def validate_layer_ids(layer_ids: Sequence[int], num_layers: int) -> tuple[int, ...]:
-    problem = layer_id_problem(layer_ids, num_layers)
-    if problem:
-        raise ExtractionInputError(f"{problem}; set {LAYER_IDS_SETTING}")
-    return tuple(int(i) for i in layer_ids)
+    """:func:`~eagle3_assets.core.target.checked_layer_ids` (the one check), as an extraction input error."""
+    try:
+        return checked_layer_ids(layer_ids, num_layers)
+    except TargetError as exc:
+        raise ExtractionInputError(str(exc)) from None
 
 
 # -- settings and plan ----------------------------------------------------------

@@ -42,7 +42,8 @@ import torch
 from eagle3_assets.core.checks import CheckOutcome
 from eagle3_assets.core.extraction import TargetFacts, Trace, iter_samples, read_sidecar, storage_order
 from eagle3_assets.core.state_layout import FP8_DTYPE
-from eagle3_assets.core.target import TargetHead, TargetIdentity
+from eagle3_assets.core.target_head import TargetHead
+from eagle3_assets.core.target_identity import TargetIdentity
 
 # Every gate of a shard, in the order they are reported; the first is computed before extraction.
 GATES = ("target_matches_traces", "states_finite", "states_match_traces", "final_state_reproduces_logits", "aux_states_match_layer_ids")

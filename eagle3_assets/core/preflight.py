@@ -16,8 +16,13 @@ Each failure is one line that names the thing. The checks run on the host:
 this file is sent to the host's Python on stdin (``python - <spec json>``) and
 prints a JSON report, so it uses the standard library only and imports nothing
 from this package; a host whose environment is broken still gets a report.
-:class:`StageLock` is also what the stage runner (``python -m
-eagle3_assets.stages``) holds while a stage runs.
+The lock it reads is the one the stage runner (``python -m eagle3_assets.stages``)
+holds while a stage runs (:mod:`.stage_lock`); the spec it runs from is built
+on the orchestrator's side (:mod:`.stage_requirements`).
+
+Over 400 lines on purpose: the host receives this one file and nothing else (a
+module it imported from here would not be there), so every check the host runs
+lives in it.
 """
 
 from __future__ import annotations
@@ -29,88 +34,19 @@ import importlib
 import importlib.metadata
 import json
 import os
-import re
 import shutil
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-MIB = 1 << 20
 STAGE_PACKAGE = "eagle3_assets.stages"
-# Modules every stage needs besides its own: the Pipes protocol that carries its results back.
-BASE_MODULES = ("dagster_pipes",)
-UNIT_STATES = ("active", "inactive")
 # systemctl states in which a unit still holds what it started (GPU memory, a port).
 _UNIT_RUNNING_STATES = {"active", "activating", "reloading", "deactivating", "refreshing"}
-_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
 _MAX_LISTED_FILES = 20
-
-
-@dataclass(frozen=True)
-class StageRequirements:
-    """What a GPU stage needs from its host; checked by the pre-flight before every run.
-
-    ``modules``: modules that must import in the host's Python (the stage's own
-    module is always imported too, so a syntax error or a missing import in it
-    fails here, not an hour into the run). ``lock``: name of the stage lock on
-    the host (default: the stage's name). ``systemd_units``: unit -> "active" or
-    "inactive". ``min_gpus`` GPUs must be present, each of them (or those in
-    ``gpu_indices``) with ``min_free_gpu_memory`` bytes free. ``cpu_allowed``:
-    the stage may run without a GPU. ``disk_bytes``: estimate of what the stage
-    writes into its first output dir; ``disk_note`` says what it counts (e.g. the
-    tokens and the storage precision), and is quoted when the disk is too small.
-    ``output_dirs``: relative to the host's
-    data dir (default: the stage's name), scanned for partial files.
-    """
-
-    modules: Sequence[str] = ()
-    lock: str | None = None
-    systemd_units: Mapping[str, str] = field(default_factory=dict)
-    min_gpus: int = 1
-    min_free_gpu_memory: int = 0
-    gpu_indices: Sequence[int] | None = None
-    cpu_allowed: bool = False
-    disk_bytes: int = 0
-    disk_note: str = ""
-    output_dirs: Sequence[str] | None = None
-
-    def __post_init__(self) -> None:
-        # Accept lists and dicts from callers, keep the object hashable and immutable.
-        object.__setattr__(self, "modules", tuple(self.modules))
-        object.__setattr__(self, "systemd_units", dict(self.systemd_units))
-        if self.gpu_indices is not None:
-            object.__setattr__(self, "gpu_indices", tuple(int(i) for i in self.gpu_indices))
-        if self.output_dirs is not None:
-            object.__setattr__(self, "output_dirs", tuple(self.output_dirs))
-        for module in self.modules:
-            if not _NAME.match(module):
-                raise ValueError(f"StageRequirements.modules: {module!r} is not a module name")
-        if self.lock is not None and not _is_plain_name(self.lock):
-            raise ValueError(f"StageRequirements.lock: {self.lock!r} must be a plain name (letters, digits, _ . -)")
-        for unit, state in self.systemd_units.items():
-            if state not in UNIT_STATES:
-                raise ValueError(f"StageRequirements.systemd_units[{unit!r}]: {state!r} is not one of {UNIT_STATES}")
-        for name, value in (("min_gpus", self.min_gpus), ("min_free_gpu_memory", self.min_free_gpu_memory), ("disk_bytes", self.disk_bytes)):
-            if value < 0:
-                raise ValueError(f"StageRequirements.{name}: {value} is negative")
-
-    def lock_name(self, stage: str) -> str:
-        return self.lock or stage
-
-
-def validate_stage_name(stage: str) -> str:
-    """A stage is a module under ``eagle3_assets.stages``: a plain identifier, nothing a shell could read."""
-    if not re.fullmatch(r"[a-z_][a-z0-9_]*", stage or ""):
-        raise ValueError(f"stage {stage!r}: not a stage module name (lower-case letters, digits, _)")
-    return stage
-
-
-def _is_plain_name(name: str) -> bool:
-    return bool(re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", name)) and ".." not in name
 
 
 # --------------------------------------------------------------------------- GPUs
@@ -223,63 +159,6 @@ def evaluate_gpus(
 
 # --------------------------------------------------------------------------- the stage lock
 
-
-class StageLock:
-    """A per-stage lock file on the host: ``flock`` held by the stage runner and inherited by the stage.
-
-    The kernel drops an ``flock`` when the last process holding it exits, so a
-    crashed run never leaves a stale lock; the file's content (JSON: PIDs,
-    command line, run id, start time) only describes the current holder while
-    the lock is held.
-    """
-
-    def __init__(self, path: str):
-        self.path = path
-        self.fd: int | None = None
-
-    def try_acquire(self, holder: Mapping[str, Any], attempts: int = 5, wait_s: float = 0.2) -> dict | None:
-        """Take the lock and record ``holder``; return None, or the live holder's record when it is taken.
-
-        Retries briefly: a pre-flight probing the lock holds it for a moment.
-        """
-        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        for attempt in range(attempts):
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except OSError as exc:
-                if exc.errno not in (errno.EAGAIN, errno.EACCES):
-                    os.close(fd)
-                    raise
-                if attempt == attempts - 1:
-                    os.close(fd)
-                    return describe_holder(_read_record(self.path))
-                time.sleep(wait_s)
-        self.fd = fd
-        self.update(holder)
-        return None
-
-    def update(self, holder: Mapping[str, Any]) -> None:
-        assert self.fd is not None, "update() needs the lock"
-        payload = json.dumps(dict(holder), sort_keys=True).encode()
-        os.ftruncate(self.fd, 0)
-        os.pwrite(self.fd, payload, 0)
-        os.fsync(self.fd)
-
-    def release(self) -> None:
-        """Unlock for every process sharing the lock file (also ones that inherited it)."""
-        if self.fd is not None:
-            fcntl.flock(self.fd, fcntl.LOCK_UN)
-            self.close()
-
-    def close(self) -> None:
-        """Drop this process's hold; the lock stays while an inheriting process still holds it open."""
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-
-
 def lock_holder(path: str) -> dict | None:
     """The live holder of the lock at ``path`` (its record, with current command lines), or None."""
     if not os.path.exists(path):
@@ -290,7 +169,7 @@ def lock_holder(path: str) -> dict | None:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except OSError as exc:
             if exc.errno in (errno.EAGAIN, errno.EACCES):
-                return describe_holder(_read_record(path))
+                return describe_holder(read_lock_record(path))
             raise
         fcntl.flock(fd, fcntl.LOCK_UN)
         return None
@@ -298,7 +177,7 @@ def lock_holder(path: str) -> dict | None:
         os.close(fd)
 
 
-def _read_record(path: str) -> dict:
+def read_lock_record(path: str) -> dict:
     try:
         with open(path, encoding="utf-8") as fh:
             record = json.loads(fh.read() or "{}")
@@ -479,47 +358,6 @@ def import_module_version(name: str) -> tuple[str | None, str | None]:
 
 
 # --------------------------------------------------------------------------- the whole pre-flight
-
-
-def build_spec(
-    stage: str,
-    requirements: StageRequirements,
-    *,
-    data_dir: str,
-    lock_dir: str,
-    partial_suffix: str,
-    remove_partial_files: bool,
-    cpu_allowed_by_host: bool,
-    nvidia_smi: str = "nvidia-smi",
-    systemctl: str = "systemctl",
-) -> dict:
-    """The JSON the host's pre-flight runs from: paths resolved on the host's side, nothing secret."""
-    validate_stage_name(stage)
-    outputs = requirements.output_dirs if requirements.output_dirs is not None else (stage,)
-    return {
-        "stage": stage,
-        "modules": [*BASE_MODULES, *requirements.modules, f"{STAGE_PACKAGE}.{stage}"],
-        "lock_path": lock_path(lock_dir, requirements.lock_name(stage)),
-        "systemd_units": dict(requirements.systemd_units),
-        "cpu_allowed": requirements.cpu_allowed or cpu_allowed_by_host,
-        "cpu_allowed_by": "stage" if requirements.cpu_allowed else ("host" if cpu_allowed_by_host else None),
-        "min_gpus": requirements.min_gpus,
-        "min_free_gpu_memory_mib": -(-requirements.min_free_gpu_memory // MIB),
-        "gpu_indices": list(requirements.gpu_indices) if requirements.gpu_indices is not None else None,
-        "disk_bytes": requirements.disk_bytes,
-        "disk_note": requirements.disk_note,
-        "output_dirs": [os.path.join(data_dir, d) for d in outputs],
-        "partial_suffix": partial_suffix,
-        "remove_partial_files": remove_partial_files,
-        "nvidia_smi": nvidia_smi,
-        "systemctl": systemctl,
-    }
-
-
-def lock_path(lock_dir: str, name: str) -> str:
-    if not _is_plain_name(name):
-        raise ValueError(f"lock name {name!r}: must be a plain name (letters, digits, _ . -)")
-    return os.path.join(lock_dir, f"{name}.lock")
 
 
 def run_preflight(spec: Mapping[str, Any]) -> dict:

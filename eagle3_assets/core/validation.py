@@ -29,28 +29,22 @@ the rows in batches, renders and tokenises each batch and writes it to a part
 file; the parts are then streamed into the shard's file. At no point is more
 than one batch of token ids, or more than one copy of the text, in memory.
 
-The gate computations are pure functions returning a :class:`CheckOutcome`
-(figure, threshold, up to 10 offending ids), so they are tested without Dagster
-and the asset only converts them.
+The files' contracts are :mod:`.trace_files`; the gates, pure functions of
+what the pass found, are :mod:`.trace_gates`; the alignment gate's re-reading of
+the written traces is :mod:`.mask_alignment`.
 """
 
 from __future__ import annotations
 
-import math
 import shutil
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import polars as pl
 
 from eagle3_assets.core.chat_rendering import ChatRenderer, RenderedTrace
-from eagle3_assets.core.checks import CheckOutcome
-from eagle3_assets.core.markdown import markdown_histogram
-from eagle3_assets.core.prompt_loading import MESSAGES_DTYPE
 from eagle3_assets.core.response_rules import (
-    NO_REASONING_DIAGNOSIS,
     PROMPT_TOO_LONG,
     RETRYABLE_CONTENT_REASONS,
     blank,
@@ -58,40 +52,13 @@ from eagle3_assets.core.response_rules import (
     is_prompt_too_long,
 )
 from eagle3_assets.core.storage import PARTIAL_SUFFIX, atomic_path, write_parquet_atomic
-
-MAX_OFFENDING_IDS = 10
-
-RAW_RESPONSES_SCHEMA: dict[str, pl.DataType] = {
-    "id": pl.String,
-    "reasoning": pl.String,
-    "content": pl.String,
-    "reasoning_field": pl.String,
-    "finish_reason": pl.String,
-    "prompt_tokens": pl.Int64,
-    "completion_tokens": pl.Int64,
-    "latency_s": pl.Float64,
-    "server": pl.String,
-    "model": pl.String,
-    "attempts": pl.Int64,
-    "error": pl.String,
-    "prompt_token_ids": pl.List(pl.Int64),
-    "output_token_ids": pl.List(pl.Int64),
-}
-# The columns validation reads; the others are the generation stage's bookkeeping.
-_RAW_COLUMNS_READ = ("id", "reasoning", "content", "reasoning_field", "finish_reason", "error")
-# Read when present; files written before the server's ids were kept (or by a server that returns none) lack them.
-_RAW_OPTIONAL_COLUMNS = ("prompt_token_ids", "output_token_ids")
-
-KEPT_SCHEMA: dict[str, pl.DataType] = {
-    "id": pl.String,
-    "messages": MESSAGES_DTYPE,
-    "reasoning": pl.String,
-    "content": pl.String,
-    "input_ids": pl.List(pl.Int32),
-    "loss_mask": pl.List(pl.Int8),
-    "num_tokens": pl.Int64,
-}
-REJECTED_SCHEMA: dict[str, pl.DataType] = {"id": pl.String, "reason": pl.String, "detail": pl.String}
+from eagle3_assets.core.trace_files import (
+    KEPT_SCHEMA,
+    REJECTED_SCHEMA,
+    scan_prompts,
+    scan_raw_responses,
+)
+from eagle3_assets.core.trace_gates import MAX_OFFENDING_IDS
 
 # Reason codes, in the order they are tested: a row gets the first that applies.
 REJECTION_REASONS: dict[str, str] = {
@@ -109,11 +76,6 @@ REJECTION_REASONS: dict[str, str] = {
     "(output_token_ids): e.g. a think marker or end of turn it never wrote, or a split re-tokenisation would not make",
     "too_long": "the rendered trace is longer than the maximum sequence length",
 }
-
-
-class ValidationInputError(ValueError):
-    """An input shard file is missing or does not follow its contract."""
-
 
 @dataclass(frozen=True)
 class ValidationRules:
@@ -150,44 +112,6 @@ class ShardValidation:
     def rejected(self) -> int:
         return sum(self.rejected_by_reason.values())
 
-
-# -- reading ---------------------------------------------------------------------
-
-
-def scan_checked(path: Path, schema: dict[str, pl.DataType], what: str, columns: Sequence[str], optional: Sequence[str] = ()) -> pl.LazyFrame:
-    """A lazy scan of an input shard file, after checking it exists and has the contract's columns and types.
-
-    ``optional`` columns are type-checked when present and read as nulls when the file has none.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise ValidationInputError(f"{what}: {path} does not exist (materialise that shard upstream first)")
-    try:
-        found = pl.scan_parquet(path).collect_schema()
-    except Exception as exc:  # polars raises several kinds for a non-parquet file
-        raise ValidationInputError(f"{what}: {path} is not a readable parquet file ({exc})") from exc
-    missing = [c for c in columns if c not in found]
-    if missing:
-        raise ValidationInputError(f"{what}: {path} lacks column(s) {missing} (has {list(found)})")
-    present = [*columns, *(c for c in optional if c in found)]
-    wrong = {c: f"{found[c]} (expected {schema[c]})" for c in present if found[c] != schema[c] and found[c] != pl.Null}
-    if wrong:
-        raise ValidationInputError(f"{what}: {path} has column(s) of the wrong type: {wrong}")
-    return pl.scan_parquet(path).select(
-        [pl.col(c).cast(schema[c]) if c in found else pl.lit(None, dtype=schema[c]).alias(c) for c in [*columns, *optional]]
-    )
-
-
-def scan_prompts(path: Path) -> pl.LazyFrame:
-    schema = {"id": pl.String, "messages": MESSAGES_DTYPE}
-    return scan_checked(path, schema, "prompts", ["id", "messages"]).unique("id", keep="first", maintain_order=True)
-
-
-def scan_raw_responses(path: Path) -> pl.LazyFrame:
-    return scan_checked(path, RAW_RESPONSES_SCHEMA, "raw_responses", _RAW_COLUMNS_READ, optional=_RAW_OPTIONAL_COLUMNS)
-
-
-# -- row rules ---------------------------------------------------------------------
 
 
 def _holds_markers(column: str, markers: Sequence[str]) -> pl.Expr:
@@ -425,309 +349,3 @@ def _server_id_differences(
     return out
 
 
-@dataclass(frozen=True)
-class MaskAlignment:
-    """What the alignment gate found in the written traces."""
-
-    rows_checked: int
-    rows_checked_against_server_ids: int  # of which compared token by token with the raw row's output_token_ids
-    problems: dict[str, str]  # id -> why its mask or ids are wrong
-
-
-def mask_alignment_problems(kept_path: Path, raw_path: Path, renderer: ChatRenderer, batch_rows: int = 128) -> MaskAlignment:
-    """Re-read the written traces and the raw file in batches; return what is misaligned.
-
-    Reads what is on disk, not what the pass meant to write. Each trace is
-    checked against its own raw row: its finish reason says whether an
-    end-of-turn token belongs to the completion (a trace with no finished raw
-    row must not end with one); the supervised tokens must decode to the
-    completion rebuilt from the text fields; and where the raw row carries the
-    server's ids, the supervised ids must equal ``output_token_ids`` and the
-    ids before them ``prompt_token_ids``, token by token.
-
-    Both files are streamed side by side: the traces were written in the raw
-    file's order (kept rows are a subsequence of it), so each trace's raw row
-    is found by reading on, and no more than a batch of either file's token
-    ids is held at once. A trace with no raw row further on is a problem.
-    """
-    raw_rows = _rows_in_batches(
-        scan_raw_responses(raw_path).select("id", "finish_reason", "prompt_token_ids", "output_token_ids"), batch_rows
-    )
-    traces = pl.scan_parquet(kept_path).select("id", "messages", "reasoning", "content", "input_ids", "loss_mask")
-    checked, against_server, problems = 0, 0, {}
-    for row in _rows_in_batches(traces, batch_rows):
-        checked += 1
-        raw = next((r for r in raw_rows if r["id"] == row["id"]), None)
-        if raw is None:
-            problems[row["id"]] = (
-                "no raw row with this id after the previous trace's (the traces are not in the raw file's order, "
-                "or the id is not in it)"
-            )
-            continue
-        ids, mask = row["input_ids"] or [], row["loss_mask"] or []
-        found = [
-            renderer.supervised_text_problem(
-                ids, mask, row["messages"] or [], row["reasoning"] or "", row["content"] or "", finished=raw["finish_reason"] == "stop"
-            )
-        ]
-        if raw["output_token_ids"] is not None and len(ids) == len(mask):
-            against_server += 1
-            supervised = [i for i, m in zip(ids, mask) if m]
-            unsupervised_head = ids[: mask.index(1)] if 1 in mask else ids
-            if difference := renderer.token_difference(supervised, raw["output_token_ids"], "supervised"):
-                found.append(f"supervised ids differ from the server's output_token_ids at {difference}")
-            if raw["prompt_token_ids"] is not None and (
-                difference := renderer.token_difference(unsupervised_head, raw["prompt_token_ids"], "prompt")
-            ):
-                found.append(f"ids before supervision differ from the server's prompt_token_ids at {difference}")
-        if problem := "; ".join(f for f in found if f):
-            problems[row["id"]] = problem
-    return MaskAlignment(checked, against_server, problems)
-
-
-def _rows_in_batches(frame: pl.LazyFrame, batch_rows: int) -> Iterator[dict[str, Any]]:
-    """The rows of a lazy frame, in order, read ``batch_rows`` at a time."""
-    for batch in frame.collect_batches(chunk_size=batch_rows, engine="streaming"):
-        yield from batch.iter_rows(named=True)
-
-
-def written_ids(path: Path) -> list[str]:
-    return pl.scan_parquet(path).select("id").collect()["id"].to_list()
-
-
-def written_token_lengths(kept_path: Path) -> list[int]:
-    return pl.scan_parquet(kept_path).select("num_tokens").collect()["num_tokens"].to_list()
-
-
-# -- the gates (pure) -------------------------------------------------------------
-
-
-def _first(ids: Iterable[str]) -> list[str]:
-    out = []
-    for sample_id in ids:
-        out.append(str(sample_id))
-        if len(out) == MAX_OFFENDING_IDS:
-            break
-    return out
-
-
-def _none_allowed(name: str, figure_name: str, offending: Collection[str], description: str, counts: dict[str, Any] | None = None) -> CheckOutcome:
-    """A gate that allows no offending row: it passes only when ``offending`` is empty, and its figure is how many there are."""
-    return CheckOutcome.measured(
-        name,
-        passed=not offending,
-        figure_name=figure_name,
-        figure=len(offending),
-        threshold=0,
-        offending_ids=_first(offending),
-        description=description,
-        counts=counts,
-    )
-
-
-def check_traces_present(kept: int, rejected_by_reason: dict[str, int], rejected_examples: Sequence[str] = ()) -> CheckOutcome:
-    rejected = sum(rejected_by_reason.values())
-    description = (
-        f"{kept} of {kept + rejected} rows kept"
-        if kept
-        else f"every row of the shard was rejected ({rejected} rows: {rejected_by_reason or 'no raw rows at all'}); "
-        f"see the rejected table, e.g. {list(rejected_examples)[:3]}"
-    )
-    return CheckOutcome.measured(
-        "traces_present",
-        passed=kept > 0,
-        figure_name="kept_rows",
-        figure=kept,
-        threshold=1,
-        offending_ids=[],
-        description=description,
-        counts={"rejected": rejected},
-    )
-
-
-def check_reasoning_present(answered_rows: int, ids_without_reasoning: Sequence[str], min_share: float, reasoning_fields: dict[str, int] | None = None) -> CheckOutcome:
-    """The share of answered rows (rows that got a response) with non-empty reasoning must reach ``min_share``.
-
-    The story's failure: a client that read the wrong response field wrote
-    hundreds of rows with empty reasoning. ``reasoning_fields`` (which field
-    the server answered in) points straight at that cause. Rows without a
-    response (request errors, prompts too long to send) are not counted here:
-    they have their own gates and their own diagnosis. Both raw_responses and
-    validated_traces run this gate.
-    """
-    with_reasoning = answered_rows - len(ids_without_reasoning)
-    share = with_reasoning / answered_rows if answered_rows else 0.0
-    passed = answered_rows > 0 and share >= min_share
-    if not answered_rows:
-        description = "no row of the shard got a response"
-    else:
-        description = f"{with_reasoning} of {answered_rows} answered rows have reasoning ({share:.1%}; at least {min_share:.0%} required)"
-        if not passed:
-            description += (
-                f"; response fields seen: {reasoning_fields or {}}. {NO_REASONING_DIAGNOSIS} "
-                "Once the server is fixed, materialise the shard again: rows without reasoning are sent again."
-            )
-    return CheckOutcome.measured(
-        "reasoning_present",
-        passed=passed,
-        figure_name="reasoning_share",
-        figure=share,
-        threshold=min_share,
-        offending_ids=_first(ids_without_reasoning),
-        description=description,
-        counts={"answered_rows": answered_rows, "rows_without_reasoning": len(ids_without_reasoning)},
-    )
-
-
-def check_request_errors_rare(raw_rows: int, error_ids: Sequence[str], errors_by_kind: dict[str, int], prompts_too_long: int, max_share: float) -> CheckOutcome:
-    """Rows whose request failed (no response at all) must stay at most ``max_share`` of the rows that were sent.
-
-    A request error is the server's or the network's failure, not the
-    model's: the text says so, and that a rerun sends those rows again.
-    Prompts too long to send are not requests: they are not counted.
-    """
-    sent = raw_rows - prompts_too_long
-    share = len(error_ids) / sent if sent else 0.0
-    passed = share <= max_share
-    description = f"{len(error_ids)} of {sent} requests ended in an error ({share:.1%}; at most {max_share:.0%} allowed)"
-    if error_ids:
-        description += f": {errors_by_kind}"
-    if not passed:
-        description += (
-            ". The server or the network failed them, not the model: check the server's health and logs, then "
-            "materialise the shard again (error rows are sent again, finished rows are kept)."
-        )
-    return CheckOutcome.measured(
-        "request_errors_rare",
-        passed=passed,
-        figure_name="request_error_share",
-        figure=share,
-        threshold=max_share,
-        offending_ids=_first(error_ids),
-        description=description,
-        counts={"requests": sent, "request_errors": len(error_ids)},
-    )
-
-
-def check_prompts_fit_context(raw_rows: int, too_long_ids: Sequence[str]) -> CheckOutcome:
-    """Prompts longer than the server's context can never be generated: counted and named, never blocking by themselves."""
-    return _none_allowed(
-        "prompts_fit_context",
-        "prompts_too_long",
-        too_long_ids,
-        (
-            f"{len(too_long_ids)} of {raw_rows} prompts are longer than the server's context (max_model_len) and were "
-            f"never sent; they are rejected as {PROMPT_TOO_LONG}. No rerun can generate them: serve the model with a "
-            "longer --max-model-len, or leave them out of the prompt set"
-            if too_long_ids
-            else f"all {raw_rows} prompts fit the server's context"
-        ),
-    )
-
-
-def check_responses_accounted(raw_ids: Sequence[str], prompt_ids: Sequence[str], kept_ids: Sequence[str], rejected_ids: Sequence[str]) -> CheckOutcome:
-    """Raw rows = kept + rejected, raw ids unique, and every prompt of the shard answered (and nothing else)."""
-    raw_set, prompt_set = set(raw_ids), set(prompt_ids)
-    seen: set[str] = set()
-    duplicated = [i for i in raw_ids if i in seen or seen.add(i)]
-    missing = [i for i in prompt_ids if i not in raw_set]
-    foreign = [i for i in dict.fromkeys(raw_ids) if i not in prompt_set]
-    unaccounted = len(raw_ids) - len(kept_ids) - len(rejected_ids)
-    outcome_ids = set(kept_ids) | set(rejected_ids)
-    lost = [i for i in dict.fromkeys(raw_ids) if i not in outcome_ids]
-    problems = []
-    if unaccounted or lost:
-        problems.append(f"{len(raw_ids)} raw rows but {len(kept_ids)} kept + {len(rejected_ids)} rejected")
-    if duplicated:
-        problems.append(f"{len(duplicated)} duplicate raw id(s), e.g. {_first(duplicated)[:3]}")
-    if missing:
-        problems.append(f"{len(missing)} prompt(s) of the shard have no raw response, e.g. {_first(missing)[:3]}")
-    if foreign:
-        problems.append(f"{len(foreign)} raw id(s) are not prompts of the shard, e.g. {_first(foreign)[:3]}")
-    count = abs(unaccounted) + len(lost) + len(duplicated) + len(missing) + len(foreign)
-    return CheckOutcome.measured(
-        "responses_accounted",
-        passed=not problems,
-        figure_name="unaccounted",
-        figure=count,
-        threshold=0,
-        offending_ids=_first([*missing, *duplicated, *foreign, *lost]),
-        description="; ".join(problems) if problems else f"all {len(prompt_ids)} prompts answered once; {len(raw_ids)} raw rows = {len(kept_ids)} kept + {len(rejected_ids)} rejected",
-        counts={
-            "raw_rows": len(raw_ids),
-            "prompts": len(prompt_ids),
-            "kept": len(kept_ids),
-            "rejected": len(rejected_ids),
-            "missing_prompts": len(missing),
-            "duplicate_ids": len(duplicated),
-            "foreign_ids": len(foreign),
-        },
-    )
-
-
-def check_loss_mask_aligned(alignment: MaskAlignment) -> CheckOutcome:
-    """Every kept row supervises exactly the target's output (reasoning, markers, answer, end of turn).
-
-    Where the raw row carries the server's ids, "exactly" is token by token:
-    the description says how many rows were checked that way.
-    """
-    checked, problems = alignment.rows_checked, alignment.problems
-    against_server = alignment.rows_checked_against_server_ids
-    examples = [f"{i}: {p}" for i, p in list(problems.items())[:3]]
-    how = f"{against_server} of them token by token against the server's output_token_ids"
-    return _none_allowed(
-        "loss_mask_aligned",
-        "misaligned_rows",
-        problems,
-        f"{len(problems)} of {checked} kept rows misaligned ({how}): {examples}" if problems else f"all {checked} kept rows aligned ({how})",
-        counts={"rows_checked": checked, "rows_checked_against_server_ids": against_server},
-    )
-
-
-def check_truncation_rate_low(raw_rows: int, truncated_ids: Sequence[str], max_rate: float) -> CheckOutcome:
-    rate = len(truncated_ids) / raw_rows if raw_rows else 0.0
-    return CheckOutcome.measured(
-        "truncation_rate_low",
-        passed=rate <= max_rate,
-        figure_name="truncation_rate",
-        figure=rate,
-        threshold=max_rate,
-        offending_ids=_first(truncated_ids),
-        description=f"{len(truncated_ids)} of {raw_rows} generations hit max_tokens ({rate:.1%}; at most {max_rate:.0%} expected)"
-        + ("" if rate <= max_rate else ": raise max_tokens, or allow_truncated to keep them"),
-        counts={"truncated_rows": len(truncated_ids)},
-    )
-
-
-def check_think_markers_absent(raw_rows: int, marker_ids: Sequence[str], markers: Sequence[str]) -> CheckOutcome:
-    return _none_allowed(
-        "think_markers_absent",
-        "rows_with_think_markers",
-        marker_ids,
-        (
-            f"{len(marker_ids)} of {raw_rows} raw rows still hold {' / '.join(markers)} in their reasoning or answer: "
-            "is the server's reasoning parser the target's?"
-            if marker_ids
-            else f"no think markers left in {raw_rows} raw rows"
-        ),
-    )
-
-
-# -- token-length statistics ---------------------------------------------------------
-
-
-def token_length_stats(lengths: Sequence[int]) -> dict[str, float]:
-    """p50/p95 by nearest rank (an actual trace length: the ceil(q*n)-th smallest), max and mean."""
-    if not lengths:
-        return {"p50": 0, "p95": 0, "max": 0, "mean": 0.0}
-    ordered = sorted(lengths)
-
-    def rank(q: float) -> int:
-        return int(ordered[max(0, math.ceil(q * len(ordered)) - 1)])
-
-    return {"p50": rank(0.5), "p95": rank(0.95), "max": int(ordered[-1]), "mean": round(sum(ordered) / len(ordered), 1)}
-
-
-def token_length_histogram_markdown(lengths: Sequence[int], bins: int = 12, bar_width: int = 40) -> str:
-    """Token lengths of the kept traces as a markdown histogram."""
-    return markdown_histogram(lengths, label="tokens", empty="_no kept traces_", bins=bins, bar_width=bar_width)

@@ -34,7 +34,7 @@ that differs from the Llama demo target (``tiny_target.py``) is exercised here:
 
 Serve it with ``--dtype bfloat16 --trust-remote-code --reasoning-parser kimi_k2``
 and vLLM's native rotary embedding (``kimi_serving()``; see
-``eagle3_assets.core.target.CPU_MLA_COMPILATION_CONFIG`` for why).
+``eagle3_assets.core.target_serving.CPU_MLA_COMPILATION_CONFIG`` for why).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eagle3_assets.core.storage import file_hash, stable_hash
-from eagle3_assets.core.target import CPU_MLA_COMPILATION_CONFIG
+from eagle3_assets.core.target_serving import CPU_MLA_COMPILATION_CONFIG
 from eagle3_assets.demo.target_building import (
     checked_build,
     generation_prompt,

@@ -72,7 +72,7 @@ def main() -> None:
     from eagle3_assets.core.deployment import draft_weights_hash, write_serving_notes
     from eagle3_assets.core.evaluation import evaluate, load_conversations, render_positions, untrained_twin
     from eagle3_assets.core.storage import stable_hash, write_json_atomic
-    from eagle3_assets.core.target import vllm_serving
+    from eagle3_assets.core.target_serving import vllm_serving
 
     with open_dagster_pipes() as pipes:
         job = EvaluationJob.from_dict(dict(pipes.extras or {}))

@@ -80,7 +80,7 @@ def make_backend(job: ExtractionRecipe, target: StageTarget, traces):
             trust_remote_code=target.trust_remote_code,
         )
     if job.backend == "vllm":
-        from eagle3_assets.core.target import vllm_engine_overrides
+        from eagle3_assets.core.target_serving import vllm_engine_overrides
         from eagle3_assets.core.vllm_extraction import VLLMBackend
 
         longest = max(t.num_tokens for t in traces)
@@ -123,7 +123,7 @@ def run(job: ExtractionJob, log=print, run_id: str | None = None) -> tuple[dict[
     from eagle3_assets.core.checks import CheckOutcome
     from eagle3_assets.core.hidden_state_checks import GATES, check_target_matches_traces
     from eagle3_assets.core.shard_lease import ShardLease
-    from eagle3_assets.core.target import identity_in_parquet, target_identity
+    from eagle3_assets.core.target_identity import identity_in_parquet, target_identity
 
     if not torch.cuda.is_available() and os.environ.get("EAGLE3_ALLOW_CPU", "1") != "1":
         raise RuntimeError(f"{STAGE}: no CUDA device on this host and EAGLE3_ALLOW_CPU is not 1: refusing to run on CPU")
@@ -152,7 +152,7 @@ def _extract_and_check(job: ExtractionJob, log, facts, traces, shard_dir: Path, 
     from eagle3_assets.core.extraction import ExtractionSettings, extract_shard
     from eagle3_assets.core.hidden_state_checks import gate_extracted_shard, keep_logits_references
     from eagle3_assets.core.state_layout import state_bytes_per_token
-    from eagle3_assets.core.target import TargetHead
+    from eagle3_assets.core.target_head import TargetHead
 
     target = job.target
     identity = target_check.metadata["extracting_target"]

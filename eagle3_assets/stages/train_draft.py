@@ -61,7 +61,7 @@ def describe(event: dict) -> str | None:
 def run_gates(export_dir: Path, target_path: str, gates: ExportGates, num_speculative_tokens: int, log) -> dict:
     """``config_complete``'s problems, then (only when there are none) ``loads_in_vllm``: vLLM on this host."""
     from eagle3_assets.core.export import LOAD_CHECK_CONTEXT, check_loads_in_vllm, config_problems
-    from eagle3_assets.core.target import vllm_serving
+    from eagle3_assets.core.target_serving import vllm_serving
 
     problems = config_problems(export_dir, gates.aux_layer_ids, target_vocab_size=gates.target_vocab_size)
     report = None

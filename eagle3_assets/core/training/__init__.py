@@ -5,5 +5,5 @@ micro-batches, an epoch's plan), ``loss`` (the draft unrolled on its own states)
 ``initial_weights`` (from scratch or fine-tuning), ``checkpoints`` (atomic,
 resumable, exported), ``loop`` (the training loop, top to bottom), ``launch``
 (this process or ``torchrun``) and ``curves`` (what the asset shows of a run).
-The target's head (final norm and ``lm_head``) is :class:`eagle3_assets.core.target.TargetHead`.
+The target's head (final norm and ``lm_head``) is :class:`eagle3_assets.core.target_head.TargetHead`.
 """

@@ -15,7 +15,8 @@ from safetensors.torch import load_file, save_file
 from eagle3_assets.core.draft_model import DraftConfig, Eagle3Draft
 from eagle3_assets.core.export import export_draft, read_draft_dir
 from eagle3_assets.core.storage import file_hash, fsync_dir, stable_hash, staging_dir
-from eagle3_assets.core.target import load_head_weights, text_config
+from eagle3_assets.core.target import text_config
+from eagle3_assets.core.target_head import load_head_weights
 from eagle3_assets.core.training.config import TrainConfig
 from eagle3_assets.core.training.data import HiddenStateIndex
 

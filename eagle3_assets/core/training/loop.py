@@ -28,7 +28,7 @@ from torch import nn
 from eagle3_assets.core.draft_model import Eagle3Draft
 from eagle3_assets.core.schedule import Schedule, fit_schedule, lr_lambda
 from eagle3_assets.core.storage import write_json_atomic
-from eagle3_assets.core.target import TargetHead, load_head_weights
+from eagle3_assets.core.target_head import TargetHead, load_head_weights
 from eagle3_assets.core.training.checkpoints import latest_checkpoint, restore_checkpoint, run_fingerprint, save_checkpoint
 from eagle3_assets.core.training.config import TrainConfig
 from eagle3_assets.core.training.data import Batch, HiddenStateIndex, epoch_steps, index_hidden_states, load_batch, supervised_token_count

@@ -1,0 +1,133 @@
+"""No import cycle among the modules of ``eagle3_assets``.
+
+Every import statement counts, those inside functions too: a function-level
+import that closes a cycle still ties the two modules together (one cannot be
+read, moved or tested without the other), it only hides the cycle from the
+interpreter until the function runs. Imports under ``if TYPE_CHECKING:`` are
+left out: they never run.
+
+The graph is read from the source (``ast``), not by importing, so the test
+needs no GPU, no vLLM and no Dagster instance, and names the cycle it finds.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _module_name(root: Path, path: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _type_checking_only(tree: ast.Module) -> set[int]:
+    """Ids of the import nodes that sit under ``if TYPE_CHECKING:``."""
+    skipped: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If):
+            test = node.test
+            name = test.id if isinstance(test, ast.Name) else test.attr if isinstance(test, ast.Attribute) else None
+            if name == "TYPE_CHECKING":
+                for child in node.body:
+                    skipped.update(id(n) for n in ast.walk(child))
+    return skipped
+
+
+def import_graph(root: Path, package: str) -> dict[str, set[str]]:
+    """Module -> the modules of ``package`` it imports (``from pkg import module`` resolves to the module)."""
+    files = sorted((root / package.replace(".", "/")).rglob("*.py"))
+    modules = {_module_name(root, f): f for f in files}
+
+    def known(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for module, path in modules.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        skipped = _type_checking_only(tree)
+        edges: set[str] = set()
+        for node in ast.walk(tree):
+            if id(node) in skipped:
+                continue
+            if isinstance(node, ast.Import):
+                edges.update(filter(None, (known(alias.name) for alias in node.names)))
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+                    base = base[: len(base) - (node.level - 1)]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    target = node.module or ""
+                for alias in node.names:
+                    found = f"{target}.{alias.name}" if f"{target}.{alias.name}" in modules else known(target)
+                    if found:
+                        edges.add(found)
+        edges.discard(module)
+        graph[module] = edges
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycle_among_the_platforms_modules():
+    graph = import_graph(REPO, "eagle3_assets")
+    assert len(graph) > 50 and sum(map(len, graph.values())) > 100, "the graph was not read (wrong root?)"
+    found = cycles(graph)
+    assert found == [], "import cycles (each line: modules that import one another, directly or not):\n" + "\n".join(
+        " <-> ".join(c) for c in found
+    )
+
+
+def test_the_checker_finds_a_cycle_closed_inside_a_function_and_ignores_type_checking_imports(tmp_path):
+    package = tmp_path / "pkg"
+    (package / "sub").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "sub" / "__init__.py").write_text("")
+    (package / "a.py").write_text("from pkg.sub import b\n")
+    (package / "sub" / "b.py").write_text("def later():\n    from ..c import thing\n")
+    (package / "c.py").write_text("from . import a\nthing = 1\n")
+    (package / "d.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import e\n")
+    (package / "e.py").write_text("import pkg.d\n")
+    graph = import_graph(tmp_path, "pkg")
+    assert graph["pkg.sub.b"] == {"pkg.c"} and graph["pkg.d"] == set()
+    assert cycles(graph) == [["pkg.a", "pkg.c", "pkg.sub.b"]]
