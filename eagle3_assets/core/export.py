@@ -111,9 +111,7 @@ def draft_hf_config(config: AnyDraftConfig, dtype: str) -> dict:
         "qk_nope_head_dim": config.qk_nope_head_dim,
         "qk_rope_head_dim": config.qk_rope_head_dim,
         "v_head_dim": config.v_head_dim,
-        # One dense layer: vLLM's EAGLE-3 DeepSeek layer always builds an MLP, never experts.
-        "n_routed_experts": None,
-        "first_k_dense_replace": 1,
+        # No expert fields: vLLM's EAGLE-3 DeepSeek layer always builds a dense MLP of intermediate_size.
     }
 
 
