@@ -2,7 +2,9 @@
 
 The training runs on the GPU host (stage ``train_draft``, Dagster Pipes; DDP
 under ``torchrun`` with ``nproc_per_node`` > 1). The result is
-``<data>/draft_checkpoint/model/`` in vLLM's native EAGLE-3 form; the training
+``<data>/draft_checkpoint/model/`` in vLLM's native EAGLE-3 form, Llama or
+MLA (``draft_form``; ``auto`` is decided on the GPU host from what its vLLM
+serves beside the target, and the metadata says which and why); the training
 state (epoch checkpoints, ``history.json``) is under
 ``<data>/draft_checkpoint/training/``. Gates:
 
@@ -77,7 +79,10 @@ class DraftTrainingConfig(Config):
     init_from: Optional[str] = config_field(TrainConfig, "init_from")
     nproc_per_node: int = config_field(TrainingJob, "nproc_per_node")
     export_dtype: Optional[str] = config_field(TrainingJob, "export_dtype")
+    draft_form: str = config_field(TrainConfig, "draft_form")
     draft_intermediate_size: Optional[int] = config_field(TrainConfig, "draft_intermediate_size")
+    draft_q_lora_rank: Optional[int] = config_field(TrainConfig, "draft_q_lora_rank")
+    draft_kv_lora_rank: Optional[int] = config_field(TrainConfig, "draft_kv_lora_rank")
     vllm_check_num_speculative_tokens: int = config_field(TrainingJob, "vllm_check_num_speculative_tokens")
     # Bounded-disk mode (draft_checkpoint_bounded.py): the states are extracted again each epoch, a window at a time.
     hidden_states_mode: str = config_field(HiddenStatesSource, "hidden_states_mode")

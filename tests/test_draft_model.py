@@ -1,11 +1,12 @@
-"""The draft model against vLLM's own EAGLE-3 module, and the draft vocabulary map.
+"""The draft model, in each of its forms, against vLLM's own EAGLE-3 module, and the draft vocabulary map.
 
-The forward test runs vLLM's ``Eagle3LlamaForCausalLM`` in a subprocess
-(tests/vllm_eagle3_reference.py: vLLM's code end to end except its paged
-attention kernel, replaced there by plain causal attention over a KV cache)
-on the very files our exporter wrote, replaying vLLM's drafting chain by
-chain, and compares its logits with our training-time-test unroll, which
-computes every chain at once.
+The forward test runs vLLM's ``Eagle3LlamaForCausalLM`` (Llama form, beside
+the tiny Llama target) and ``Eagle3DeepseekV2ForCausalLM`` (MLA form, beside
+the Kimi-family target) in a subprocess (tests/vllm_eagle3_reference.py:
+vLLM's code end to end except its paged attention kernel, replaced there by
+plain causal attention over a KV cache) on the very files our exporter wrote,
+replaying vLLM's drafting chain by chain, and compares its logits with our
+training-time-test unroll, which computes every chain at once.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3_assets.core.draft_model import DraftConfig, Eagle3Draft
-from eagle3_assets.core.export import export_draft
+from eagle3_assets.core.draft_forms import DEEPSEEK_MLA, LLAMA, draft_config_for_target, new_draft
+from eagle3_assets.core.draft_model import Eagle3Draft
+from eagle3_assets.core.export import ARCHITECTURES, export_draft
 from eagle3_assets.core.target_head import load_head_weights
 from eagle3_assets.core.training.loss import shift_left
 from eagle3_assets.core.vocab import (
@@ -35,14 +37,14 @@ from eagle3_assets.core.vocab import (
 REFERENCE = Path(__file__).with_name("vllm_eagle3_reference.py")
 
 
-def random_draft(target_dir: Path, draft_vocab_size: int, seed: int) -> Eagle3Draft:
-    """A draft with random weights everywhere (norms too) and a non-trivial vocabulary map."""
+def random_draft(target_dir: Path, draft_vocab_size: int, seed: int, form: str = LLAMA) -> Eagle3Draft:
+    """A draft of ``form`` with random weights everywhere (norms too) and a non-trivial vocabulary map."""
     generator = torch.Generator().manual_seed(seed)
     target_config = json.loads((target_dir / "config.json").read_text())
     counts = torch.randint(0, 1000, (target_config["vocab_size"],), generator=generator)
     mapping = build_vocab_mapping(counts, draft_vocab_size)
     torch.manual_seed(seed)
-    draft = Eagle3Draft(DraftConfig.for_target(target_config, draft_vocab_size, [2, 3, 4]))
+    draft = new_draft(draft_config_for_target(form, target_config, draft_vocab_size, [2, 3, 4]))
     with torch.no_grad():
         for name, param in draft.named_parameters():
             if "norm" in name:
@@ -52,9 +54,16 @@ def random_draft(target_dir: Path, draft_vocab_size: int, seed: int) -> Eagle3Dr
     return draft
 
 
-def test_unrolled_forward_matches_vllm_eagle3_module_step_by_step(tiny_target, tmp_path):
-    draft = random_draft(tiny_target, draft_vocab_size=300, seed=3)
+@pytest.mark.parametrize(
+    ("form", "target_fixture", "vllm_class"),
+    [(LLAMA, "tiny_target", "Eagle3LlamaForCausalLM"), (DEEPSEEK_MLA, "kimi_target", "Eagle3DeepseekV2ForCausalLM")],
+)
+def test_unrolled_forward_matches_vllm_eagle3_module_step_by_step(form, target_fixture, vllm_class, request, tmp_path):
+    target = request.getfixturevalue(target_fixture)
+    draft = random_draft(target, draft_vocab_size=300, seed=3, form=form)
+    assert draft.form == form
     draft_dir = export_draft(draft, tmp_path / "draft", dtype="float32", target_embedding=draft.embed_tokens.weight)
+    assert json.loads((draft_dir / "config.json").read_text())["architectures"] == [ARCHITECTURES[form]]
     assert "embed_tokens.weight" not in load_file(str(draft_dir / "model.safetensors"))  # vLLM shares the target's
 
     length, steps = 18, 3
@@ -63,10 +72,11 @@ def test_unrolled_forward_matches_vllm_eagle3_module_step_by_step(tiny_target, t
     aux = torch.randn(length, 3 * draft.config.target_hidden_size, generator=generator)
     save_file({"aux": aux, "input_ids": input_ids}, str(tmp_path / "inputs.safetensors"))
     done = subprocess.run(
-        [sys.executable, str(REFERENCE), str(tiny_target), str(draft_dir), str(tmp_path / "inputs.safetensors"), str(steps), str(tmp_path / "out.safetensors")],
+        [sys.executable, str(REFERENCE), str(target), str(draft_dir), str(tmp_path / "inputs.safetensors"), str(steps), str(tmp_path / "out.safetensors")],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
+    assert f"reference module: {vllm_class}" in done.stdout  # the form's own vLLM class ran
     reference = load_file(str(tmp_path / "out.safetensors"))["logits"]  # [chains, steps, target vocab]
 
     with torch.no_grad():

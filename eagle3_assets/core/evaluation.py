@@ -133,20 +133,20 @@ def evaluate(
 
 
 def untrained_twin(trained_dir: Path, out_dir: Path, seed: int = 0) -> Path:
-    """A randomly initialised draft of the trained draft's exact shape, vocabulary map and layer ids.
+    """A randomly initialised draft of the trained draft's exact form and shape, vocabulary map and layer ids.
 
     It is the baseline that says what training bought: vLLM runs it through the
     same code path, so any acceptance above its figure is the training's.
     """
     import torch
 
-    from eagle3_assets.core.draft_model import Eagle3Draft
+    from eagle3_assets.core.draft_forms import new_draft
     from eagle3_assets.core.export import draft_config_from_hf, export_draft, read_draft_dir
 
     hf, tensors = read_draft_dir(trained_dir)
     config, _ = draft_config_from_hf(hf, str(trained_dir))
     torch.manual_seed(seed)
-    model = Eagle3Draft(config)
+    model = new_draft(config)  # the trained draft's form
     if "d2t" in tensors:
         d2t = tensors["d2t"].to(torch.int64)
         t2d = tensors.get("t2d")

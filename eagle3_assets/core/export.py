@@ -1,6 +1,9 @@
 """Export a trained draft as vLLM's native EAGLE-3 directory, read one back, and check it.
 
-The directory holds ``config.json`` and ``model.safetensors``. vLLM reads the
+Either form (:mod:`eagle3_assets.core.draft_forms`): vLLM's
+``LlamaForCausalLMEagle3`` or its MLA form ``Eagle3DeepseekV2ForCausalLM``,
+whose weights have the Llama form's names except for the attention (DeepSeek's
+``q_a_proj`` ... ``kv_b_proj``). The directory holds ``config.json`` and ``model.safetensors``. vLLM reads the
 draft's architecture and shapes from the config (missing shape fields fall back
 to transformers' Llama defaults, which do not fit a draft), the draft
 vocabulary from ``draft_vocab_size`` and ``d2t``, and the target layers it must
@@ -26,24 +29,27 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from eagle3_assets.core.draft_forms import DEEPSEEK_MLA, LLAMA, AnyDraftConfig, form_of
 from eagle3_assets.core.draft_model import DraftConfig, Eagle3Draft, rope_theta_of
+from eagle3_assets.core.draft_model_mla import MLADraftConfig
 from eagle3_assets.core.storage import staging_dir
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
-ARCHITECTURE = "LlamaForCausalLMEagle3"
+# Each form as vLLM names it. The MLA form's model_type must be deepseek_v2: vLLM rewrites a deepseek_v3
+# draft into its multi-token-prediction model, whatever the architecture says.
+ARCHITECTURES = {LLAMA: "LlamaForCausalLMEagle3", DEEPSEEK_MLA: "Eagle3DeepseekV2ForCausalLM"}
+MODEL_TYPES = {LLAMA: "llama", DEEPSEEK_MLA: "deepseek_v2"}
 
-# Every config field vLLM's Eagle3LlamaForCausalLM (and the Llama layers it
-# reuses) reads, with the type it must have.
-REQUIRED_FIELDS: dict[str, type | tuple[type, ...]] = {
+# Every config field vLLM's EAGLE-3 classes (and the layers they reuse) read, with the type it must have:
+# the fields both forms share, then each form's attention fields.
+COMMON_FIELDS: dict[str, type | tuple[type, ...]] = {
     "architectures": list,
     "model_type": str,
     "num_hidden_layers": int,
     "hidden_size": int,
     "intermediate_size": int,
     "num_attention_heads": int,
-    "num_key_value_heads": int,
-    "head_dim": int,
     "hidden_act": str,
     "rms_norm_eps": (int, float),
     "rope_theta": (int, float),
@@ -54,28 +60,30 @@ REQUIRED_FIELDS: dict[str, type | tuple[type, ...]] = {
     "target_hidden_size": int,
     "eagle_config": dict,
 }
+FORM_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
+    LLAMA: {"num_key_value_heads": int, "head_dim": int},
+    DEEPSEEK_MLA: {"q_lora_rank": int, "kv_lora_rank": int, "qk_nope_head_dim": int, "qk_rope_head_dim": int, "v_head_dim": int},
+}
+REQUIRED_FIELDS = {**COMMON_FIELDS, **FORM_FIELDS[LLAMA]}  # the Llama form's, the default form
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def draft_hf_config(config: DraftConfig, dtype: str) -> dict:
-    """The ``config.json`` of a native EAGLE-3 Llama draft."""
-    return {
-        "architectures": [ARCHITECTURE],
-        "model_type": "llama",
+def draft_hf_config(config: AnyDraftConfig, dtype: str) -> dict:
+    """The ``config.json`` of a native EAGLE-3 draft of either form."""
+    form = form_of(config)
+    common = {
+        "architectures": [ARCHITECTURES[form]],
+        "model_type": MODEL_TYPES[form],
         "num_hidden_layers": 1,
         "hidden_size": config.hidden_size,
         "intermediate_size": config.intermediate_size,
         "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.num_key_value_heads,
-        "head_dim": config.head_dim,
         "hidden_act": "silu",
         "rms_norm_eps": config.rms_norm_eps,
         # rope_theta for transformers 4 readers, rope_parameters for transformers 5.
         "rope_theta": config.rope_theta,
         "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
         "max_position_embeddings": config.max_position_embeddings,
-        "attention_bias": False,
-        "mlp_bias": False,
         "tie_word_embeddings": False,
         "vocab_size": config.vocab_size,
         "draft_vocab_size": config.draft_vocab_size,
@@ -87,11 +95,42 @@ def draft_hf_config(config: DraftConfig, dtype: str) -> dict:
             "use_aux_hidden_state": True,
         },
     }
+    if form == LLAMA:
+        return {
+            **common,
+            "num_key_value_heads": config.num_key_value_heads,
+            "head_dim": config.head_dim,
+            "attention_bias": False,
+            "mlp_bias": False,
+        }
+    return {
+        **common,
+        "num_key_value_heads": config.num_attention_heads,
+        "q_lora_rank": config.q_lora_rank,
+        "kv_lora_rank": config.kv_lora_rank,
+        "qk_nope_head_dim": config.qk_nope_head_dim,
+        "qk_rope_head_dim": config.qk_rope_head_dim,
+        "v_head_dim": config.v_head_dim,
+        # No expert fields: vLLM's EAGLE-3 DeepSeek layer always builds a dense MLP of intermediate_size.
+    }
 
 
-def draft_config_from_hf(hf: dict, source: str) -> tuple[DraftConfig, list[int] | None]:
-    """A :class:`DraftConfig` from an existing draft's ``config.json``; layer ids ``None`` if it names none."""
-    missing = [f for f in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size") if f not in hf]
+def form_of_hf(hf: dict) -> str:
+    """Which form an EAGLE-3 ``config.json`` describes: by architecture, else by model type."""
+    names = hf.get("architectures") or []
+    for form, architecture in ARCHITECTURES.items():
+        if architecture in names:
+            return form
+    return DEEPSEEK_MLA if hf.get("kv_lora_rank") or any("Deepseek" in n for n in names) else LLAMA
+
+
+def draft_config_from_hf(hf: dict, source: str) -> tuple[AnyDraftConfig, list[int] | None]:
+    """A draft config (of its form) from an existing draft's ``config.json``; layer ids ``None`` if it names none."""
+    form = form_of_hf(hf)
+    required = ["hidden_size", "intermediate_size", "num_attention_heads", "vocab_size"]
+    if form == DEEPSEEK_MLA:
+        required += list(FORM_FIELDS[DEEPSEEK_MLA])
+    missing = [f for f in required if hf.get(f) is None]
     if missing:
         raise ValueError(f"draft config {source} lacks {missing}")
     if int(hf.get("num_hidden_layers", 1)) != 1:
@@ -99,12 +138,10 @@ def draft_config_from_hf(hf: dict, source: str) -> tuple[DraftConfig, list[int] 
     eagle = hf.get("eagle_config") or {}
     layer_ids = eagle.get("eagle_aux_hidden_state_layer_ids") or hf.get("eagle_aux_hidden_state_layer_ids")
     heads = int(hf["num_attention_heads"])
-    config = DraftConfig(
+    shared = dict(
         hidden_size=int(hf["hidden_size"]),
         intermediate_size=int(hf["intermediate_size"]),
         num_attention_heads=heads,
-        num_key_value_heads=int(hf.get("num_key_value_heads") or heads),
-        head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
         vocab_size=int(hf["vocab_size"]),
         draft_vocab_size=int(hf.get("draft_vocab_size") or hf["vocab_size"]),
         target_hidden_size=int(hf.get("target_hidden_size") or hf["hidden_size"]),
@@ -113,6 +150,14 @@ def draft_config_from_hf(hf: dict, source: str) -> tuple[DraftConfig, list[int] 
         rope_theta=rope_theta_of(hf),
         max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
     )
+    if form == DEEPSEEK_MLA:
+        config: AnyDraftConfig = MLADraftConfig(**shared, **{f: int(hf[f]) for f in FORM_FIELDS[DEEPSEEK_MLA]})
+    else:
+        config = DraftConfig(
+            **shared,
+            num_key_value_heads=int(hf.get("num_key_value_heads") or heads),
+            head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
+        )
     return config, ([int(i) for i in layer_ids] if layer_ids else None)
 
 
@@ -176,16 +221,13 @@ def read_draft_dir(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     return json.loads(config_file.read_text()), tensors
 
 
-def expected_weight_shapes(config: DraftConfig) -> dict[str, tuple[int, ...]]:
-    h, q, kv = config.hidden_size, config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+def expected_weight_shapes(config: AnyDraftConfig) -> dict[str, tuple[int, ...]]:
+    h = config.hidden_size
     shapes = {
         "fc.weight": (h, len(config.aux_layer_ids or (0, 0, 0)) * config.target_hidden_size),
         "midlayer.input_layernorm.weight": (h,),
         "midlayer.hidden_norm.weight": (h,),
-        "midlayer.self_attn.q_proj.weight": (q, 2 * h),
-        "midlayer.self_attn.k_proj.weight": (kv, 2 * h),
-        "midlayer.self_attn.v_proj.weight": (kv, 2 * h),
-        "midlayer.self_attn.o_proj.weight": (h, q),
+        **_attention_shapes(config),
         "midlayer.post_attention_layernorm.weight": (h,),
         "midlayer.mlp.gate_proj.weight": (config.intermediate_size, h),
         "midlayer.mlp.up_proj.weight": (config.intermediate_size, h),
@@ -198,24 +240,50 @@ def expected_weight_shapes(config: DraftConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def _attention_shapes(config: AnyDraftConfig) -> dict[str, tuple[int, ...]]:
+    """The first layer's attention weights: its input projections take the embedding and the fused state (2H)."""
+    h, attn = config.hidden_size, "midlayer.self_attn."
+    if isinstance(config, MLADraftConfig):
+        heads, rank, rope = config.num_attention_heads, config.kv_lora_rank, config.qk_rope_head_dim
+        return {
+            attn + "q_a_proj.weight": (config.q_lora_rank, 2 * h),
+            attn + "q_a_layernorm.weight": (config.q_lora_rank,),
+            attn + "q_b_proj.weight": (heads * (config.qk_nope_head_dim + rope), config.q_lora_rank),
+            attn + "kv_a_proj_with_mqa.weight": (rank + rope, 2 * h),
+            attn + "kv_a_layernorm.weight": (rank,),
+            attn + "kv_b_proj.weight": (heads * (config.qk_nope_head_dim + config.v_head_dim), rank),
+            attn + "o_proj.weight": (h, heads * config.v_head_dim),
+        }
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    return {
+        attn + "q_proj.weight": (q, 2 * h),
+        attn + "k_proj.weight": (kv, 2 * h),
+        attn + "v_proj.weight": (kv, 2 * h),
+        attn + "o_proj.weight": (h, q),
+    }
+
+
 def config_problems(draft_dir: Path, expected_layer_ids: list[int], target_vocab_size: int | None = None) -> list[str]:
     """Everything that would make vLLM reject this draft or run it on the wrong layers; empty when complete."""
     try:
         hf, tensors = read_draft_dir(draft_dir)
     except (OSError, ValueError) as exc:
         return [str(exc)]
+    form = form_of_hf(hf)
     problems = []
-    for name, kind in REQUIRED_FIELDS.items():
+    for name, kind in {**COMMON_FIELDS, **FORM_FIELDS[form]}.items():
         if name not in hf:
             problems.append(f"config.json lacks {name}")
         elif not isinstance(hf[name], kind) or (kind is int and isinstance(hf[name], bool)):
             problems.append(f"config.json {name}={hf[name]!r} is not {getattr(kind, '__name__', kind)}")
     if problems:
         return problems
-    if ARCHITECTURE not in hf["architectures"]:
-        problems.append(f"architectures {hf['architectures']} does not name {ARCHITECTURE}")
-    if hf["model_type"] != "llama" or hf["num_hidden_layers"] != 1:
-        problems.append(f"model_type {hf['model_type']!r} / num_hidden_layers {hf['num_hidden_layers']}: expected 'llama' / 1")
+    if ARCHITECTURES[form] not in hf["architectures"]:
+        problems.append(f"architectures {hf['architectures']} does not name {ARCHITECTURES[form]}")
+    if hf["model_type"] != MODEL_TYPES[form] or hf["num_hidden_layers"] != 1:
+        problems.append(
+            f"model_type {hf['model_type']!r} / num_hidden_layers {hf['num_hidden_layers']}: expected {MODEL_TYPES[form]!r} / 1"
+        )
     eagle = hf["eagle_config"]
     layer_ids = eagle.get("eagle_aux_hidden_state_layer_ids")
     if not layer_ids:

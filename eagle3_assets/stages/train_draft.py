@@ -114,6 +114,22 @@ def export_and_gate(job: TrainingJob, result: dict, log) -> dict:
     }
 
 
+def with_chosen_form(job: TrainingJob, log) -> tuple[TrainingJob, dict]:
+    """The job with its draft form decided on this host (``auto`` resolved, an unservable form refused before training),
+    and the choice as metadata: the form, why, and the vLLM facts it was decided from."""
+    from dataclasses import replace
+
+    from eagle3_assets.core.draft_forms import choose_training_form
+
+    choice = choose_training_form(job.train)
+    log(f"{STAGE}: draft form {choice.form!r} ({choice.requested!r} requested): {choice.reason}")
+    metadata = choice.as_metadata()
+    return replace(job, train=replace(job.train, draft_form=choice.form)), {
+        **{k: v for k, v in metadata.items() if k != "vllm_facts"},
+        "vllm_facts": {"raw_value": metadata["vllm_facts"], "type": "json"},
+    }
+
+
 def main() -> None:
     from dagster_pipes import open_dagster_pipes
 
@@ -129,9 +145,10 @@ def main() -> None:
             for warning in event.get("warnings") or []:  # before training: the data cannot make a useful draft
                 pipes.log.warning(f"{STAGE}: {warning}")
 
+        job, form = with_chosen_form(job, pipes.log.info)
         result = run_training(job.train, nproc=job.nproc_per_node, on_event=on_event)
         metadata = export_and_gate(job, result, pipes.log.info)
-        pipes.report_asset_materialization(metadata=metadata, data_version=result["fingerprint"])
+        pipes.report_asset_materialization(metadata={**metadata, **form}, data_version=result["fingerprint"])
 
 
 if __name__ == "__main__":

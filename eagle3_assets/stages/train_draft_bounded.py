@@ -19,6 +19,7 @@ at any point resumes from its last step checkpoint.
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -85,7 +86,7 @@ def main() -> None:
 
     from dagster_pipes import open_dagster_pipes
 
-    from eagle3_assets.stages.train_draft import export_and_gate
+    from eagle3_assets.stages.train_draft import export_and_gate, with_chosen_form
 
     with open_dagster_pipes() as pipes:
         job = BoundedTrainingJob.from_dict(dict(pipes.extras or {}))
@@ -99,11 +100,14 @@ def main() -> None:
             for warning in event.get("warnings") or []:
                 pipes.log.warning(f"{STAGE}: {warning}")
 
+        export, form = with_chosen_form(job.export, pipes.log.info)
+        job = replace(job, export=export, bounded=replace(job.bounded, train=replace(job.bounded.train, draft_form=export.train.draft_form)))
         result = train(job, on_event)
         metadata = export_and_gate(job.export, result, pipes.log.info)
         pipes.report_asset_materialization(
             metadata={
                 **metadata,
+                **form,
                 "train_tokens_per_s": round(float(result["train_tokens_per_s"]), 1),
                 "hidden_states_mode": "bounded",
                 "window_shards": int(result["window_shards"]),

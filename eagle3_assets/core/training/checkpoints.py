@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3_assets.core.draft_model import DraftConfig, Eagle3Draft
+from eagle3_assets.core.draft_forms import draft_config_from_dict, new_draft
+from eagle3_assets.core.draft_model import Eagle3Draft
 from eagle3_assets.core.export import export_draft, read_draft_dir
 from eagle3_assets.core.storage import file_hash, fsync_dir, stable_hash, staging_dir
 from eagle3_assets.core.target import text_config
@@ -159,8 +160,7 @@ def draft_from_checkpoint(checkpoint: Path, target_path: str | Path, target_embe
     if not checkpoint_is_complete(checkpoint):
         raise ValueError(f"checkpoint {checkpoint} is incomplete or damaged")
     state = json.loads((checkpoint / "state.json").read_text())
-    raw = state["draft_config"]
-    draft = Eagle3Draft(DraftConfig(**{**raw, "aux_layer_ids": tuple(raw["aux_layer_ids"])}))
+    draft = new_draft(draft_config_from_dict(state["draft_config"]))
     init_from = state["config"].get("init_from")
     embed = None
     if init_from:

@@ -39,10 +39,20 @@ class TrainConfig(JobSchema):
     seed: int = setting(0, "seed of the draft's initial weights and of the batch order")
     head_from_target: bool = setting(True, "from scratch: start norm + lm_head as the target's (restricted to the draft's rows)")
     bf16_autocast: bool = setting(True, "bfloat16 autocast on CUDA; a CPU run is in float32")
+    draft_form: str = setting(
+        "auto",
+        "the draft's architecture: 'llama' (vLLM's LlamaForCausalLMEagle3, as published drafts), 'deepseek_mla' (vLLM's "
+        "Eagle3DeepseekV2ForCausalLM: DeepSeek's latent attention) or 'auto' (the form the GPU host's vLLM serves beside "
+        "the target: Llama unless its attention cannot share the target's KV blocks, as for an MLA target on a CPU)",
+    )
     draft_intermediate_size: int | None = setting(None, "MLP width of the draft layer (default: the target's)")
     draft_num_attention_heads: int | None = setting(None, "attention heads of the draft layer (default: the target's)")
     draft_num_key_value_heads: int | None = setting(None, "key/value heads of the draft layer (default: the target's)")
     draft_head_dim: int | None = setting(None, "head width of the draft layer (default: the target's)")
+    draft_q_lora_rank: int | None = setting(None, "deepseek_mla form: the query's latent rank (default: the target's, else 1536 or the width)")
+    draft_kv_lora_rank: int | None = setting(
+        None, "deepseek_mla form: the KV latent rank (default: the target's, else 512; on a CPU it must be 576 - qk_rope_head_dim)"
+    )
     log_every: int = setting(10, "optimizer steps between progress events")
     keep_checkpoints: int = setting(2, "epoch checkpoints kept (the newest)")
     torch_threads: int | None = setting(None, "torch threads; default: torch's on GPU hosts, 1 on CPU")
@@ -62,6 +72,8 @@ class TrainConfig(JobSchema):
             problems.append(f"learning_rate {self.learning_rate} <= 0")
         if self.grad_accumulation < 1:
             problems.append(f"grad_accumulation {self.grad_accumulation} < 1")
+        if self.draft_form not in ("auto", "llama", "deepseek_mla"):
+            problems.append(f"draft_form {self.draft_form!r}: one of 'auto', 'llama', 'deepseek_mla'")
         if not self.hidden_state_dirs:
             problems.append("no hidden-state shard directories")
         if problems:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
-from eagle3_assets.core.draft_model import DraftConfig, Eagle3Draft
+from eagle3_assets.core.draft_forms import AUTO, DEEPSEEK_MLA, choose_draft_form, draft_config_for_target, new_draft
+from eagle3_assets.core.draft_model import Eagle3Draft
 from eagle3_assets.core.export import draft_config_from_hf, read_draft_dir
 from eagle3_assets.core.target import vllm_default_aux_layer_ids
 from eagle3_assets.core.training.config import TrainConfig
@@ -29,16 +30,10 @@ def initial_draft(config: TrainConfig, index: HiddenStateIndex, mapping: VocabMa
     target_config = json.loads((Path(config.target_path) / "config.json").read_text())
     torch.manual_seed(config.seed)
     if config.init_from is None:
-        draft_config = DraftConfig.for_target(
-            target_config,
-            mapping.draft_vocab_size,
-            index.aux_layer_ids,
-            intermediate_size=config.draft_intermediate_size,
-            num_attention_heads=config.draft_num_attention_heads,
-            num_key_value_heads=config.draft_num_key_value_heads,
-            head_dim=config.draft_head_dim,
-        )
-        draft = Eagle3Draft(draft_config)
+        # The stage resolves 'auto' before training (and records why); a direct call resolves it here.
+        form = config.draft_form if config.draft_form != AUTO else choose_draft_form(AUTO, target_config).form
+        draft_config = draft_config_for_target(form, target_config, mapping.draft_vocab_size, index.aux_layer_ids, **draft_shape(config, form))
+        draft = new_draft(draft_config)
         with torch.no_grad():
             draft.embed_tokens.weight.copy_(target["embed"])
             if config.head_from_target:
@@ -49,7 +44,24 @@ def initial_draft(config: TrainConfig, index: HiddenStateIndex, mapping: VocabMa
                 draft.lm_head.weight.copy_(target["lm_head"][mapping.draft_to_target])
         draft.set_vocab_mapping(mapping.d2t, mapping.t2d)
         return draft, InitReport(source="scratch")
-    return _fine_tune_start(Path(config.init_from), index, mapping, target)
+    draft, report = _fine_tune_start(Path(config.init_from), index, mapping, target)
+    if config.draft_form not in (AUTO, draft.form):
+        raise ValueError(f"cannot fine-tune {config.init_from}: it is a {draft.form!r}-form draft, draft_form says {config.draft_form!r}")
+    return draft, report
+
+
+def draft_shape(config: TrainConfig, form: str) -> dict[str, int | None]:
+    """The training settings that shape a draft of ``form``; a setting of the other form is refused, not ignored."""
+    llama = {
+        "num_key_value_heads": config.draft_num_key_value_heads,
+        "head_dim": config.draft_head_dim,
+    }
+    mla = {"q_lora_rank": config.draft_q_lora_rank, "kv_lora_rank": config.draft_kv_lora_rank}
+    own, other = (mla, llama) if form == DEEPSEEK_MLA else (llama, mla)
+    foreign = sorted(f"draft_{k}" for k, v in other.items() if v is not None)
+    if foreign:
+        raise ValueError(f"{foreign} do not apply to a {form!r}-form draft")
+    return {"intermediate_size": config.draft_intermediate_size, "num_attention_heads": config.draft_num_attention_heads, **own}
 
 
 def _fine_tune_start(path: Path, index: HiddenStateIndex, mapping: VocabMapping, target: dict) -> tuple[Eagle3Draft, InitReport]:
@@ -76,8 +88,8 @@ def _fine_tune_start(path: Path, index: HiddenStateIndex, mapping: VocabMapping,
     if problems:
         raise ValueError(f"cannot fine-tune {path}: " + "; ".join(problems))
 
-    new_config = DraftConfig(**{**asdict(old), "draft_vocab_size": mapping.draft_vocab_size, "aux_layer_ids": tuple(index.aux_layer_ids)})
-    draft = Eagle3Draft(new_config)  # new lm_head rows keep this random init
+    new_config = replace(old, draft_vocab_size=mapping.draft_vocab_size, aux_layer_ids=tuple(index.aux_layer_ids))
+    draft = new_draft(new_config)  # of the old draft's form; new lm_head rows keep this random init
     own = {k: v for k, v in tensors.items() if k not in ("lm_head.weight", "d2t", "t2d", "embed_tokens.weight")}
     missing = sorted(set(draft.state_dict()) - set(own) - {"lm_head.weight", "d2t", "t2d", "embed_tokens.weight"})
     if missing:
