@@ -115,7 +115,9 @@ def extraction(ctx: Context, backend: str) -> Row:
     from eagle3_assets.stages.extract_hidden_states import run
 
     row = Row(f"extraction ({backend})")
-    target = ctx.state.get("target") or ensure_tiny_target(ctx.work / "tiny_target", log=lambda line: None)
+    # The tiny target of $EAGLE3_TINY_TARGET_DIR when one is cached there (a build takes minutes), else built here.
+    cached = os.environ.get("EAGLE3_TINY_TARGET_DIR")
+    target = ctx.state.get("target") or ensure_tiny_target(Path(cached) if cached else ctx.work / "tiny_target", log=lambda line: None)
     ctx.state["target"] = target
     traces = ctx.state.get("traces") or write_validated_traces(ctx.work / "data", "shard-00000", target, count=ctx.args.samples)
     ctx.state["traces"] = traces
@@ -147,7 +149,7 @@ def training(ctx: Context) -> Row:
     from eagle3_assets.core.training.sources import StoredShards
     from eagle3_assets.core.vocab import build_vocab_mapping, save_vocab_mapping
 
-    row = Row("training (bf16 autocast)" if ctx.device.startswith("cuda") else "training (float32, CPU)")
+    row = Row("training")
     states = ctx.state["states"]
     counts = torch.zeros(640, dtype=torch.int64)
     from safetensors.torch import load_file
@@ -172,7 +174,8 @@ def training(ctx: Context) -> Row:
     row.peak_bytes, row.capacity_bytes = _peak(ctx.device)
     went_down = losses[-1] < losses[0]
     row.status = "passed" if went_down else "failed"
-    row.detail = f"{len(losses)} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}" + ("" if went_down else " (did not go down)")
+    precision = "bf16 autocast" if ctx.device.startswith("cuda") else "float32 on the CPU"
+    row.detail = f"{len(losses)} steps ({precision}), loss {losses[0]:.3f} -> {losses[-1]:.3f}" + ("" if went_down else " (did not go down)")
     ctx.state["checkpoint"] = result.checkpoint
     return row
 
@@ -205,8 +208,8 @@ def bench(ctx: Context) -> Row:
     (result,) = throughput.run(throughput.parser().parse_args(argv))
     where = f"target {target}" if target else f"preset {ctx.args.bench_preset}"
     return Row(
-        f"bench (depth {ctx.args.bench_depth})", "passed",
-        f"{where}, {result['batch'] * result['seq_len']} tokens per micro-batch (planned), {result['tflops']:.2f} TFLOP/s "
+        "bench", "passed",
+        f"{where}, depth {ctx.args.bench_depth}, {result['batch'] * result['seq_len']} tokens per micro-batch (planned), {result['tflops']:.2f} TFLOP/s "
         f"against {result['reference_tflops']:.2f} for one matrix product; estimate {_gib(result['estimate_bytes'])} GiB",
         result["tokens_per_s"], result["share"], result["peak_bytes"], result["capacity_bytes"],
     )  # fmt: skip
@@ -239,6 +242,7 @@ def check(ctx: Context) -> list[Row]:
                 if fault == name:
                     raise RuntimeError(f"fault injected by {FAULT_ENV}={fault}")
                 row = path(ctx)
+                row.path = name
             except Exception as exc:  # noqa: BLE001 - a failed path is a row of the table, the rest still run
                 row = Row(name, "failed", f"{type(exc).__name__}: {exc}".splitlines()[0][:300])
                 (ctx.work / f"{name.split()[0]}.traceback.txt").write_text(traceback.format_exc())

@@ -78,7 +78,5 @@ class TrainConfig(JobSchema):
             problems.append(f"learning_rate {self.learning_rate} <= 0")
         if self.grad_accumulation < 1:
             problems.append(f"grad_accumulation {self.grad_accumulation} < 1")
-        if not self.hidden_state_dirs:
-            problems.append("no hidden-state shard directories")
         if problems:
             raise ValueError("training settings: " + "; ".join(problems))

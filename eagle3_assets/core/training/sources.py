@@ -114,6 +114,8 @@ class StoredShards:
     checkpoint_every_steps = None  # one checkpoint at each epoch's end
 
     def __init__(self, shard_dirs: list[str]):
+        if not shard_dirs:
+            raise ValueError("training settings: no hidden-state shard directories (hidden_state_dirs is empty)")
         self.shard_dirs = shard_dirs
         self.index: HiddenStateIndex | None = None
         self.lengths: list[int] = []
