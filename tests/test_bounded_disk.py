@@ -163,12 +163,13 @@ def test_killed_bounded_training_resumes_without_training_a_batch_twice_and_neve
     assert watcher.max_dirs <= WINDOW, f"{watcher.max_dirs} shards of states on disk at once (window {WINDOW})"
     window_bound = sum(sorted(shard_bytes.values(), reverse=True)[:WINDOW])
     assert watcher.max_bytes <= window_bound, f"{watcher.max_bytes} B on disk at once, the window holds {window_bound} B"
-    assert 0 < result["peak_window_bytes"] <= window_bound
+    assert 0 < result["source"]["peak_window_bytes"] <= window_bound
     assert watcher.names <= {f"e{e:04d}-{k}" for e in (1, 2) for k in KEYS}, "the states live in the window, named by epoch and shard"
     assert not any(Path(settings["bounded"]["window_dir"]).iterdir()), "nothing is left on disk after training"
     # Every streamed shard recorded once per epoch, with the data version it was given and its gates.
-    assert sorted((s["epoch"], s["shard"]) for s in result["streamed"]) == sorted((e, k) for e in (1, 2) for k in KEYS)
-    assert all(s["data_version"] == f"v-{s['shard']}" and all(s["gates"].values()) for s in result["streamed"])
+    streamed = result["source"]["streamed_shards"]
+    assert sorted((s["epoch"], s["shard"]) for s in streamed) == sorted((e, k) for e in (1, 2) for k in KEYS)
+    assert all(s["data_version"] == f"v-{s['shard']}" and all(s["gates"].values()) for s in streamed)
     assert Path(result["checkpoint"]).name == f"step-{len(journal):08d}"
 
 

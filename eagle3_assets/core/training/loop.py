@@ -48,7 +48,7 @@ from eagle3_assets.core.training.config import TrainConfig
 from eagle3_assets.core.training.data import Batch, HiddenStateIndex
 from eagle3_assets.core.training.initial_weights import initial_draft
 from eagle3_assets.core.training.loss import TrainingTimeTest
-from eagle3_assets.core.training.memory import plan_micro_batch
+from eagle3_assets.core.training.memory import free_memory_bytes, plan_micro_batch
 from eagle3_assets.core.training.sources import BatchSource, DataSize, PlannedStep, StoredShards
 from eagle3_assets.core.vocab import load_vocab_mapping
 
@@ -226,10 +226,16 @@ def _train(config: TrainConfig, source: BatchSource, emit: OnEvent, device: torc
 
     # -- the micro-batch that fits the device, planned from the shapes before anything is on it
     recorded = json.loads((resume / "state.json").read_text()).get("memory") if resume else None
+    free, total = free_memory_bytes(device)
+    if distributed:  # every process must plan the same steps: the one with the least free memory decides
+        least = torch.tensor([free], dtype=torch.int64, device=device)
+        dist.all_reduce(least, op=dist.ReduceOp.MIN)
+        free = int(least.item())
     memory = plan_micro_batch(
         draft.config, config, longest=size.longest, device=device, bf16=device.type == "cuda" and config.bf16_autocast,
         recorded={"batch_tokens": recorded["batch_tokens"], "grad_accumulation": recorded["grad_accumulation"], "split": recorded["split"]}
         if recorded else None,
+        free=(free, total),
     )  # fmt: skip
     config = replace(config, batch_tokens=memory.batch_tokens, grad_accumulation=memory.grad_accumulation)
     emit({"event": "memory", "description": memory.describe(), **memory.as_dict()})

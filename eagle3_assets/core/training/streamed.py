@@ -68,14 +68,17 @@ class StreamItem:
 
 
 def directory_bytes(path: Path) -> int:
-    """Bytes of every file below ``path`` (files vanishing meanwhile count as gone)."""
+    """Bytes of every file below ``path`` (files and directories vanishing meanwhile count as gone)."""
     total = 0
-    for file in Path(path).rglob("*"):
-        try:
-            if file.is_file():
-                total += file.stat().st_size
-        except FileNotFoundError:
-            pass
+    try:
+        for file in Path(path).rglob("*"):
+            try:
+                if file.is_file():
+                    total += file.stat().st_size
+            except FileNotFoundError:
+                pass
+    except FileNotFoundError:  # a shard's directory deleted while it was being listed
+        pass
     return total
 
 
