@@ -45,10 +45,10 @@ dev: install $(DAGSTER_HOME)/dagster.yaml
 serve-demo: install
 	$(PY) -m eagle3_assets.demo.serve --model tiny --port 8000
 
-# A GPU host's self-test before a long run (eagle3_assets/gpu_check.py): torch and CUDA, no Dagster, vLLM optional.
+# A GPU host's self-test before a long run (eagle3_assets/demo/gpu_check.py): torch and CUDA, no Dagster, vLLM optional.
 # No install step: the GPU host has its own environment (PY=python to use another interpreter).
 gpu-check:
-	$(PY) -m eagle3_assets.gpu_check $(GPU_CHECK_ARGS)
+	$(PY) -m eagle3_assets.demo.gpu_check $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf data .dagster .cache

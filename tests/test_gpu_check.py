@@ -1,7 +1,7 @@
 """``eagle3-gpu-check`` on this CPU host: the CUDA paths are skipped with the reason, and a failing path fails the command.
 
 The command runs as a user runs it (``make gpu-check``, ``python -m
-eagle3_assets.gpu_check``), in a process of its own. With ``--allow-cpu`` its
+eagle3_assets.demo.gpu_check``), in a process of its own. With ``--allow-cpu`` its
 paths run for real on the CPU (extraction of the tiny target, training,
 export, the bench); the export is made to fail by fault injection
 (``EAGLE3_GPU_CHECK_FAULT``), named as such in the table.
@@ -44,12 +44,12 @@ def test_on_a_cpu_host_the_check_skips_the_cuda_paths_says_why_and_passes(tiny_t
     assert "the CUDA paths were skipped" in done.stdout
     # The console script a user installs points at the same command.
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts["eagle3-gpu-check"] == "eagle3_assets.gpu_check:cli"
+    assert scripts["eagle3-gpu-check"] == "eagle3_assets.demo.gpu_check:cli"
 
 
 def test_a_failing_path_fails_the_check_and_the_table_names_it(tiny_target, tmp_path):
     done = run_check(
-        [sys.executable, "-m", "eagle3_assets.gpu_check", "--allow-cpu", "--samples", "12", "--train-steps", "20",
+        [sys.executable, "-m", "eagle3_assets.demo.gpu_check", "--allow-cpu", "--samples", "12", "--train-steps", "20",
          "--bench-depth", "2", "--bench-steps", "1", "--work", str(tmp_path)],
         tiny_target,
         EAGLE3_GPU_CHECK_FAULT="export",  # fault injection: the export path raises before it runs

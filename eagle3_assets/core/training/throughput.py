@@ -6,7 +6,7 @@ with the package installed (and no repository) has it.
 
 Each configuration runs in a child process (so that its peak memory is its
 own) the training step of eagle3_assets.core.training on synthetic batches of
-the preset's shape (the tiny one is the demo's): the target's head (full-vocabulary top-1 and the
+the preset's shape (the tiny one is the built-in tiny target's): the target's head (full-vocabulary top-1 and the
 draft-vocabulary logits), the training-time-test unroll with the memory
 settings of a training run (``--no-memory-settings``: all off), backward,
 gradient clipping, AdamW. Data loading is left out: it is a slice of a
@@ -25,7 +25,7 @@ Peak memory: on CUDA ``torch.cuda.max_memory_allocated`` against the card's
 memory; on CPU the child's maximum RSS (torch itself included); beside it the
 planner's estimate (eagle3_assets.core.training.memory).
 
-    .venv/bin/python bench/training.py                                  # the demo's tiny draft on CPU
+    .venv/bin/python bench/training.py                                  # the tiny draft on CPU
     python bench/training.py --device cuda --preset llama3-8b           # a GPU host: an 8B-class draft
     python bench/training.py --device cuda --preset kimi-k2 --ttt 1 3 7
     python bench/training.py --device cuda --target /models/Kimi-K2 --plan   # the target's width, the planned micro-batch
