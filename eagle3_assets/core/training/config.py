@@ -44,7 +44,7 @@ class TrainConfig(JobSchema):
     draft_num_key_value_heads: int | None = setting(None, "key/value heads of the draft layer (default: the target's)")
     draft_head_dim: int | None = setting(None, "head width of the draft layer (default: the target's)")
     log_every: int = setting(10, "optimizer steps between progress events")
-    keep_checkpoints: int = setting(2, "epoch checkpoints kept (the newest)")
+    keep_checkpoints: int = setting(2, "step checkpoints kept (the newest)")
     torch_threads: int | None = setting(None, "torch threads; default: torch's on GPU hosts, 1 on CPU")
     # Memory (core/training/memory.py plans the micro-batch with these before the first step).
     activation_checkpointing: bool = setting(
