@@ -7,7 +7,7 @@ export EAGLE3_DATA_DIR ?= $(CURDIR)/data
 export DAGSTER_HOME ?= $(CURDIR)/.dagster
 DEMO_TARGET ?= tiny
 
-.PHONY: install demo test dev serve-demo bench clean
+.PHONY: install demo test dev serve-demo bench gpu-check clean
 
 install: $(VENV)/.installed
 
@@ -44,6 +44,11 @@ dev: install $(DAGSTER_HOME)/dagster.yaml
 # The demo's vLLM server in the foreground, for materialising from the UI.
 serve-demo: install
 	$(PY) -m eagle3_assets.demo.serve --model tiny --port 8000
+
+# A GPU host's self-test before a long run (eagle3_assets/demo/gpu_check.py): torch and CUDA, no Dagster, vLLM optional.
+# No install step: the GPU host has its own environment (PY=python to use another interpreter).
+gpu-check:
+	$(PY) -m eagle3_assets.demo.gpu_check $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf data .dagster .cache

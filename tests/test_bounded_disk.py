@@ -1,7 +1,8 @@
 """Bounded-disk training: a window of shards on disk, the gates on every streamed shard, SIGKILL and resume.
 
 Real tiny target, real transformers extraction on the CPU, the real stage
-process (``python -m eagle3_assets.stages.train_draft_bounded --config``).
+process (``python -m eagle3_assets.stages.train_draft --config``: the one
+training stage, with the streamed source).
 The window is asserted from the files while the stage runs: a watcher thread
 polls the window directory.
 """
@@ -23,11 +24,14 @@ import pytest
 import torch
 from dagster import DagsterInstance, RunConfig, materialize
 
-from eagle3_assets.core.bounded_training import EVENT_PREFIX, JOURNAL, StreamedGateError, directory_bytes, read_journal, train_bounded
 from eagle3_assets.core.extraction import TransformersBackend, read_traces
-from eagle3_assets.core.stage_jobs import BoundedModeError, BoundedRun
+from eagle3_assets.core.stage_jobs import BoundedModeError, TrainingJob
 from eagle3_assets.core.state_layout import FP8_DTYPE, bytes_per_token
 from eagle3_assets.core.storage import write_json_atomic
+from eagle3_assets.core.training.checkpoints import JOURNAL, read_journal
+from eagle3_assets.core.training.launch import EVENT_PREFIX
+from eagle3_assets.core.training.loop import train
+from eagle3_assets.core.training.streamed import StreamedGateError, StreamedWindow, directory_bytes
 from eagle3_assets.core.vocab import build_vocab_mapping, save_vocab_mapping
 from tests.extraction_helpers import write_validated_traces
 
@@ -54,8 +58,8 @@ def streamed(tiny_target, tmp_path_factory) -> dict:
 
 
 def run_settings(tiny_target, streamed, work: Path, *, dtype="bfloat16", epochs=2, every=2) -> dict:
-    """A BoundedTrainingJob without export, as the stage's --config takes it."""
-    from eagle3_assets.core.target_identity import target_identity
+    """A TrainingJob with the streamed source, as the stage's --config takes it (which trains only)."""
+    from eagle3_assets.core.target import target_identity
 
     train = dict(
         hidden_state_dirs=[], vocab_mapping=str(streamed["mapping"]), target_path=str(tiny_target), training_dir=str(work / "training"),
@@ -68,10 +72,10 @@ def run_settings(tiny_target, streamed, work: Path, *, dtype="bfloat16", epochs=
         logits_check_samples=3, logits_check_positions=256, aux_check_samples=2,
     )  # fmt: skip
     bounded = dict(
-        train=train, shards=shards, window_dir=str(work / "streamed_states"), target=target, extraction=extraction,
+        shards=shards, window_dir=str(work / "streamed_states"), target=target, extraction=extraction,
         window_shards=WINDOW, checkpoint_every_steps=every,
     )  # fmt: skip
-    return {"bounded": bounded}
+    return {"train": train, "export_dir": str(work / "model"), "bounded": bounded}
 
 
 class WindowWatcher(threading.Thread):
@@ -100,7 +104,7 @@ class WindowWatcher(threading.Thread):
 def start_stage(config_file: Path, log: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.Popen(
-        [sys.executable, "-m", "eagle3_assets.stages.train_draft_bounded", "--config", str(config_file)],
+        [sys.executable, "-m", "eagle3_assets.stages.train_draft", "--config", str(config_file)],
         stdout=open(log, "a"), stderr=subprocess.STDOUT, env=env,
     )  # fmt: skip
 
@@ -113,7 +117,7 @@ def test_killed_bounded_training_resumes_without_training_a_batch_twice_and_neve
     settings = run_settings(tiny_target, streamed, tmp_path)
     config_file, log = tmp_path / "run.json", tmp_path / "stage.log"
     write_json_atomic(config_file, settings)
-    training = Path(settings["bounded"]["train"]["training_dir"])
+    training = Path(settings["train"]["training_dir"])
     watcher = WindowWatcher(Path(settings["bounded"]["window_dir"]))
     watcher.start()
 
@@ -159,12 +163,13 @@ def test_killed_bounded_training_resumes_without_training_a_batch_twice_and_neve
     assert watcher.max_dirs <= WINDOW, f"{watcher.max_dirs} shards of states on disk at once (window {WINDOW})"
     window_bound = sum(sorted(shard_bytes.values(), reverse=True)[:WINDOW])
     assert watcher.max_bytes <= window_bound, f"{watcher.max_bytes} B on disk at once, the window holds {window_bound} B"
-    assert 0 < result["peak_window_bytes"] <= window_bound
+    assert 0 < result["source"]["peak_window_bytes"] <= window_bound
     assert watcher.names <= {f"e{e:04d}-{k}" for e in (1, 2) for k in KEYS}, "the states live in the window, named by epoch and shard"
     assert not any(Path(settings["bounded"]["window_dir"]).iterdir()), "nothing is left on disk after training"
     # Every streamed shard recorded once per epoch, with the data version it was given and its gates.
-    assert sorted((s["epoch"], s["shard"]) for s in result["streamed"]) == sorted((e, k) for e in (1, 2) for k in KEYS)
-    assert all(s["data_version"] == f"v-{s['shard']}" and all(s["gates"].values()) for s in result["streamed"])
+    streamed = result["source"]["streamed_shards"]
+    assert sorted((s["epoch"], s["shard"]) for s in streamed) == sorted((e, k) for e in (1, 2) for k in KEYS)
+    assert all(s["data_version"] == f"v-{s['shard']}" and all(s["gates"].values()) for s in streamed)
     assert Path(result["checkpoint"]).name == f"step-{len(journal):08d}"
 
 
@@ -190,22 +195,22 @@ class NaNForOneSample:
 
 def test_a_streamed_shard_failing_a_gate_stops_training_before_it_learns_from_it(tiny_target, streamed, tmp_path):
     settings = run_settings(tiny_target, streamed, tmp_path, epochs=1, dtype=FP8_DTYPE)
-    run = BoundedRun.from_dict(settings["bounded"])
+    job = TrainingJob.from_dict(settings)
+    run = job.bounded
     poisoned = read_traces(streamed["traces"]["shard-b"])[0].input_ids
     backend = TransformersBackend(tiny_target, LAYER_IDS)
     try:
         with pytest.raises(StreamedGateError, match=r"streamed shard shard-b \(epoch 1\): gate states_finite failed: .*training stopped"):
-            train_bounded(run, NaNForOneSample(backend, poisoned))
+            train(job.train, StreamedWindow(run, NaNForOneSample(backend, poisoned)))
     finally:
         backend.close()
-    journal = read_journal(Path(run.train.training_dir) / JOURNAL)
+    journal = read_journal(Path(job.train.training_dir) / JOURNAL)
     assert all(r["shard"] != "shard-b" for r in journal), "no step learned from the failing shard"
     assert (Path(run.window_dir) / "e0001-shard-b").is_dir(), "the failing states are kept for inspection"
 
 
 def test_bad_mode_settings_are_refused_naming_the_setting(data_dir, tiny_target):
-    from eagle3_assets.draft_checkpoint import DraftTrainingConfig, draft_checkpoint
-    from eagle3_assets.draft_checkpoint_bounded import check_mode
+    from eagle3_assets.draft_checkpoint import DraftTrainingConfig, check_mode, draft_checkpoint
     from resources.gpu_host import GPUHost
     from resources.target_model import TargetModel
 
@@ -229,7 +234,7 @@ def test_bad_mode_settings_are_refused_naming_the_setting(data_dir, tiny_target)
 
 
 def test_the_preflight_estimates_the_window_and_names_the_mode_and_both_numbers(data_dir, tiny_target):
-    from eagle3_assets.draft_checkpoint_bounded import STAGE, bounded_requirements
+    from eagle3_assets.draft_checkpoint import STAGE, bounded_requirements
     from eagle3_assets.hidden_states import HiddenStatesConfig
     from resources.gpu_host import GPUHost
 
@@ -264,8 +269,7 @@ def test_bounded_mode_through_dagster_records_what_was_streamed_and_materialises
     """draft_checkpoint in bounded mode: the GPU host's stage streams, trains, exports; vLLM loads the draft."""
     from dagster import AssetKey
 
-    from eagle3_assets.draft_checkpoint import DraftTrainingConfig, draft_checkpoint
-    from eagle3_assets.draft_checkpoint_bounded import streamed_data_version
+    from eagle3_assets.draft_checkpoint import DraftTrainingConfig, draft_checkpoint, streamed_data_version
     from eagle3_assets.hidden_states import HiddenStatesConfig
     from eagle3_assets.partitions import register_shards
     from eagle3_assets.vocab_mapping import VocabMappingConfig, vocab_mapping

@@ -154,13 +154,13 @@ def test_training_assets_cover_every_shard_and_gate_the_export_with_vllm():
         assert node.partitions_def is None
         assert node.group_name == ("evaluation" if name == "draft_evaluation" else "training")
     assert AssetKey("validated_traces") in graph.get(AssetKey("vocab_mapping")).parent_keys
-    # validated_traces: what bounded-disk mode reads instead of stored hidden_states (draft_checkpoint_bounded.py).
+    # validated_traces: what bounded-disk mode reads instead of stored hidden_states (draft_checkpoint.streamed_states).
     assert graph.get(AssetKey("draft_checkpoint")).parent_keys == {AssetKey("hidden_states"), AssetKey("validated_traces"), AssetKey("vocab_mapping")}
     specs = {s.name: s for s in defs.resolve_assets_def(AssetKey("draft_checkpoint")).check_specs}
     assert {n for n, s in specs.items() if s.blocking} == {"config_complete", "loads_in_vllm"}
     assert not any(s.blocking for s in defs.resolve_assets_def(AssetKey("vocab_mapping")).check_specs)
     assert defs.resolve_assets_def(AssetKey("draft_checkpoint")).op.pool == GPU_POOL
-    assert "train_draft" in STAGE_REQUIREMENTS and "train_draft_bounded" in STAGE_REQUIREMENTS
+    assert "train_draft" in STAGE_REQUIREMENTS and "train_draft_bounded" not in STAGE_REQUIREMENTS  # one training stage, both modes
 
 
 def test_evaluation_runs_on_the_gpu_host_after_the_draft_and_gates_on_acceptance():

@@ -17,7 +17,6 @@ from eagle3_assets.core.job_schema import DESCRIPTION, default_of
 from eagle3_assets.core.stage_requirements import StageRequirements
 from eagle3_assets.core.stage_jobs import (
     BoundedRun,
-    BoundedTrainingJob,
     EvaluationJob,
     ExportGates,
     ExtractionJob,
@@ -46,7 +45,7 @@ SOURCES = [
         # Recipe constants and run mechanics a launchpad user has no reason to change; the CLI and tests can.
         {
             "betas", "head_from_target", "bf16_autocast", "draft_num_attention_heads", "draft_num_key_value_heads",
-            "draft_head_dim", "log_every", "keep_checkpoints", "torch_threads", "gates",
+            "draft_head_dim", "log_every", "keep_checkpoints", "torch_threads", "gates", "bounded",
         },
     ),  # fmt: skip
     (DraftEvaluationConfig, [EvaluationJob], {"eval_prompts", "max_eval_prompts"}, set()),
@@ -103,15 +102,15 @@ def test_a_job_survives_json_to_the_stage_and_back():
     assert back == job and back.train.betas == (0.9, 0.95) and isinstance(back.gates, ExportGates)
     evaluation = EvaluationJob(target_dir="t", target_trust_remote_code=True, draft_dir="d", eval_prompts="p.jsonl", report_path="r.json")
     assert EvaluationJob.from_json(evaluation.to_json()) == evaluation
-    bounded = BoundedTrainingJob(
+    bounded = TrainingJob(
+        train=train, export_dir="e",
         bounded=BoundedRun(
-            train=train, shards=[StreamedShard(key="s", traces="s.parquet", data_version="v")], window_dir="w",
+            shards=[StreamedShard(key="s", traces="s.parquet", data_version="v")], window_dir="w",
             target=StageTarget(path="/t", trust_remote_code=False, aux_layer_ids=[2, 3, 4], config_hash="h"),
             extraction=ExtractionRecipe(dtype="float8_e4m3fn"),
         ),
-        export=job,
     )  # fmt: skip
-    back = BoundedTrainingJob.from_json(bounded.to_json())
+    back = TrainingJob.from_json(bounded.to_json())
     assert back == bounded and isinstance(back.bounded.shards[0], StreamedShard) and back.bounded.window_shards == 2
 
 

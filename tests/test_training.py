@@ -1,4 +1,4 @@
-"""Training: the target's head, fine-tuning with a new vocabulary map, kill-and-resume, and DDP.
+"""Training: the target's head, fine-tuning with a new vocabulary map, kill-and-resume, and DDP by the guide's commands.
 
 Hidden states come from a direct transformers forward of the tiny target over
 templated demo conversations (tests/demo_hidden_states.py), cached in
@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -22,8 +24,8 @@ from safetensors.torch import load_file
 from eagle3_assets.core.draft_model import DraftConfig, Eagle3Draft
 from eagle3_assets.core.export import export_draft, read_draft_dir
 from eagle3_assets.core.storage import write_json_atomic
-from eagle3_assets.core.target_head import TargetHead, load_head_weights
-from eagle3_assets.core.training.checkpoints import latest_checkpoint, run_fingerprint
+from eagle3_assets.core.target import TargetHead, load_head_weights
+from eagle3_assets.core.training.checkpoints import JOURNAL, checkpoint_name, latest_checkpoint, read_journal, run_fingerprint
 from eagle3_assets.core.training.config import TrainConfig
 from eagle3_assets.core.training.data import HiddenStateIndex, index_hidden_states, load_batch
 from eagle3_assets.core.training.initial_weights import initial_draft
@@ -31,6 +33,7 @@ from eagle3_assets.core.training.launch import run_training
 from eagle3_assets.core.vocab import VocabMapping, build_vocab_mapping, save_vocab_mapping
 from tests.demo_hidden_states import cached_demo_hidden_states
 
+REPO = Path(__file__).resolve().parents[1]
 # Loss curves of 1 and 2 processes agree to this relative tolerance: the batches are identical,
 # only float summation order differs (DDP's gradient all-reduce vs. local accumulation).
 DDP_LOSS_RTOL = 1e-4
@@ -179,57 +182,104 @@ def test_killed_training_resumes_from_its_last_complete_checkpoint_to_the_same_w
     Path(interrupted.training_dir).mkdir(parents=True)
     launch = Path(interrupted.training_dir) / "launch.json"
     write_json_atomic(launch, interrupted.to_dict())
-    process = subprocess.Popen([sys.executable, "-m", "eagle3_assets.core.training.launch", "--config", str(launch)], stdout=subprocess.DEVNULL)
+    # The one-process form of the worker docs/training.md runs by hand.
+    process = subprocess.Popen([sys.executable, "-m", "eagle3_assets.core.training", "--config", str(launch)], stdout=subprocess.DEVNULL)
     checkpoints = Path(interrupted.training_dir) / "checkpoints"
     deadline = time.monotonic() + 300
     try:
-        while not (checkpoints / "epoch-0001" / "manifest.json").is_file():
+        while not any((c / "manifest.json").is_file() for c in checkpoints.glob("step-*")):
             assert process.poll() is None, "training exited before its first checkpoint"
             assert time.monotonic() < deadline
             time.sleep(0.02)
     finally:
         os.kill(process.pid, signal.SIGKILL)
         process.wait()
-    assert not (checkpoints / "epoch-0003").exists(), "the kill came too late to interrupt anything"
+    assert not (Path(interrupted.training_dir) / "result.json").exists(), "the kill came too late to interrupt anything"
+    first = min(c for c in checkpoints.glob("step-*") if (c / "manifest.json").is_file())
+    steps_per_epoch = int(first.name.split("-")[1])
+    assert json.loads((first / "state.json").read_text())["epoch"] == 1, "offline mode commits at each epoch's end"
 
-    # Fault injection: what a crash while writing epoch 2 and a damaged epoch-2 directory would leave.
-    (checkpoints / ".epoch-0002.crashed.partial").mkdir(exist_ok=True)
-    (checkpoints / ".epoch-0002.crashed.partial" / "model.safetensors").write_bytes(b"half a file")
-    damaged = checkpoints / "epoch-0002"
-    if not damaged.exists():
-        damaged.mkdir()
+    # Fault injection: what a crash while writing epoch 2's checkpoint and a damaged one would leave.
+    second = checkpoints / checkpoint_name(2 * steps_per_epoch)
+    crashed = checkpoints / f".{second.name}.crashed.partial"
+    crashed.mkdir(exist_ok=True)
+    (crashed / "model.safetensors").write_bytes(b"half a file")
+    if not second.exists():
+        second.mkdir()
         for name in ("model.safetensors", "trainer.pt", "state.json", "manifest.json"):
-            (damaged / name).write_bytes((checkpoints / "epoch-0001" / name).read_bytes())
-    with open(damaged / "model.safetensors", "r+b") as fh:
+            (second / name).write_bytes((first / name).read_bytes())
+    with open(second / "model.safetensors", "r+b") as fh:
         fh.truncate(100)
-    assert latest_checkpoint(checkpoints, uninterrupted["fingerprint"]) == checkpoints / "epoch-0001"
+    assert latest_checkpoint(checkpoints, uninterrupted["fingerprint"]) == first
 
     resumed = run_training(interrupted)
-    assert resumed["resumed_from"] == str(checkpoints / "epoch-0001")
-    assert not (checkpoints / ".epoch-0002.crashed.partial").exists()
+    assert resumed["resumed_from"] == str(first)
+    assert not crashed.exists()
     expected, got = final_weights(uninterrupted), final_weights(resumed)
     assert expected.keys() == got.keys()
     for name in expected:
         assert torch.equal(expected[name], got[name]), f"{name} differs after resuming"
     resumed_history = json.loads((Path(interrupted.training_dir) / "history.json").read_text())["history"]
     assert [r["loss"] for r in resumed_history] == [r["loss"] for r in history]
+    # The journal of committed steps: every step once, in order, and each epoch's batches once.
+    journal = read_journal(Path(interrupted.training_dir) / JOURNAL)
+    assert [r["step"] for r in journal] == list(range(1, len(history) + 1))
+    batch_ids = [b for r in journal for b in r["batches"]]
+    assert len(batch_ids) == len(set(batch_ids))
 
 
-def test_two_process_ddp_follows_the_single_process_loss_curve(hidden_states, tiny_target, tmp_path):
-    # 1 process accumulating 2 micro-batches per step sees the batches that 2 processes see together.
+def documented_command(heading: str) -> str:
+    """The shell command under ``heading`` in docs/training.md, continuation lines joined."""
+    section = (REPO / "docs" / "training.md").read_text().split(f"## {heading}", 1)[1].split("\n## ", 1)[0]
+    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    return block.replace("\\\n", " ")
+
+
+def run_documented(command: str, config_file: Path, replacements: dict[str, str]) -> None:
+    """Run a command of the guide as written, with this test's config file, interpreter and sizes."""
+    command = command.replace("data/draft_checkpoint/training/launch_config.json", str(config_file))
+    for old, new in replacements.items():
+        assert old in command, f"the guide's command no longer says {old!r}: {command}"
+        command = command.replace(old, new)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(shlex.split(command), env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"{command}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+
+
+def test_the_guides_torchrun_commands_train_two_processes_along_the_single_process_loss_curve(hidden_states, tiny_target, tmp_path):
+    """docs/training.md's by-hand commands, run as written: one node of 2 processes, then 2 nodes of 1 on loopback.
+
+    1 process accumulating 2 micro-batches per step sees the batches that 2 processes see together.
+    """
     single = small_config(hidden_states, tiny_target, tmp_path / "one", epochs=2, grad_accumulation=2, torch_threads=1)
-    ddp = small_config(hidden_states, tiny_target, tmp_path / "two", epochs=2, grad_accumulation=1, torch_threads=1)
-    events: list[dict] = []
-    single_result = run_training(single, nproc=1)
-    ddp_result = run_training(ddp, nproc=2, on_event=events.append)
-
-    assert any(e["event"] == "start" and e["world_size"] == 2 for e in events)
+    run_training(single, nproc=1)
     curve_1 = json.loads((Path(single.training_dir) / "history.json").read_text())["history"]
-    curve_2 = json.loads((Path(ddp.training_dir) / "history.json").read_text())["history"]
-    assert len(curve_1) == len(curve_2) >= 6
-    torch.testing.assert_close(
-        torch.tensor([r["loss"] for r in curve_2]), torch.tensor([r["loss"] for r in curve_1]), rtol=DDP_LOSS_RTOL, atol=0
-    )
     assert curve_1[-1]["loss"] < curve_1[0]["loss"]
-    assert [r["tokens"] for r in curve_1] == [r["tokens"] for r in curve_2]
-    assert single_result["checkpoint"] and ddp_result["checkpoint"]
+
+    python = sys.executable
+    torchrun = str(Path(python).parent / "torchrun")
+    port = str(29500 + os.getpid() % 1000)
+    commands = {
+        "one node": (documented_command("Several GPUs"), {"python ": f"{python} ", "--nproc-per-node 8": "--nproc-per-node 2"}),
+        "two nodes": (
+            documented_command("Several nodes"),
+            {"torchrun ": f"{torchrun} ", "--nproc-per-node 8": "--nproc-per-node 1", "node0:29500": f"127.0.0.1:{port}"},
+        ),
+    }
+    for label, (command, replacements) in commands.items():
+        ddp = small_config(hidden_states, tiny_target, tmp_path / label.replace(" ", "-"), epochs=2, grad_accumulation=1, torch_threads=1)
+        config_file = tmp_path / f"{label.replace(' ', '-')}.json"
+        write_json_atomic(config_file, ddp.to_dict())
+        nodes = 2 if label == "two nodes" else 1  # each "node" is one torchrun agent; they meet at the rendezvous endpoint
+        with ThreadPoolExecutor(nodes) as pool:
+            for node in [pool.submit(run_documented, command, config_file, replacements) for _ in range(nodes)]:
+                node.result()
+        result = json.loads((Path(ddp.training_dir) / "result.json").read_text())
+        assert result["world_size"] == 2, label
+        curve_2 = json.loads((Path(ddp.training_dir) / "history.json").read_text())["history"]
+        assert len(curve_1) == len(curve_2) >= 6, label
+        torch.testing.assert_close(
+            torch.tensor([r["loss"] for r in curve_2]), torch.tensor([r["loss"] for r in curve_1]), rtol=DDP_LOSS_RTOL, atol=0
+        )
+        assert [r["tokens"] for r in curve_1] == [r["tokens"] for r in curve_2], label
+

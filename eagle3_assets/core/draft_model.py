@@ -236,9 +236,19 @@ class Eagle3Draft(nn.Module):
         self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cache: KVCache
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft step for every position: returns (draft-vocabulary logits, pre-norm state for the next step)."""
+        normed, prenorm = self.step_states(input_ids, hidden, positions, cache)
+        return self.lm_head(normed), prenorm
+
+    def step_states(
+        self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cache: KVCache
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`step` without the ``lm_head``: (what the ``lm_head`` reads, pre-norm state for the next step).
+
+        Training applies the ``lm_head`` itself where it computes the loss in chunks of positions.
+        """
         out, residual = self.midlayer(self.embed_tokens(input_ids), hidden, positions, cache)
         prenorm = out + residual
-        return self.lm_head(self.norm(prenorm)), prenorm
+        return self.norm(prenorm), prenorm
 
     def draft_to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]

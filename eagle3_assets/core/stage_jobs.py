@@ -1,4 +1,4 @@
-"""The GPU stages' jobs: what ``extract_hidden_states``, ``train_draft`` (``train_draft_bounded``) and ``evaluate_draft`` are told.
+"""The GPU stages' jobs: what ``extract_hidden_states``, ``train_draft`` and ``evaluate_draft`` are told.
 
 Each asset builds its stage's job, sends ``job.to_dict()`` as the Pipes extras
 (JSON), and the stage reads it back with ``Job.from_dict(extras)``: an unknown,
@@ -91,20 +91,6 @@ class ExportGates(JobSchema):
     log_path: str | None = given("where the vLLM server's log of loads_in_vllm goes")
 
 
-@dataclass
-class TrainingJob(JobSchema):
-    """Train the draft, export it in vLLM's form and run its gates (``train_draft``)."""
-
-    train: TrainConfig = given("the training run: inputs and recipe")
-    export_dir: str = given("where the vLLM-native draft directory goes")
-    gates: ExportGates | None = setting(None, "the export's gates; none: not run")
-    nproc_per_node: int = setting(1, "training processes (GPUs); above 1 runs under torchrun with DDP")
-    export_dtype: str | None = setting(None, "float32, bfloat16 or float16; default: the target's dtype")
-    vllm_check_num_speculative_tokens: int = setting(
-        3, "num_speculative_tokens of the loads_in_vllm check, and the first one the serving notes name"
-    )
-
-
 HIDDEN_STATES_MODES = ("offline", "bounded")
 
 
@@ -119,7 +105,7 @@ class HiddenStatesSource(JobSchema):
     hidden_states_mode: str = setting(
         "offline",
         "'offline': train on the materialised hidden_states shards (train_draft); 'bounded': extract each shard's states "
-        "as training consumes them, every epoch, keeping at most window_shards shards on disk (train_draft_bounded; "
+        "as training consumes them, every epoch, keeping at most window_shards shards on disk (train_draft's streamed source; "
         "never materialised as hidden_states)",
     )
 
@@ -135,9 +121,8 @@ class StreamedShard(JobSchema):
 
 @dataclass
 class BoundedRun(JobSchema):
-    """Bounded-disk training (:mod:`eagle3_assets.core.bounded_training`): the states streamed through a window of shards."""
+    """Bounded-disk training's batch source (:mod:`eagle3_assets.core.training.streamed`): the states streamed through a window of shards."""
 
-    train: TrainConfig = given("the training run (its hidden_state_dirs stay empty: the states come from shards)")
     shards: list[StreamedShard] = given("the shards to stream, each epoch")
     window_dir: str = given("where the transient states live (the training asset's directory, never hidden_states/)")
     target: StageTarget = given("the target to extract from")
@@ -172,12 +157,19 @@ def mode_problems(mode: str, window_shards: int, checkpoint_every_steps: int = 1
 
 
 @dataclass
-class BoundedTrainingJob(JobSchema):
-    """Train while extracting (``train_draft_bounded``), then export and gate as ``train_draft`` does."""
+class TrainingJob(JobSchema):
+    """Train the draft, export it in vLLM's form and run its gates (``train_draft``, both hidden-state modes)."""
 
-    bounded: BoundedRun = given("the bounded-disk run")
-    export: TrainingJob | None = setting(
-        None, "export_dir, export_dtype, gates as train_draft's job (its train is bounded.train); none: train only"
+    train: TrainConfig = given("the training run: inputs and recipe")
+    export_dir: str = given("where the vLLM-native draft directory goes")
+    bounded: BoundedRun | None = setting(
+        None, "bounded-disk mode: the shards whose states are extracted as training consumes them; none: the stored hidden_state_dirs"
+    )
+    gates: ExportGates | None = setting(None, "the export's gates; none: not run")
+    nproc_per_node: int = setting(1, "training processes (GPUs); above 1 runs under torchrun with DDP")
+    export_dtype: str | None = setting(None, "float32, bfloat16 or float16; default: the target's dtype")
+    vllm_check_num_speculative_tokens: int = setting(
+        3, "num_speculative_tokens of the loads_in_vllm check, and the first one the serving notes name"
     )
 
 

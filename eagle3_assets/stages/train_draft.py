@@ -1,10 +1,15 @@
 """``train_draft``: train the EAGLE-3 draft on the GPU host and export it in vLLM's form (Dagster Pipes).
 
-Its Pipes extras are an :class:`eagle3_assets.core.stage_jobs.TrainingJob`:
+One stage for both hidden-state modes; its Pipes extras are an
+:class:`eagle3_assets.core.stage_jobs.TrainingJob`:
 
 - ``train``: the :class:`eagle3_assets.core.training.config.TrainConfig`
   (hidden-state shard directories, vocabulary map, target, training directory,
   hyperparameters, ``init_from`` for fine-tuning);
+- ``bounded``: in bounded-disk mode, the shards whose states are extracted
+  again each epoch through a window (:mod:`eagle3_assets.core.training.streamed`),
+  with the target and the ``hidden_states`` extraction recipe; absent, the
+  loop reads the stored shards of ``train.hidden_state_dirs``;
 - ``nproc_per_node``: processes (GPUs) to train with; above 1 the training
   runs under ``torchrun`` (DDP; gloo on CPU) while this process keeps the one
   Pipes connection and relays rank 0's progress and every rank's final share;
@@ -15,12 +20,15 @@ Its Pipes extras are an :class:`eagle3_assets.core.stage_jobs.TrainingJob`:
   can: the results go back in the materialisation's metadata
   (``config_problems``, ``loads_in_vllm``).
 
-A run killed at any point is resumed from its last complete epoch checkpoint
-the next time the same configuration is materialised.
+A run killed at any point resumes from its last complete checkpoint the next
+time the same configuration is materialised. Without Dagster (tests,
+benchmarks): ``python -m eagle3_assets.stages.train_draft --config job.json``
+trains only (no export) and prints one event per line.
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from eagle3_assets.core.stage_jobs import ExportGates, TrainingJob
@@ -35,27 +43,85 @@ def describe(event: dict) -> str | None:
         init = event["init"]
         source = "from scratch" if init["source"] == "scratch" else f"fine-tuning {init['source']}"
         remap = f", lm_head rows kept {init['lm_head_rows_kept']} / new {init['lm_head_rows_new']}" if init["source"] != "scratch" else ""
+        streamed = (
+            f" in {event['shards']} shard(s) streamed through a window of {event['window_shards']}" if "window_shards" in event else ""
+        )
         return (
-            f"{STAGE}: {event['samples']} samples, {event['tokens']} tokens, {event['total_steps']} steps "
+            f"{STAGE}: {event['samples']} samples, {event['tokens']} tokens{streamed}, {event['total_steps']} steps "
             f"on {event['world_size']} x {event['device']}, {source}{remap}"
         )
     if kind == "schedule":
         return f"{STAGE}: schedule: {event['description']}"
+    if kind == "memory":
+        return f"{STAGE}: memory: {event['description']}"
     if kind == "resumed":
-        return f"{STAGE}: resuming from {event['checkpoint']} (epoch {event['epoch']}, step {event['step']})"
+        return f"{STAGE}: resuming from {event['checkpoint']} (epoch {event['epoch']}, step {event['step']}, after batch {event['after_batch']})"
     if kind == "step":
         accuracy = " ".join(f"{a:.2f}" for a in event["accuracy"])
+        where = f" shard {event['shard']}" if "shard" in event else ""
         return (
-            f"{STAGE}: epoch {event['epoch']} step {event['step']}/{event['total_steps']} loss {event['loss']:.4f} "
+            f"{STAGE}: epoch {event['epoch']}{where} step {event['step']}/{event['total_steps']} loss {event['loss']:.4f} "
             f"lr {event['lr']:.2e} accuracy by position [{accuracy}] ({event['elapsed_s']:.0f}s)"
         )
+    if kind == "extracted":
+        return (
+            f"{STAGE}: epoch {event['epoch']} shard {event['shard']}: {event['tokens']} tokens extracted "
+            f"({event['bytes']} B, {event['extract_s']}s), gates passed"
+        )
+    if kind == "streamed":
+        return f"{STAGE}: epoch {event['epoch']} shard {event['shard']}: trained on and deleted (peak window {event['peak_window_bytes']} B)"
+    if kind == "removed":
+        return f"{STAGE}: removed {event['path']} (not in the window of the resumed run)"
     if kind == "rank_done":
         return f"{STAGE}: rank {event['rank']}/{event['world_size']} done: {event['micro_batches']} micro-batches, {event['tokens']} tokens"
     if kind == "checkpoint":
-        return f"{STAGE}: checkpoint of epoch {event['epoch']} at {event['path']}"
+        return f"{STAGE}: checkpoint of epoch {event['epoch']} step {event['step']} at {event['path']}"
     if kind == "done":
         return f"{STAGE}: done, {event['tokens_per_s']:.0f} tokens/s"
     return None
+
+
+def train(job: TrainingJob, on_event) -> dict:
+    """Train on the job's batch source: the stored shards (``nproc_per_node`` processes), or a streamed window."""
+    from eagle3_assets.core.training.launch import run_training
+
+    if job.bounded is None:
+        return run_training(job.train, nproc=job.nproc_per_node, on_event=on_event)
+    return _train_streamed(job, on_event)
+
+
+def _train_streamed(job: TrainingJob, on_event) -> dict:
+    from dataclasses import asdict
+    from types import SimpleNamespace
+
+    import polars as pl
+    import torch
+
+    from eagle3_assets.core.stage_jobs import mode_problems
+    from eagle3_assets.core.training.loop import train as train_loop
+    from eagle3_assets.core.training.streamed import StreamedWindow
+    from eagle3_assets.stages.extract_hidden_states import aux_reference, make_backend
+
+    run = job.bounded
+    assert run is not None
+    problems = mode_problems("bounded", run.window_shards, run.checkpoint_every_steps, job.nproc_per_node)
+    if problems:
+        raise ValueError(f"{STAGE}: " + "; ".join(problems))
+    run.validate()
+    if run.extraction.cpu_threads > 0:
+        torch.set_num_threads(run.extraction.cpu_threads)
+    # make_backend sizes vLLM's context from the longest trace: the longest of every streamed shard.
+    longest = max(int(pl.read_parquet(s.traces, columns=["num_tokens"])["num_tokens"].max() or 1) for s in run.shards)
+    backend = make_backend(run.extraction, run.target, [SimpleNamespace(num_tokens=longest)])
+    opened = [backend]
+    try:
+        reference, extra = aux_reference(run.extraction, run.target, backend)
+        opened += extra
+        result = train_loop(job.train, StreamedWindow(run, backend, reference), on_event)
+        return asdict(result) | {"history": None}
+    finally:
+        for each in opened:
+            each.close()
 
 
 def run_gates(export_dir: Path, target_path: str, gates: ExportGates, num_speculative_tokens: int, log) -> dict:
@@ -84,10 +150,7 @@ def run_gates(export_dir: Path, target_path: str, gates: ExportGates, num_specul
 
 
 def export_and_gate(job: TrainingJob, result: dict, log) -> dict:
-    """Export the trained draft, write its serving notes, run its gates; the materialisation's metadata.
-
-    Shared with ``train_draft_bounded``, which trains otherwise and exports alike.
-    """
+    """Export the trained draft, write its serving notes, run its gates; the materialisation's metadata."""
     from eagle3_assets.core.deployment import write_serving_notes
     from eagle3_assets.core.training.checkpoints import export_trained_draft
 
@@ -107,6 +170,9 @@ def export_and_gate(job: TrainingJob, result: dict, log) -> dict:
         "resumed_from": result["resumed_from"] or "",
         "init": {"raw_value": result["init"], "type": "json"},
         "tokens_per_s": round(float(result["tokens_per_s"]), 1),
+        "train_tokens_per_s": round(float(result["train_tokens_per_s"]), 1),
+        **{key: _metadata_value(value) for key, value in (result.get("source") or {}).items()},
+        "memory_plan": {"raw_value": result.get("memory"), "type": "json"},
         "nproc_per_node": job.nproc_per_node,
         "schedule": {"raw_value": result.get("schedule"), "type": "json"},
         "world_size": int(result.get("world_size", 1)),
@@ -130,10 +196,20 @@ def with_chosen_form(job: TrainingJob, log) -> tuple[TrainingJob, dict]:
     }
 
 
-def main() -> None:
-    from dagster_pipes import open_dagster_pipes
+def _metadata_value(value):
+    """Lists and records go to Dagster as JSON metadata, numbers and words as they are."""
+    return {"raw_value": value, "type": "json"} if isinstance(value, (list, dict)) else value
 
-    from eagle3_assets.core.training.launch import run_training
+
+def main() -> None:
+    if "--config" in sys.argv:
+        from eagle3_assets.core.training.launch import print_event
+
+        job, _ = with_chosen_form(TrainingJob.from_json(Path(sys.argv[sys.argv.index("--config") + 1]).read_text()), print)
+        train(job, print_event)
+        return
+
+    from dagster_pipes import open_dagster_pipes
 
     with open_dagster_pipes() as pipes:
         job = TrainingJob.from_dict(dict(pipes.extras or {}))
@@ -146,7 +222,7 @@ def main() -> None:
                 pipes.log.warning(f"{STAGE}: {warning}")
 
         job, form = with_chosen_form(job, pipes.log.info)
-        result = run_training(job.train, nproc=job.nproc_per_node, on_event=on_event)
+        result = train(job, on_event)
         metadata = export_and_gate(job, result, pipes.log.info)
         pipes.report_asset_materialization(metadata={**metadata, **form}, data_version=result["fingerprint"])
 

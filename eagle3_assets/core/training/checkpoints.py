@@ -1,4 +1,4 @@
-"""Atomic per-epoch checkpoints, the run's fingerprint (what a checkpoint may be resumed by), and the export of the last one."""
+"""Atomic step checkpoints, the journal of committed steps, the run's fingerprint (what a checkpoint may be resumed by), and the export."""
 
 from __future__ import annotations
 
@@ -22,8 +22,31 @@ from eagle3_assets.core.training.config import TrainConfig
 from eagle3_assets.core.training.data import HiddenStateIndex
 
 
-CHECKPOINT_GLOB = "epoch-*"
+CHECKPOINT_GLOB = "step-*"
 MANIFEST = "manifest.json"
+# The journal of committed optimizer steps: one JSON line per step (its batch ids and sample ids), appended
+# only once the checkpoint holding the step's weights is durable.
+JOURNAL = "trained_batches.jsonl"
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def read_journal(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def append_journal(path: Path, records: list[dict]) -> None:
+    if not records:
+        return
+    with open(path, "a") as fh:
+        for record in records:
+            fh.write(json.dumps(record) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
 
 
 def _sha256(path: Path) -> str:
@@ -34,27 +57,15 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def save_checkpoint(
-    checkpoints: Path,
-    epoch: int,
-    model: Eagle3Draft,
-    optimizer,
-    scheduler,
-    state: dict,
-    keep: int,
-    name: str | None = None,
-    pattern: str = CHECKPOINT_GLOB,
-) -> Path:
-    """Write an epoch's checkpoint into a temporary directory, seal it with a manifest, rename it into place.
+def save_checkpoint(checkpoints: Path, step: int, model: torch.nn.Module, optimizer, scheduler, state: dict, keep: int) -> Path:
+    """Write a step's checkpoint into a temporary directory, seal it with a manifest, rename it into place.
 
-    A crash at any point leaves either no ``epoch-NNNN`` directory or a
+    A crash at any point leaves either no ``step-NNNNNNNN`` directory or a
     complete one; :func:`latest_checkpoint` also verifies the manifest's
-    hashes, so a checkpoint damaged later is skipped too. ``name`` and
-    ``pattern`` let bounded-disk training (core/bounded_training.py) keep
-    checkpoints by step (``step-NNNNNNNN``) instead of by epoch.
+    hashes, so a checkpoint damaged later is skipped too.
     """
     checkpoints.mkdir(parents=True, exist_ok=True)
-    final = checkpoints / (name or f"epoch-{epoch:04d}")
+    final = checkpoints / checkpoint_name(step)
     staging = staging_dir(final)
     try:
         weights = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items() if k != "embed_tokens.weight"}
@@ -69,7 +80,7 @@ def save_checkpoint(
             with open(path, "rb") as fh:
                 os.fsync(fh.fileno())
             files[path.name] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
-        (staging / MANIFEST).write_text(json.dumps({"epoch": epoch, "files": files}, indent=1))
+        (staging / MANIFEST).write_text(json.dumps({"step": step, "files": files}, indent=1))
         with open(staging / MANIFEST, "rb") as fh:
             os.fsync(fh.fileno())
         if final.exists():
@@ -78,7 +89,7 @@ def save_checkpoint(
         fsync_dir(checkpoints)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    for old in sorted(checkpoints.glob(pattern))[:-keep]:
+    for old in sorted(checkpoints.glob(CHECKPOINT_GLOB))[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
 
@@ -110,9 +121,9 @@ def checkpoint_is_complete(path: Path) -> bool:
     return {"model.safetensors", "trainer.pt", "state.json"} <= files.keys()
 
 
-def latest_checkpoint(checkpoints: Path, fingerprint: str, pattern: str = CHECKPOINT_GLOB) -> Path | None:
+def latest_checkpoint(checkpoints: Path, fingerprint: str) -> Path | None:
     """The newest complete checkpoint of this very run (same fingerprint), else None."""
-    for path in sorted(checkpoints.glob(pattern), reverse=True):
+    for path in sorted(checkpoints.glob(CHECKPOINT_GLOB), reverse=True):
         if checkpoint_is_complete(path) and json.loads((path / "state.json").read_text()).get("fingerprint") == fingerprint:
             return path
     return None
@@ -132,7 +143,7 @@ def run_fingerprint(config: TrainConfig, index: HiddenStateIndex) -> str:
             "vocab_mapping": file_hash(_mapping_file(config.vocab_mapping)),
             "target": _files_identity(Path(config.target_path)),
             "init_from": _files_identity(Path(config.init_from)) if config.init_from else None,
-            "format": 1,
+            "format": 2,  # 2: step checkpoints and a journal in both modes
         }
     )
 

@@ -54,11 +54,27 @@ class TrainConfig(JobSchema):
         None, "deepseek_mla form: the KV latent rank (default: the target's, else 512; on a CPU it must be 576 - qk_rope_head_dim)"
     )
     log_every: int = setting(10, "optimizer steps between progress events")
-    keep_checkpoints: int = setting(2, "epoch checkpoints kept (the newest)")
+    keep_checkpoints: int = setting(2, "step checkpoints kept (the newest)")
     torch_threads: int | None = setting(None, "torch threads; default: torch's on GPU hosts, 1 on CPU")
+    # Memory (core/training/memory.py plans the micro-batch with these before the first step).
+    activation_checkpointing: bool = setting(
+        True, "recompute each unrolled step in backward: one step's activations in memory at a time (about 1/3 more compute)"
+    )
+    loss_chunk_tokens: int = setting(
+        2048, "positions per chunk of the draft's lm_head and loss (no full draft-vocabulary logits); 0: the whole micro-batch at once", ge=0
+    )
+    target_head_chunk_tokens: int = setting(
+        1024, "positions per chunk of the target's full-vocabulary head (its top-1 and draft-vocabulary logits); 0: all at once", ge=0
+    )
+    memory_fraction: float = setting(
+        0.9, "share of the device's free memory (CPU: available RAM) a training step may plan to use", gt=0, le=1
+    )
 
-    # Fields that do not change what is computed, so resuming across them is fine.
-    _NOT_IN_FINGERPRINT = ("training_dir", "log_every", "keep_checkpoints", "torch_threads")
+    # Fields that do not change what is computed (memory settings: up to float rounding), so resuming across them is fine.
+    _NOT_IN_FINGERPRINT = (
+        "training_dir", "log_every", "keep_checkpoints", "torch_threads",
+        "activation_checkpointing", "loss_chunk_tokens", "target_head_chunk_tokens", "memory_fraction",
+    )  # fmt: skip
 
     def validate(self) -> None:
         problems = []
@@ -74,7 +90,5 @@ class TrainConfig(JobSchema):
             problems.append(f"grad_accumulation {self.grad_accumulation} < 1")
         if self.draft_form not in ("auto", "llama", "deepseek_mla"):
             problems.append(f"draft_form {self.draft_form!r}: one of 'auto', 'llama', 'deepseek_mla'")
-        if not self.hidden_state_dirs:
-            problems.append("no hidden-state shard directories")
         if problems:
             raise ValueError("training settings: " + "; ".join(problems))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -44,6 +44,7 @@ class HiddenStateIndex:
     final_state: str  # "post_norm" | "pre_norm"
     target_config_hash: str
     fingerprint: str  # of every sidecar: changes when any shard is re-extracted
+    dtypes: list[str] = field(default_factory=list)  # the storage precisions of the shards (8-bit ones are dequantised to float32)
 
 
 def index_hidden_states(shard_dirs: list[str | Path]) -> HiddenStateIndex:
@@ -85,6 +86,7 @@ def index_hidden_states(shard_dirs: list[str | Path]) -> HiddenStateIndex:
         final_state=first["final_state"],
         target_config_hash=str(first.get("target_config_hash")),
         fingerprint=stable_hash(sidecars),
+        dtypes=sorted({str(m.get("dtype")) for m in sidecars}),
     )
 
 

@@ -1,7 +1,8 @@
-"""Run the training in this process, or under ``torchrun`` with one process per GPU.
+"""Run the training on the stored shards in this process, or under ``torchrun`` with one process per GPU.
 
-``python -m eagle3_assets.core.training.launch --config launch_config.json`` is
-the torchrun worker; its events reach the launcher as prefixed JSON lines.
+``python -m eagle3_assets.core.training --config launch_config.json`` is the
+torchrun worker (the one docs/training.md runs by hand); its events reach the
+launcher as prefixed JSON lines.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ def run_training(config: TrainConfig, nproc: int = 1, on_event: OnEvent | None =
     """Train in this process (``nproc == 1``) or under ``torchrun`` with ``nproc`` processes; return result.json."""
     on_event = on_event or (lambda event: None)
     if nproc <= 1:
-        result = train(config, on_event)
+        result = train(config, on_event=on_event)
         return asdict(result) | {"history": None}
     training_dir = Path(config.training_dir)
     training_dir.mkdir(parents=True, exist_ok=True)
@@ -32,7 +33,7 @@ def run_training(config: TrainConfig, nproc: int = 1, on_event: OnEvent | None =
     write_json_atomic(config_file, config.to_dict())
     command = [
         python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={int(nproc)}",
-        "-m", "eagle3_assets.core.training.launch", "--config", str(config_file),
+        "-m", "eagle3_assets.core.training", "--config", str(config_file),
     ]  # fmt: skip
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     tail: list[str] = []
@@ -51,16 +52,16 @@ def run_training(config: TrainConfig, nproc: int = 1, on_event: OnEvent | None =
     return json.loads((training_dir / "result.json").read_text())
 
 
-def _print_event(event: Event) -> None:
-    print(EVENT_PREFIX + json.dumps(event), flush=True)
+def print_event(event: Event) -> None:
+    print(EVENT_PREFIX + json.dumps(event, default=str), flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
-    """The torchrun worker: ``python -m eagle3_assets.core.training.launch --config launch_config.json``."""
+    """The torchrun worker: ``python -m eagle3_assets.core.training --config launch_config.json``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="a JSON file of TrainConfig fields")
     args = parser.parse_args(argv)
-    train(TrainConfig.from_json(Path(args.config).read_text()), _print_event)
+    train(TrainConfig.from_json(Path(args.config).read_text()), on_event=print_event)
 
 
 if __name__ == "__main__":

@@ -1,18 +1,24 @@
-"""The training loop: set up, resume, then epochs of optimizer steps, a checkpoint after each.
+"""The training loop, one for both hidden-state modes: set up, resume, then units of optimizer steps, checkpointed.
 
-:func:`train` reads top to bottom, like nanoGPT's ``train.py``: the data, the
-target's head and the draft; the schedule; the optimizer (a :class:`Trainer`);
-resuming from the last complete checkpoint of the same run; the loop; the
-result. Under torchrun every process runs it, each on its share of every
-step's micro-batches.
+:func:`train` reads top to bottom, like nanoGPT's ``train.py``: the data's
+facts and the schedule; the target's head and the draft; the plan; the
+optimizer (a :class:`Trainer`); resuming from the last complete checkpoint of
+the same run; the loop; the result. The batches come from a batch source
+(:mod:`.sources`): the stored shards, or a window of shards extracted as
+training consumes them (:mod:`.streamed`). The loop checkpoints at the end of
+each of the source's units (an epoch; a streamed shard) and every
+``checkpoint_every_steps`` steps where the source asks for it; the journal of
+committed steps (``trained_batches.jsonl``) lists every batch once. Under
+torchrun every process runs it, each on its share of every step's
+micro-batches.
 
 :class:`Trainer` is the one optimizer step (micro-batches in, a step record
-out) with its optimizer state, usable by any loop that brings its own batches
-and checkpoint state (:func:`~eagle3_assets.core.training.checkpoints.restore_checkpoint`).
+out) with its optimizer state.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
@@ -27,13 +33,23 @@ from torch import nn
 
 from eagle3_assets.core.draft_model import Eagle3Draft
 from eagle3_assets.core.schedule import Schedule, fit_schedule, lr_lambda
-from eagle3_assets.core.storage import write_json_atomic
+from eagle3_assets.core.storage import write_bytes_atomic, write_json_atomic
 from eagle3_assets.core.target_head import TargetHead, load_head_weights
-from eagle3_assets.core.training.checkpoints import latest_checkpoint, restore_checkpoint, run_fingerprint, save_checkpoint
+from eagle3_assets.core.training.checkpoints import (
+    JOURNAL,
+    append_journal,
+    latest_checkpoint,
+    read_journal,
+    restore_checkpoint,
+    run_fingerprint,
+    save_checkpoint,
+)
 from eagle3_assets.core.training.config import TrainConfig
-from eagle3_assets.core.training.data import Batch, HiddenStateIndex, epoch_steps, index_hidden_states, load_batch, supervised_token_count
+from eagle3_assets.core.training.data import Batch, HiddenStateIndex
 from eagle3_assets.core.training.initial_weights import initial_draft
 from eagle3_assets.core.training.loss import TrainingTimeTest
+from eagle3_assets.core.training.memory import free_memory_bytes, plan_micro_batch
+from eagle3_assets.core.training.sources import BatchSource, DataSize, PlannedStep, StoredShards
 from eagle3_assets.core.vocab import load_vocab_mapping
 
 Event = dict
@@ -53,8 +69,11 @@ class TrainResult:
     aux_layer_ids: list[int]
     checkpoint: str
     tokens_per_s: float
+    train_tokens_per_s: float = 0.0  # tokens/s of the training alone (bounded mode: without waiting for extraction)
     world_size: int = 1  # training processes (torchrun's WORLD_SIZE)
     schedule: dict | None = None  # what was trained with: batch_tokens, epochs, learning_rate, steps, which were fitted
+    source: dict | None = None  # the batch source's record: the mode, samples, storage precisions (bounded: the window)
+    memory: dict | None = None  # the planned micro-batch: the estimate against the device's free memory
 
 
 class Trainer:
@@ -62,7 +81,10 @@ class Trainer:
 
     def __init__(self, draft: Eagle3Draft, head: DraftHead, config: TrainConfig, device: torch.device, total_steps: int, distributed: bool):
         self.draft, self.head, self.config, self.device, self.distributed = draft, head, config, device, distributed
-        ttt = TrainingTimeTest(draft, config.ttt_steps, config.step_weight).to(device)
+        ttt = TrainingTimeTest(
+            draft, config.ttt_steps, config.step_weight,
+            checkpoint_steps=config.activation_checkpointing, loss_chunk_tokens=config.loss_chunk_tokens,
+        ).to(device)  # fmt: skip
         self.model: nn.Module = ttt
         if distributed:
             self.model = nn.parallel.DistributedDataParallel(ttt, device_ids=[device.index] if device.type == "cuda" else None)
@@ -137,23 +159,26 @@ def fitted_config(
     return resolved, schedule
 
 
-def resolve_schedule(config: TrainConfig, index: HiddenStateIndex, lengths: list[int], world: int) -> tuple[TrainConfig, Schedule]:
-    """:func:`fitted_config` for the stored hidden states of ``index``."""
-    return fitted_config(
+def resolve_schedule(config: TrainConfig, source: BatchSource, world: int = 1) -> tuple[TrainConfig, Schedule, HiddenStateIndex, DataSize]:
+    """:func:`fitted_config` for a source's data: the fitted config, the schedule, the states' facts and the data's size."""
+    index, size = source.describe(config)
+    fitted, schedule = fitted_config(
         config,
-        total_tokens=sum(lengths),
-        supervised_tokens=supervised_token_count(index, config.max_seq_len),
+        total_tokens=size.tokens,
+        supervised_tokens=size.supervised_tokens,
         hidden_size=index.hidden_size,
-        steps_per_epoch_for=lambda batch_tokens: len(epoch_steps(lengths, replace(config, batch_tokens=batch_tokens), world, 0)),
+        steps_per_epoch_for=lambda batch_tokens: source.steps_per_epoch(replace(config, batch_tokens=batch_tokens), world),
         world=world,
     )
+    return fitted, schedule, index, size
 
 
-def train(config: TrainConfig, on_event: OnEvent | None = None) -> TrainResult:
-    """Train (or resume) and checkpoint every epoch. Under torchrun, every process runs this."""
+def train(config: TrainConfig, source: BatchSource | None = None, on_event: OnEvent | None = None) -> TrainResult:
+    """Train (or resume) on ``source`` (default: the stored shards of ``config.hidden_state_dirs``). Under torchrun, every process runs this."""
     config.validate()
+    source = source or StoredShards(config.hidden_state_dirs)
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    device = _pick_device()
+    device = pick_device()
     threads = torch.get_num_threads()
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
@@ -164,14 +189,15 @@ def train(config: TrainConfig, on_event: OnEvent | None = None) -> TrainResult:
     if distributed and not dist.is_initialized():
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
     try:
-        return _train(config, on_event or (lambda event: None), device, distributed)
+        return _train(config, source, on_event or (lambda event: None), device, distributed)
     finally:
+        source.stop()
         torch.set_num_threads(threads)
         if distributed and dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _train(config: TrainConfig, emit: OnEvent, device: torch.device, distributed: bool) -> TrainResult:
+def _train(config: TrainConfig, source: BatchSource, emit: OnEvent, device: torch.device, distributed: bool) -> TrainResult:
     rank = dist.get_rank() if distributed else 0
     world = dist.get_world_size() if distributed else 1
     # Only rank 0 reports progress; every rank reports its own share once at the end (``rank_done``),
@@ -180,8 +206,11 @@ def _train(config: TrainConfig, emit: OnEvent, device: torch.device, distributed
     if rank:
         emit = lambda event: None  # noqa: E731
 
-    # -- the data, the target's head, the draft
-    index = index_hidden_states(config.hidden_state_dirs)
+    # -- the data's facts and the schedule, before anything is loaded
+    config, schedule, index, size = resolve_schedule(config, source, world)
+    emit({"event": "schedule", "description": schedule.describe(), "warnings": schedule.warnings, **asdict(schedule)})
+
+    # -- the target's head and the draft
     mapping = load_vocab_mapping(Path(config.vocab_mapping))
     if mapping.target_vocab_size != index.vocab_size:
         raise ValueError(f"vocab mapping covers {mapping.target_vocab_size} target ids, the hidden states' target has {index.vocab_size}")
@@ -190,75 +219,136 @@ def _train(config: TrainConfig, emit: OnEvent, device: torch.device, distributed
         raise ValueError(f"target {config.target_path}: lm_head {tuple(target['lm_head'].shape)} does not fit the hidden states")
     draft, init_report = initial_draft(config, index, mapping, target)
     draft.embed_tokens.weight.requires_grad_(False)  # the target's embedding: frozen, shared by vLLM
-    draft.to(device)
-    target_head, draft_to_target = TargetHead.from_weights(target).to(device), mapping.draft_to_target.to(device)
-    head = lambda final: target_head.draft_logits(final, index.final_state, draft_to_target)  # noqa: E731
-
-    # -- the schedule: every epoch's optimizer steps, planned up front
-    lengths = [min(s.length, config.max_seq_len) for s in index.samples]
-    config, schedule = resolve_schedule(config, index, lengths, world)
-    emit({"event": "schedule", "description": schedule.describe(), "warnings": schedule.warnings, **asdict(schedule)})
-    plans = [epoch_steps(lengths, config, world, epoch) for epoch in range(config.epochs)]
-    total_steps = sum(len(p) for p in plans)
-
-    # -- the optimizer
-    trainer = Trainer(draft, head, config, device, total_steps, distributed)
-
-    # -- resume from the last complete checkpoint of this very run
     fingerprint = run_fingerprint(config, index)
     training_dir = Path(config.training_dir)
-    checkpoints = training_dir / "checkpoints"
-    if rank == 0 and checkpoints.is_dir():
-        for partial in checkpoints.glob(".*.partial"):  # left by a crash mid-checkpoint: never resumed from
-            shutil.rmtree(partial, ignore_errors=True)
-    start_epoch, step, history, resumed_from = 0, 0, [], None
+    checkpoints, journal = training_dir / "checkpoints", training_dir / JOURNAL
     resume = latest_checkpoint(checkpoints, fingerprint)
+
+    # -- the micro-batch that fits the device, planned from the shapes before anything is on it
+    recorded = json.loads((resume / "state.json").read_text()).get("memory") if resume else None
+    free, total = free_memory_bytes(device)
+    if distributed:  # every process must plan the same steps: the one with the least free memory decides
+        least = torch.tensor([free], dtype=torch.int64, device=device)
+        dist.all_reduce(least, op=dist.ReduceOp.MIN)
+        free = int(least.item())
+    memory = plan_micro_batch(
+        draft.config, config, longest=size.longest, device=device, bf16=device.type == "cuda" and config.bf16_autocast,
+        recorded={"batch_tokens": recorded["batch_tokens"], "grad_accumulation": recorded["grad_accumulation"], "split": recorded["split"]}
+        if recorded else None,
+        free=(free, total),
+    )  # fmt: skip
+    config = replace(config, batch_tokens=memory.batch_tokens, grad_accumulation=memory.grad_accumulation)
+    emit({"event": "memory", "description": memory.describe(), **memory.as_dict()})
+
+    # -- the plan: every optimizer step of every epoch, up front
+    plan = source.plan(config, world)
+    draft.to(device)
+    target_head, draft_to_target = TargetHead.from_weights(target).to(device), mapping.draft_to_target.to(device)
+
+    def head(final: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        chunk = config.target_head_chunk_tokens or final.shape[0] * final.shape[1]
+        return target_head.draft_logits(final, index.final_state, draft_to_target, chunk=chunk)
+
+    # -- the optimizer
+    trainer = Trainer(draft, head, config, device, len(plan), distributed)
+
+    # -- resume from the last complete checkpoint of this very run
+    if rank == 0:
+        training_dir.mkdir(parents=True, exist_ok=True)
+        if checkpoints.is_dir():
+            for partial in checkpoints.glob(".*.partial"):  # left by a crash mid-checkpoint: never resumed from
+                shutil.rmtree(partial, ignore_errors=True)
+    step, history, saved, resumed_from = 0, [], {}, None
     if resume is not None:
         state = restore_checkpoint(resume, draft, trainer.optimizer, trainer.scheduler)
-        start_epoch, step, history, resumed_from = state["epoch"], state["step"], state["history"], str(resume)
-        emit({"event": "resumed", "checkpoint": str(resume), "epoch": start_epoch, "step": step})
+        step, history, saved, resumed_from = state["step"], state["history"], state.get("source", {}), str(resume)
+        if rank == 0:
+            # The checkpoint is durable, its journal lines perhaps not yet (a kill between the two): append what is missing.
+            done = max((r["step"] for r in read_journal(journal)), default=0)
+            append_journal(journal, [r for r in state["journal"] if r["step"] > done])
+        after = plan[step - 1].batches[-1][0] if step else "the start"
+        emit({"event": "resumed", "checkpoint": resumed_from, "epoch": state["epoch"], "step": step, "after_batch": after})
+    elif rank == 0:
+        write_bytes_atomic(journal, b"")  # a journal of another run (or of none) is not this run's
     emit(
         {
             "event": "start",
-            "samples": len(index.samples),
-            "tokens": sum(lengths),
+            "mode": source.mode,
+            "samples": size.samples,
+            "tokens": size.tokens,
             "world_size": world,
             "device": str(device),
-            "total_steps": total_steps,
+            "total_steps": len(plan),
             "init": asdict(init_report),
             "fingerprint": fingerprint,
+            **source.start_fields(),
         }
     )
+    source.start(plan, step, saved, emit)
 
-    # -- the loop
-    started, tokens_seen = time.monotonic(), 0
-    last_checkpoint = str(resume) if resume else ""
-    for epoch in range(start_epoch, config.epochs):
-        for micro_batches in plans[epoch]:
-            mine = micro_batches[rank::world]
-            batches = (load_batch([index.samples[j] for j in members], config.max_seq_len).to(device) for members in mine)
-            record = trainer.step(batches, len(mine), len(micro_batches))
-            step += 1
-            tokens_seen += record["tokens"]
-            history.append({"step": step, "epoch": epoch + 1, **record})
-            if step % config.log_every == 0 or step == total_steps:
-                emit({"event": "step", **history[-1], "total_steps": total_steps, "elapsed_s": round(time.monotonic() - started, 2)})
+    # -- the loop: unit after unit (an epoch of stored shards, or one streamed shard), a step at a time
+    started, tokens_seen, waiting_s = time.monotonic(), 0, 0.0
+    pending: list[dict] = []  # journal lines of steps not yet in a checkpoint
+    last_checkpoint = resumed_from or ""
+    every = source.checkpoint_every_steps
 
+    def commit(planned: PlannedStep) -> None:
+        nonlocal last_checkpoint, pending
         state = {
             "fingerprint": fingerprint,
-            "epoch": epoch + 1,
-            "step": step,
+            "step": planned.step,
+            "epoch": planned.epoch,
+            "batch": planned.batches[-1][0],
             "history": history,
+            "journal": pending,
+            "source": source.state(),
+            "mode": source.mode,
+            "memory": memory.as_dict(),
             "draft_config": asdict(draft.config),
             "init": asdict(init_report),
             "config": config.to_dict(),
         }
         if rank == 0:
-            saved = save_checkpoint(checkpoints, epoch + 1, draft, trainer.optimizer, trainer.scheduler, state, config.keep_checkpoints)
-            last_checkpoint = str(saved)
-            emit({"event": "checkpoint", "epoch": epoch + 1, "step": step, "path": last_checkpoint})
+            path = save_checkpoint(checkpoints, planned.step, draft, trainer.optimizer, trainer.scheduler, state, config.keep_checkpoints)
+            append_journal(journal, pending)  # after the checkpoint: the journal lists only committed steps
+            last_checkpoint = str(path)
+            emit({"event": "checkpoint", "epoch": planned.epoch, "step": planned.step, "path": last_checkpoint})
+        pending = []
         if distributed:
             dist.barrier()
+
+    units = list(dict.fromkeys(p.unit for p in plan[step:]))
+    for unit in units:
+        waited = time.monotonic()
+        states = source.open(unit, emit)
+        waiting_s += time.monotonic() - waited
+        labels = source.unit_fields(unit)
+        unit_steps = [p for p in plan[step:] if p.unit == unit]
+        for planned in unit_steps:
+            mine = planned.batches[rank::world]
+            batches = (states.load(members).to(device) for _, members in mine)
+            record = {"step": planned.step, "epoch": planned.epoch, **labels, **trainer.step(batches, len(mine), len(planned.batches))}
+            step = planned.step
+            tokens_seen += record["tokens"]
+            history.append(record)
+            pending.append(
+                {
+                    "step": step,
+                    "epoch": planned.epoch,
+                    **labels,
+                    "batches": [b for b, _ in planned.batches],
+                    "samples": [s for _, members in planned.batches for s in states.sample_ids(members)],
+                    "pid": os.getpid(),
+                }
+            )
+            if step % config.log_every == 0 or step == len(plan):
+                emit({"event": "step", **record, "total_steps": len(plan), "elapsed_s": round(time.monotonic() - started, 2)})
+            if planned is unit_steps[-1]:
+                source.finish(unit)
+                commit(planned)
+            elif every and step % every == 0:
+                commit(planned)
+        source.close(unit, emit)
 
     # -- the result
     elapsed = time.monotonic() - started
@@ -275,19 +365,24 @@ def _train(config: TrainConfig, emit: OnEvent, device: torch.device, distributed
         aux_layer_ids=index.aux_layer_ids,
         checkpoint=last_checkpoint,
         tokens_per_s=tokens_seen / elapsed if elapsed > 0 and tokens_seen else 0.0,
+        # Training alone, without the time spent waiting for the next unit's states (bounded mode's extraction).
+        train_tokens_per_s=tokens_seen / (elapsed - waiting_s) if elapsed > waiting_s and tokens_seen else 0.0,
         world_size=world,
         schedule=asdict(schedule),
+        source=source.report(),
+        memory=memory.as_dict(),
     )
     if rank == 0:
         write_json_atomic(training_dir / "history.json", {"fingerprint": fingerprint, "history": history})
         write_json_atomic(training_dir / "result.json", asdict(result) | {"history": None})
-        emit({"event": "done", "checkpoint": last_checkpoint, "tokens_per_s": result.tokens_per_s})
+        emit({"event": "done", "checkpoint": last_checkpoint, "tokens_per_s": result.tokens_per_s, **source.done_fields()})
     if distributed:
         dist.barrier()
     return result
 
 
-def _pick_device() -> torch.device:
+def pick_device() -> torch.device:
+    """This process's device: its GPU under torchrun (``LOCAL_RANK``), else the CPU where ``EAGLE3_ALLOW_CPU`` allows it."""
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)  # before NCCL starts: one GPU per process

@@ -1,16 +1,32 @@
-"""The unrolled loss ("training-time test").
+"""The unrolled loss ("training-time test"), with two ways to keep its memory down.
 
 At inference the draft's second and later tokens are conditioned on its *own*
 previous state, not the target's. Training only on the target's states teaches
 a draft that falls apart after one token, so the draft is unrolled
 ``ttt_steps`` times on its own outputs and step i's loss is weighted
 ``step_weight ** i``.
+
+Memory (:mod:`.memory` estimates it): kept naively, every unrolled step's
+activations live until backward, and each step's draft-vocabulary logits
+with their log-softmax and a shifted copy of the target's distribution
+(three [tokens, draft vocabulary] float32 tensors a step). Two settings cut
+that, each computing the same gradients (tests/test_training_memory.py):
+
+- ``checkpoint_steps``: each unrolled step is recomputed in backward
+  (``torch.utils.checkpoint``); only its inputs (the draft's state and the
+  step's keys and values) stay, so one step's activations exist at a time;
+- ``loss_chunk_tokens``: the draft's ``lm_head`` and the loss run over chunks
+  of positions in a custom autograd function that recomputes each chunk's
+  logits in backward, so no [tokens, draft vocabulary] tensor of the draft
+  exists; the target's distribution is taken a chunk at a time from its
+  restricted logits, by index (no shifted copy).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from eagle3_assets.core.draft_model import Eagle3Draft
 
@@ -23,6 +39,51 @@ def shift_left(x: torch.Tensor, by: int, fill=0) -> torch.Tensor:
     return torch.cat([x[:, by:], pad], dim=1) if by < x.shape[1] else torch.full_like(x, fill)
 
 
+class ChunkedSoftCrossEntropy(torch.autograd.Function):
+    """``sum_n weight[n] * CE(softmax(target_logits[rows[n]]), h[n] @ W.T)`` a chunk of positions at a time.
+
+    Forward keeps nothing of size [tokens, vocabulary]; backward recomputes
+    each chunk's logits: d loss / d logits = (softmax(logits) - p) * weight.
+    Also returns each position's argmax (no gradient) for the accuracy figures.
+    """
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")
+    def forward(ctx, hidden, weight, target_logits, rows, token_weight, chunk: int):
+        loss = torch.zeros((), device=hidden.device, dtype=torch.float32)
+        argmax = torch.empty(hidden.shape[0], dtype=torch.long, device=hidden.device)
+        for start in range(0, hidden.shape[0], chunk):
+            end = min(start + chunk, hidden.shape[0])
+            logits = (hidden[start:end] @ weight.to(hidden.dtype).T).float()
+            target = torch.softmax(target_logits[rows[start:end]].float(), dim=-1)
+            loss += ((-(target * torch.log_softmax(logits, dim=-1)).sum(-1)) * token_weight[start:end]).sum()
+            argmax[start:end] = logits.argmax(-1)
+        ctx.save_for_backward(hidden, weight, target_logits, rows, token_weight)
+        ctx.chunk = chunk
+        ctx.mark_non_differentiable(argmax)
+        return loss, argmax
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
+    def backward(ctx, grad_loss, _grad_argmax):
+        hidden, weight, target_logits, rows, token_weight = ctx.saved_tensors
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        w = weight.to(hidden.dtype)
+        for start in range(0, hidden.shape[0], ctx.chunk):
+            end = min(start + ctx.chunk, hidden.shape[0])
+            h = hidden[start:end]
+            logits = (h @ w.T).float()
+            target = torch.softmax(target_logits[rows[start:end]].float(), dim=-1)
+            # The target rows sum to 1, so d/dlogits of -sum p log_softmax(logits) is softmax(logits) - p.
+            grad_logits = (torch.softmax(logits, dim=-1) - target) * (token_weight[start:end] * grad_loss)[:, None]
+            if grad_hidden is not None:
+                grad_hidden[start:end] = (grad_logits.to(hidden.dtype) @ w).to(hidden.dtype)
+            if grad_weight is not None:
+                grad_weight += grad_logits.T @ h.float()
+        return grad_hidden, grad_weight.to(weight.dtype) if grad_weight is not None else None, None, None, None, None
+
+
 class TrainingTimeTest(nn.Module):
     """The draft unrolled ``steps`` times; ``forward`` is the whole loss so that DDP syncs its gradients.
 
@@ -31,34 +92,64 @@ class TrainingTimeTest(nn.Module):
     predicts the target's distribution at position t+1+k, i.e. token t+2+k,
     which is supervised where ``loss_mask`` is 1 and the target's top token is
     in the draft vocabulary (elsewhere no draft can be accepted anyway).
+
+    ``checkpoint_steps`` and ``loss_chunk_tokens`` (0: the whole micro-batch
+    at once) change the memory, not the result.
     """
 
-    def __init__(self, draft: Eagle3Draft, steps: int, step_weight: float):
+    def __init__(self, draft: Eagle3Draft, steps: int, step_weight: float, *, checkpoint_steps: bool = False, loss_chunk_tokens: int = 0):
         super().__init__()
         self.draft, self.steps, self.step_weight = draft, steps, step_weight
+        self.checkpoint_steps, self.loss_chunk_tokens = checkpoint_steps, loss_chunk_tokens
 
     def forward(self, aux: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor, target_logits: torch.Tensor, target_top: torch.Tensor):
         draft = self.draft
-        target_probs = torch.softmax(target_logits.float(), dim=-1)
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        batch, length = input_ids.shape
+        positions = torch.arange(length, device=input_ids.device).expand_as(input_ids)
+        if self.loss_chunk_tokens:
+            flat_targets = target_logits.reshape(batch * length, -1)
+        else:
+            target_probs = torch.softmax(target_logits.float(), dim=-1)
         hidden = draft.fuse(aux)
-        cache: list = []
+        kv: list[torch.Tensor] = []  # keys and values of the steps so far, flat: k0, v0, k1, v1, ...
         loss = torch.zeros((), device=hidden.device)
         step_losses, correct, counts = [], [], []
         for k in range(self.steps):
-            logits, hidden = draft.step(shift_left(input_ids, 1 + k), hidden, positions + k, cache)
-            probs_k = shift_left(target_probs, 1 + k)
             top_k = shift_left(target_top, 1 + k)
             mask = shift_left(loss_mask, 2 + k, False) & draft.t2d[top_k]
             count = mask.sum()
-            token_loss = -(probs_k * torch.log_softmax(logits.float(), dim=-1)).sum(-1)
-            step_loss = (token_loss * mask).sum() / count.clamp(min=1)
+            ids_k = shift_left(input_ids, 1 + k)
+
+            def one_step(hidden: torch.Tensor, *cache_flat: torch.Tensor, k=k, ids_k=ids_k, mask=mask, count=count):
+                """Step k from the draft's state and the cache: (weighted loss, next state, this step's key, value, argmax)."""
+                cache = [(cache_flat[i], cache_flat[i + 1]) for i in range(0, len(cache_flat), 2)]
+                normed, prenorm = draft.step_states(ids_k, hidden, positions + k, cache)
+                if self.loss_chunk_tokens:
+                    # Position (b, t) is trained towards the target's distribution at (b, t + 1 + k): a row index,
+                    # clamped where the mask is 0 anyway.
+                    rows = (torch.arange(batch * length, device=hidden.device) + 1 + k).clamp(max=batch * length - 1)
+                    token_weight = mask.reshape(-1).float() / count.clamp(min=1)
+                    step_loss, argmax = ChunkedSoftCrossEntropy.apply(
+                        normed.reshape(batch * length, -1), draft.lm_head.weight, flat_targets, rows, token_weight, self.loss_chunk_tokens
+                    )
+                    argmax = argmax.view(batch, length)
+                else:
+                    logits = draft.lm_head(normed)
+                    token_loss = -(shift_left(target_probs, 1 + k) * torch.log_softmax(logits.float(), dim=-1)).sum(-1)
+                    step_loss = (token_loss * mask).sum() / count.clamp(min=1)
+                    argmax = logits.detach().argmax(-1)
+                return step_loss, prenorm, cache[-1][0], cache[-1][1], argmax
+
+            if self.checkpoint_steps and torch.is_grad_enabled():
+                step_loss, hidden, key, value, argmax = checkpoint(one_step, hidden, *kv, use_reentrant=False)
+            else:
+                step_loss, hidden, key, value, argmax = one_step(hidden, *kv)
+            kv += [key, value]
             loss = loss + self.step_weight**k * step_loss
             with torch.no_grad():
-                hit = draft.draft_to_target_ids(logits.argmax(-1)) == top_k
+                hit = draft.draft_to_target_ids(argmax) == top_k
                 step_losses.append(step_loss.detach())
                 correct.append((hit & mask).sum())
                 counts.append(count)
         stats = torch.stack([torch.stack(step_losses), torch.stack(correct).float(), torch.stack(counts).float()])
         return loss, stats  # stats: [3, steps] = per-step loss, correct, supervised positions
-

@@ -1,0 +1,280 @@
+"""The training step's peak memory, estimated from the shapes, and the micro-batch planned to fit before the first step.
+
+The estimate counts what the step holds at its peak (the backward of the last
+unrolled step of a micro-batch, with the gradients and the optimizer state
+already there):
+
+- the draft's weights, gradients and AdamW state (float32: 4 + 4 + 8 bytes a
+  trainable parameter; under bf16 autocast a 2-byte copy of each weight too),
+  its frozen embedding, and the target's ``lm_head`` and norm;
+- the micro-batch: the three auxiliary states and the final one in float32;
+- the target's head: its draft-vocabulary logits (kept for every unrolled
+  step), its distribution over them (kept unless the loss runs in chunks),
+  and one chunk of its full-vocabulary logits while they are computed;
+- per unrolled step and token, the activations autograd keeps, counted from
+  :mod:`eagle3_assets.core.draft_model` and :mod:`.loss` (norms, the 2·H
+  attention input, q/k/v and their rotations, the keys and values of every
+  earlier step copied for the grouped heads, the attention probabilities over
+  T + k keys, the MLP's four I-wide tensors, the logits' log-softmax and the
+  target distribution's shifted copy). With ``activation_checkpointing`` only
+  each step's inputs stay (its state, key and value), plus one step's
+  activations while it is recomputed; with ``loss_chunk_tokens`` the
+  vocabulary-wide tensors are one chunk's;
+- the backward's own transient: about one step's largest activations again.
+
+It is an estimate (allocator rounding and fragmentation are not in it):
+tests/test_training_memory.py holds it to the peak measured on the CPU at two
+sizes. :func:`plan_micro_batch` compares it with the device's free memory
+(CUDA: ``torch.cuda.mem_get_info``; CPU: the available RAM) times
+``memory_fraction``, splits the micro-batch (raising ``grad_accumulation`` so
+that an optimizer step sees the same tokens) until it fits, and refuses before
+training when even the longest sequence alone cannot fit, with both numbers
+and the settings that would make it fit.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from eagle3_assets.core.draft_model import DraftConfig
+
+FLOAT32 = 4
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What the estimate reads: the draft's shape, the micro-batch and the memory settings."""
+
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    target_hidden: int
+    vocab: int  # the target's
+    draft_vocab: int
+    tokens: int  # padded tokens of the micro-batch
+    seq_len: int  # its padded width (attention is seq_len wide per token)
+    ttt_steps: int
+    activation_bytes: int = FLOAT32  # 2 under bf16 autocast
+    activation_checkpointing: bool = False
+    loss_chunk_tokens: int = 0
+    target_head_chunk_tokens: int = 0
+
+    @classmethod
+    def of(cls, draft: DraftConfig, tokens: int, seq_len: int, ttt_steps: int, *, bf16: bool, **settings) -> StepShape:
+        return cls(
+            hidden=draft.hidden_size, intermediate=draft.intermediate_size, heads=draft.num_attention_heads,
+            kv_heads=draft.num_key_value_heads, head_dim=draft.head_dim, target_hidden=draft.target_hidden_size,
+            vocab=draft.vocab_size, draft_vocab=draft.draft_vocab_size, tokens=tokens, seq_len=min(seq_len, tokens),
+            ttt_steps=ttt_steps, activation_bytes=2 if bf16 else FLOAT32, **settings,
+        )  # fmt: skip
+
+    @property
+    def trainable_parameters(self) -> int:
+        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return (
+            3 * self.target_hidden * h  # fc
+            + 2 * h * (q + 2 * kv) + q * h  # q/k/v over [embedding ; state], o
+            + 3 * h * self.intermediate  # MLP
+            + 4 * h  # four norms
+            + self.draft_vocab * h  # lm_head
+        )
+
+
+def step_activation_bytes(shape: StepShape, k: int, tokens: int | None = None) -> int:
+    """Bytes autograd keeps for unrolled step ``k`` (0-based) of a micro-batch, without checkpointing."""
+    s, n, a = shape, tokens if tokens is not None else shape.tokens, shape.activation_bytes
+    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    per_token = (
+        # norms keep their float32 input and normalised value; the 2·H attention input; residual, MLP input, state
+        11 * s.hidden * FLOAT32
+        # q, k, v, their rotations and rotated copies, the attention output before o_proj
+        + (4 * q + 4 * kv) * a
+        # every earlier step's key and value copied to the query heads (grouped-query attention)
+        + 2 * (k + 1) * q * a
+        # the attention probabilities over the sequence and the chain's k earlier keys, in float32
+        + s.heads * (s.seq_len + k) * FLOAT32
+        # the MLP: gate, its SiLU, up, their product
+        + 4 * s.intermediate * a
+    )
+    if not s.loss_chunk_tokens:
+        per_token += 2 * s.draft_vocab * FLOAT32  # the log-softmax of the logits and the target's shifted distribution
+    return per_token * n
+
+
+def estimate_step_bytes(shape: StepShape) -> dict[str, int]:
+    """The step's peak, by part (bytes); ``total`` is the fixed parts plus the larger of the two phases.
+
+    The two phases: the target's head (one full-vocabulary chunk) and the draft's forward and backward.
+    """
+    s, n, a = shape, shape.tokens, shape.activation_bytes
+    params = s.trainable_parameters
+    parts = {
+        "weights": params * FLOAT32 + s.vocab * s.hidden * FLOAT32 + (params * 2 if a == 2 else 0),
+        "gradients": params * FLOAT32,
+        "optimizer": params * 2 * FLOAT32,
+        "target_head": s.vocab * s.target_hidden * FLOAT32,
+        "batch": n * 4 * s.target_hidden * FLOAT32,
+    }
+    # The target's head runs before the draft: its full-vocabulary chunk is gone when the activations grow.
+    chunk = min(s.target_head_chunk_tokens or n, n)
+    parts["target_head_transient"] = chunk * (s.vocab + s.draft_vocab) * FLOAT32 + n * s.draft_vocab * FLOAT32
+    parts["target_logits"] = n * s.draft_vocab * FLOAT32 * (1 if s.loss_chunk_tokens else 2)  # logits (and distribution) kept
+    steps = [step_activation_bytes(s, k) for k in range(s.ttt_steps)]
+    if s.activation_checkpointing:
+        q_kv = 2 * s.kv_heads * s.head_dim
+        kept = s.ttt_steps * n * (s.hidden + q_kv) * a  # each step's inputs: the state, its key and value
+        parts["activations"] = kept + steps[-1]  # the last step, recomputed in backward
+    else:
+        parts["activations"] = sum(steps)
+    # Backward of the last step: the gradients of its attention probabilities and of its vocabulary-wide tensors
+    # (one loss chunk's when chunked) exist while its activations are freed.
+    last = s.ttt_steps - 1
+    loss_chunk = min(s.loss_chunk_tokens or n, n)
+    parts["backward_transient"] = n * s.heads * (s.seq_len + last) * FLOAT32 + (3 if s.loss_chunk_tokens else 1) * loss_chunk * s.draft_vocab * FLOAT32
+    fixed = parts["weights"] + parts["gradients"] + parts["optimizer"] + parts["target_head"] + parts["batch"]
+    training = parts["target_logits"] + parts["activations"] + parts["backward_transient"]
+    parts["total"] = fixed + max(parts["target_head_transient"], training)
+    return parts
+
+
+def free_memory_bytes(device) -> tuple[int, int]:
+    """(free, total) bytes of the device: CUDA's own figures; on the CPU, the available and the total RAM."""
+    import torch
+
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return int(free), int(total)
+    info = {}
+    with open("/proc/meminfo") as fh:
+        for line in fh:
+            key, value = line.split(":", 1)
+            info[key] = int(value.split()[0]) * 1024
+    return info.get("MemAvailable", info["MemFree"]), info["MemTotal"]
+
+
+class MemoryPlanError(RuntimeError):
+    """Even one sequence does not fit: the message has both numbers and the settings that would make it fit."""
+
+
+@dataclass
+class MemoryPlan:
+    batch_tokens: int
+    grad_accumulation: int
+    estimate_bytes: int
+    budget_bytes: int
+    free_bytes: int
+    device_total_bytes: int
+    split: int  # the configured micro-batch was split in this many
+    parts: dict
+    source: str  # "planned" or "resumed" (the checkpoint's micro-batch)
+
+    def describe(self) -> str:
+        gib = 2**30
+        split = f", the configured micro-batch split in {self.split} (grad_accumulation {self.grad_accumulation})" if self.split > 1 else ""
+        return (
+            f"{self.batch_tokens} tokens per micro-batch, estimated peak {self.estimate_bytes / gib:.2f} GiB of "
+            f"{self.budget_bytes / gib:.2f} GiB allowed ({self.free_bytes / gib:.2f} GiB free){split}"
+        )
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def fix_suggestions(shape: StepShape, budget: int) -> list[str]:
+    """The settings that, alone or together, would make one sequence fit ``budget``."""
+    ideas, settings = [], {}
+    if not shape.activation_checkpointing:
+        settings["activation_checkpointing"] = True
+    if not shape.loss_chunk_tokens:
+        settings["loss_chunk_tokens"] = 2048
+    if not shape.target_head_chunk_tokens:
+        settings["target_head_chunk_tokens"] = 1024
+    trial = replace_shape(shape, **settings)
+    if settings and estimate_step_bytes(trial)["total"] <= budget:
+        ideas.append(", ".join(f"{k}: {v}" for k, v in settings.items()))
+    for seq_len in (shape.seq_len // 2, shape.seq_len // 4):
+        if seq_len >= 16 and estimate_step_bytes(replace_shape(trial, tokens=seq_len, seq_len=seq_len))["total"] <= budget:
+            ideas.append(f"max_seq_len: {seq_len}" + (" with the above" if settings else ""))
+            break
+    for depth in range(shape.ttt_steps - 1, 0, -1):
+        if estimate_step_bytes(replace_shape(trial, ttt_steps=depth))["total"] <= budget:
+            ideas.append(f"ttt_steps: {depth}")
+            break
+    ideas.append("a device with more free memory")
+    return ideas
+
+
+def replace_shape(shape: StepShape, **changes) -> StepShape:
+    return StepShape(**{**asdict(shape), **changes})
+
+
+def plan_micro_batch(
+    draft: DraftConfig, config, *, longest: int, device, bf16: bool, recorded: dict | None = None, free: tuple[int, int] | None = None
+) -> MemoryPlan:
+    """The micro-batch (and gradient accumulation) that fits the device; ``recorded`` is a resumed run's plan, kept as it was."""
+    free_bytes, total_bytes = free or free_memory_bytes(device)
+    budget = int(free_bytes * config.memory_fraction)
+    settings = dict(
+        activation_checkpointing=config.activation_checkpointing,
+        loss_chunk_tokens=config.loss_chunk_tokens,
+        target_head_chunk_tokens=config.target_head_chunk_tokens,
+    )
+    seq_len = min(longest, config.max_seq_len)
+
+    def estimate(tokens: int) -> dict:
+        return estimate_step_bytes(StepShape.of(draft, max(tokens, seq_len), seq_len, config.ttt_steps, bf16=bf16, **settings))
+
+    if recorded:
+        # A resumed run keeps its micro-batch: another one would be another plan of steps.
+        parts = estimate(recorded["batch_tokens"])
+        if parts["total"] > budget:
+            raise MemoryPlanError(
+                f"training memory: the resumed run's micro-batch of {recorded['batch_tokens']} tokens needs an estimated "
+                f"{parts['total']} B, the device has {free_bytes} B free ({budget} B at memory_fraction {config.memory_fraction}); "
+                "free the device, or start a fresh run (other settings or data)"
+            )
+        return MemoryPlan(**{**recorded, "estimate_bytes": parts["total"], "budget_bytes": budget, "free_bytes": free_bytes,
+                             "device_total_bytes": total_bytes, "parts": parts, "source": "resumed"})  # fmt: skip
+
+    one = estimate(seq_len)
+    if one["total"] > budget:
+        shape = StepShape.of(draft, seq_len, seq_len, config.ttt_steps, bf16=bf16, **settings)
+        raise MemoryPlanError(
+            f"training memory: one sequence of {seq_len} tokens needs an estimated {one['total']} B "
+            f"({', '.join(f'{k} {v}' for k, v in one.items() if k != 'total')}), the device has {free_bytes} B free "
+            f"({budget} B at memory_fraction {config.memory_fraction}); what would fit: " + "; or ".join(fix_suggestions(shape, budget))
+        )
+    split = 1
+    while estimate(math.ceil(config.batch_tokens / split))["total"] > budget:
+        split += 1
+    batch_tokens = math.ceil(config.batch_tokens / split)
+    parts = estimate(batch_tokens)
+    return MemoryPlan(
+        batch_tokens=batch_tokens, grad_accumulation=config.grad_accumulation * split, estimate_bytes=parts["total"],
+        budget_bytes=budget, free_bytes=free_bytes, device_total_bytes=total_bytes, split=split, parts=parts, source="planned",
+    )  # fmt: skip
+
+
+
+def allocated_peak_during(fn) -> int:
+    """The most bytes of tensors ``fn`` had allocated at once beyond those alive before it (CPU), from the profiler.
+
+    ``torch.profiler`` with ``profile_memory`` records each op's own
+    allocations and frees (``self_cpu_memory_usage``, what the CPU allocator
+    reports); summing them in the order the ops started gives the live bytes
+    over time, and their maximum is the peak. What an op allocates and frees
+    inside one kernel is not seen, nor allocator rounding.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    live = peak = 0
+    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
+        if event.self_cpu_memory_usage:
+            live += event.self_cpu_memory_usage
+            peak = max(peak, live)
+    return peak

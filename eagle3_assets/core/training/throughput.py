@@ -1,0 +1,273 @@
+"""Draft training's throughput: tokens/s, achieved TFLOP/s against the device's matrix-product rate, and peak memory, per depth.
+
+``bench/training.py`` runs it; ``eagle3-gpu-check`` runs it at the configured
+target's width with the planned micro-batch. In the package so that a GPU host
+with the package installed (and no repository) has it.
+
+Each configuration runs in a child process (so that its peak memory is its
+own) the training step of eagle3_assets.core.training on synthetic batches of
+the preset's shape (the tiny one is the built-in tiny target's): the target's head (full-vocabulary top-1 and the
+draft-vocabulary logits), the training-time-test unroll with the memory
+settings of a training run (``--no-memory-settings``: all off), backward,
+gradient clipping, AdamW. Data loading is left out: it is a slice of a
+memory-mapped file per sample.
+
+The FLOP count of one token's step (:func:`step_flops`, model FLOPs: what the
+step must compute, not what recomputation adds): the target head's forward
+(2·H·V), ``fc`` forward and weight gradient (2 x 2·3H·H), and per unrolled
+step the draft layer (q/k/v over 2·H inputs, o, the MLP, causal attention over
+the sequence) and its ``lm_head``, forward and backward (3 x forward).
+Achieved TFLOP/s = FLOPs per token x tokens/s. Its share is against one
+matrix product timed in the same run on the same device (bf16 on CUDA,
+float32 on CPU, where training runs in float32).
+
+Peak memory: on CUDA ``torch.cuda.max_memory_allocated`` against the card's
+memory; on CPU the child's maximum RSS (torch itself included); beside it the
+planner's estimate (eagle3_assets.core.training.memory).
+
+    .venv/bin/python bench/training.py                                  # the tiny draft on CPU
+    python bench/training.py --device cuda --preset llama3-8b           # a GPU host: an 8B-class draft
+    python bench/training.py --device cuda --preset kimi-k2 --ttt 1 3 7
+    python bench/training.py --device cuda --target /models/Kimi-K2 --plan   # the target's width, the planned micro-batch
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# Draft shapes: one decoder layer as wide as the target, over a draft vocabulary.
+PRESETS = {
+    "tiny": dict(hidden=64, heads=1, kv_heads=1, head_dim=64, intermediate=192, vocab=640, draft_vocab=256, seq_len=80, batch_tokens=2048),
+    "small": dict(hidden=512, heads=8, kv_heads=8, head_dim=64, intermediate=1536, vocab=16000, draft_vocab=4000, seq_len=256, batch_tokens=1024),
+    "llama3-8b": dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=14336, vocab=128256, draft_vocab=32000, seq_len=2048, batch_tokens=16384),
+    "kimi-k2": dict(hidden=7168, heads=64, kv_heads=64, head_dim=128, intermediate=18432, vocab=163840, draft_vocab=32000, seq_len=2048, batch_tokens=8192),
+}
+
+
+def shape_of_target(path: str, draft_vocab: int = 32000, seq_len: int = 2048, batch_tokens: int = 8192) -> dict:
+    """A preset at a target's width: the draft layer shaped like one of its layers (as training makes it)."""
+    from eagle3_assets.core.draft_model import DraftConfig
+
+    config = json.loads((Path(path) / "config.json").read_text())
+    draft = DraftConfig.for_target(config, min(draft_vocab, int(config.get("vocab_size", draft_vocab))), [1, 2, 3])
+    return dict(
+        hidden=draft.hidden_size, heads=draft.num_attention_heads, kv_heads=draft.num_key_value_heads, head_dim=draft.head_dim,
+        intermediate=draft.intermediate_size, vocab=draft.vocab_size, draft_vocab=draft.draft_vocab_size,
+        seq_len=min(seq_len, draft.max_position_embeddings), batch_tokens=batch_tokens,
+    )  # fmt: skip
+
+
+def step_flops(p: dict, ttt: int) -> float:
+    """Model FLOPs of one token's optimizer step (see the module's docstring)."""
+    h, q, kv, inter = p["hidden"], p["heads"] * p["head_dim"], p["kv_heads"] * p["head_dim"], p["intermediate"]
+    layer = 2 * (2 * h) * (q + 2 * kv) + 2 * q * h + 2 * 3 * h * inter  # q/k/v over [embedding ; state], o, MLP
+    attention = 2 * 2 * q * (p["seq_len"] / 2)  # scores and weighted values over the causal half, on average
+    per_step = 3 * (layer + attention + 2 * h * p["draft_vocab"])  # forward and backward, lm_head included
+    return 2 * h * p["vocab"] + 2 * (2 * 3 * h * h) + ttt * per_step
+
+
+def draft_config_of(p: dict):
+    from eagle3_assets.core.draft_model import DraftConfig
+
+    return DraftConfig(
+        hidden_size=p["hidden"], intermediate_size=p["intermediate"], num_attention_heads=p["heads"],
+        num_key_value_heads=p["kv_heads"], head_dim=p["head_dim"], vocab_size=p["vocab"],
+        draft_vocab_size=p["draft_vocab"], target_hidden_size=p["hidden"], aux_layer_ids=(2, 3, 4),
+    )  # fmt: skip
+
+
+def matmul_rate(device: str, size: int, repeats: int) -> float:
+    """FLOP/s of one square matrix product on ``device`` (bf16 on CUDA, float32 on CPU)."""
+    import torch
+
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    a, b = torch.randn(size, size, device=device, dtype=dtype), torch.randn(size, size, device=device, dtype=dtype)
+    for _ in range(2):
+        a @ b
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    return 2 * size**3 * repeats / (time.perf_counter() - started)
+
+
+def child(spec: dict) -> dict:
+    import torch
+
+    from eagle3_assets.core.draft_model import Eagle3Draft
+    from eagle3_assets.core.target import TargetHead
+    from eagle3_assets.core.training.loss import TrainingTimeTest
+    from eagle3_assets.core.vocab import build_vocab_mapping
+
+    device = torch.device(spec["device"])
+    torch.set_num_threads(spec["threads"])
+    torch.manual_seed(0)
+    p, memory = spec["shape"], spec["memory"]
+    mapping = build_vocab_mapping(torch.randint(0, 1000, (p["vocab"],)), p["draft_vocab"])
+    draft = Eagle3Draft(draft_config_of(p))
+    draft.set_vocab_mapping(mapping.d2t, mapping.t2d)
+    draft.embed_tokens.weight.requires_grad_(False)
+    draft.to(device)
+    target = {
+        "embed": draft.embed_tokens.weight.detach().cpu(),
+        "norm": torch.ones(p["hidden"]),
+        "lm_head": torch.randn(p["vocab"], p["hidden"]) * 0.02,
+        "rms_norm_eps": 1e-5,
+    }
+    target_head, draft_to_target = TargetHead.from_weights(target).to(device), mapping.draft_to_target.to(device)
+    ttt = TrainingTimeTest(
+        draft, spec["ttt"], 0.8, checkpoint_steps=memory["activation_checkpointing"], loss_chunk_tokens=memory["loss_chunk_tokens"]
+    ).to(device)
+    trainable = [q for q in draft.parameters() if q.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=1e-4)
+    batch, length = max(1, p["batch_tokens"] // p["seq_len"]), p["seq_len"]
+    aux = torch.randn(batch, length, 3 * p["hidden"], device=device)
+    final = torch.randn(batch, length, p["hidden"], device=device)
+    ids = torch.randint(0, p["vocab"], (batch, length), device=device)
+    mask = torch.ones(batch, length, dtype=torch.bool, device=device)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+    target_chunk = memory["target_head_chunk_tokens"] or batch * length
+
+    def step() -> None:
+        logits, top = target_head.draft_logits(final, "post_norm", draft_to_target, chunk=target_chunk)
+        with autocast:
+            loss, _ = ttt(aux, ids, mask, logits, top)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trainable, 0.5)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    for _ in range(spec["warmup"]):
+        step()
+    sync()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    started = time.perf_counter()
+    for _ in range(spec["steps"]):
+        step()
+    sync()
+    elapsed = time.perf_counter() - started
+    if device.type == "cuda":
+        peak, capacity = torch.cuda.max_memory_allocated(), torch.cuda.get_device_properties(device).total_memory
+    else:
+        peak, capacity = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, None
+    return {"tokens_per_s": batch * length * spec["steps"] / elapsed, "peak_bytes": peak, "capacity_bytes": capacity, "batch": batch, "seq_len": length}
+
+
+def run_depth(shape: dict, args, depth: int, memory: dict) -> dict:
+    spec = {"shape": shape, "device": args.device, "ttt": depth, "steps": args.steps, "warmup": args.warmup, "threads": args.threads, "memory": memory}
+    # The child imports this package from where the parent did (a checkout run by bench/training.py, or an install).
+    root = str(Path(__file__).resolve().parents[3])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-m", __name__, "--child", json.dumps(spec)], capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        raise RuntimeError(f"ttt={depth} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def run(args) -> list[dict]:
+    """Every depth's figures (also what ``eagle3-gpu-check`` reads)."""
+    import torch
+
+    from eagle3_assets.core.training.config import TrainConfig
+    from eagle3_assets.core.training.memory import StepShape, estimate_step_bytes, plan_micro_batch
+
+    shape = dict(shape_of_target(args.target) if args.target else PRESETS[args.preset])
+    if args.batch_tokens:
+        shape["batch_tokens"] = args.batch_tokens
+    defaults = TrainConfig(["-"], "-", "-", "-")
+    memory = {
+        "activation_checkpointing": defaults.activation_checkpointing and not args.no_memory_settings,
+        "loss_chunk_tokens": 0 if args.no_memory_settings else defaults.loss_chunk_tokens,
+        "target_head_chunk_tokens": 0 if args.no_memory_settings else defaults.target_head_chunk_tokens,
+    }
+    bf16 = args.device.startswith("cuda")
+    if args.plan:  # the micro-batch a training run would plan on this device, at the deepest depth asked for
+        config = TrainConfig(["-"], "-", "-", "-", batch_tokens=shape["batch_tokens"], max_seq_len=shape["seq_len"], ttt_steps=max(args.ttt), **memory)
+        planned = plan_micro_batch(draft_config_of(shape), config, longest=shape["seq_len"], device=torch.device(args.device), bf16=bf16)
+        shape["batch_tokens"] = planned.batch_tokens
+        print(f"  planned micro-batch: {planned.describe()}")
+    rate = matmul_rate(args.device, args.matmul_size, args.matmul_repeats)
+    print(
+        f"bench/training: {'target ' + args.target if args.target else 'preset ' + args.preset} {shape} on {args.device}, "
+        f"memory settings {memory}, {args.steps} steps per configuration"
+    )
+    print(f"  reference: one {'bf16' if bf16 else 'float32'} {args.matmul_size}x{args.matmul_size} matrix product: {rate / 1e12:.3f} TFLOP/s")
+    rows = []
+    for depth in args.ttt:
+        r = run_depth(shape, args, depth, memory)
+        flops = step_flops(shape, depth)
+        estimate = estimate_step_bytes(
+            StepShape.of(draft_config_of(shape), r["batch"] * r["seq_len"], r["seq_len"], depth, bf16=bf16,
+                         activation_checkpointing=memory["activation_checkpointing"], loss_chunk_tokens=memory["loss_chunk_tokens"],
+                         target_head_chunk_tokens=memory["target_head_chunk_tokens"])
+        )["total"]  # fmt: skip
+        achieved = flops * r["tokens_per_s"]
+        row = {**r, "ttt": depth, "gflop_per_token": flops / 1e9, "tflops": achieved / 1e12, "share": achieved / rate, "estimate_bytes": estimate,
+               "reference_tflops": rate / 1e12}  # fmt: skip
+        rows.append(row)
+        capacity = f" of {r['capacity_bytes'] / 2**30:.0f} GiB" if r["capacity_bytes"] else " (RSS, torch included)"
+        print(
+            f"  ttt_steps={depth}: {r['tokens_per_s']:10.0f} tokens/s, {flops / 1e9:8.3f} GFLOP/token, {achieved / 1e12:8.4f} TFLOP/s, "
+            f"share of the matrix product {achieved / rate:.3f}, peak memory {r['peak_bytes'] / 2**30:.2f} GiB{capacity} "
+            f"(estimate {estimate / 2**30:.2f} GiB; batch {r['batch']} x {r['seq_len']})"
+        )
+    base = rows[0]
+    for row in rows[1:]:
+        print(
+            f"  ratio ttt_steps={row['ttt']} / {base['ttt']}: tokens/s {row['tokens_per_s'] / base['tokens_per_s']:.2f}, "
+            f"peak memory {row['peak_bytes'] / base['peak_bytes']:.2f}"
+        )
+    return rows
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    p.add_argument("--target", help="a target's HF directory: the draft at its width (instead of --preset)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--ttt", type=int, nargs="+", default=[1, 3, 7], help="unrolled depths to compare")
+    p.add_argument("--steps", type=int, default=10, help="timed optimizer steps per configuration")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1, help="torch threads on CPU (training uses 1)")
+    p.add_argument("--batch-tokens", type=int, help="tokens per micro-batch (default: the preset's)")
+    p.add_argument("--plan", action="store_true", help="the micro-batch the memory planner chooses on this device")
+    p.add_argument("--no-memory-settings", action="store_true", help="activation checkpointing and the chunked heads off")
+    p.add_argument("--matmul-size", type=int, default=None, help="the reference matrix product's size (default: 8192 on CUDA, 1024 on CPU)")
+    p.add_argument("--matmul-repeats", type=int, default=10)
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    if args.child:
+        print(json.dumps(child(json.loads(args.child))))
+        return
+    if args.matmul_size is None:
+        args.matmul_size = 8192 if args.device.startswith("cuda") else 1024
+    import torch
+
+    torch.set_num_threads(args.threads)  # the reference runs with the children's threads
+    try:
+        run(args)
+    except RuntimeError as exc:
+        sys.exit(str(exc))
+
+
+if __name__ == "__main__":
+    main()
