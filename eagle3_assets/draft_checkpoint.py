@@ -42,9 +42,8 @@ from eagle3_assets.core.storage import asset_dir, stable_hash
 from eagle3_assets.core.training.config import TrainConfig
 from eagle3_assets.core.training.curves import epoch_means, expected_accepted_tokens, render_accuracy, render_curve
 from eagle3_assets.draft_checkpoint_bounded import check_mode, run_bounded_stage
-from eagle3_assets.hidden_states import HiddenStatesConfig
 from eagle3_assets.partitions import SAMPLE_SHARDS
-from eagle3_assets.vocab_mapping import vocab_mapping
+from eagle3_assets.stage_configs import HiddenStatesConfig
 from resources.gpu_host import GPU_POOL, GPUHost, register_stage
 from resources.target_model import TargetModel
 
@@ -110,7 +109,7 @@ def hidden_state_shards(keys: list[str]) -> tuple[list[Path], list[dict]]:
         AssetDep(AssetKey("hidden_states"), partition_mapping=AllPartitionMapping()),
         # Bounded mode reads the traces and extracts the states itself (draft_checkpoint_bounded.py).
         AssetDep(AssetKey("validated_traces"), partition_mapping=AllPartitionMapping()),
-        vocab_mapping,
+        AssetKey("vocab_mapping"),
     ],
     check_specs=[
         AssetCheckSpec(

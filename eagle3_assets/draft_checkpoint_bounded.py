@@ -40,7 +40,11 @@ from eagle3_assets.core.stage_jobs import (
     mode_problems,
 )
 from eagle3_assets.core.storage import stable_hash
-from eagle3_assets.hidden_states import STAGE_MODULES, UPSTREAM, HiddenStatesConfig, disk_estimate, states_lineage
+from eagle3_assets.core.extraction_needs import EXTRACTION_MODULES as STAGE_MODULES
+from eagle3_assets.core.extraction_needs import TRACES as UPSTREAM
+from eagle3_assets.core.extraction_needs import disk_estimate
+from eagle3_assets.lineage import states_lineage
+from eagle3_assets.stage_configs import HiddenStatesConfig
 from resources.gpu_host import GPUHost, register_stage
 from resources.target_model import TargetModel
 

@@ -55,6 +55,7 @@ import torch
 
 from eagle3_assets.core.shard_files import ShardFileError, quarantine, read_shard_parquet
 from eagle3_assets.core.shard_paths import SIDECAR
+from eagle3_assets.core.stage_jobs import ExtractionRecipe
 from eagle3_assets.core.storage import PARTIAL_SUFFIX, atomic_path, file_hash, stable_hash, write_json_atomic
 from eagle3_assets.core.target import LAYER_IDS_SETTING, TargetError, layer_id_problem, read_config, text_config
 from eagle3_assets.core.state_layout import (
@@ -485,20 +486,20 @@ class TransformersBackend:
         target_path: Path | str,
         aux_layer_ids: Sequence[int],
         *,
+        recipe: ExtractionRecipe | None = None,
         device: str | None = None,
         dtype: torch.dtype | None = None,
-        max_batch_tokens: int = 16384,
-        max_batch_size: int = 64,
         trust_remote_code: bool = False,
         model=None,
     ):
+        recipe = recipe or ExtractionRecipe()  # batch sizes: the stage's settings, with their one default
         self.target_path = Path(target_path)
         self.model = model if model is not None else load_target(target_path, device, dtype, trust_remote_code)
         self.decoder, layers, norm = decoder_parts(self.model)
         self.num_layers = len(layers)
         self.aux_layer_ids = validate_layer_ids(aux_layer_ids, self.num_layers)
-        self.max_batch_tokens = int(max_batch_tokens)
-        self.max_batch_size = int(max_batch_size)
+        self.max_batch_tokens = recipe.max_batch_tokens
+        self.max_batch_size = recipe.max_batch_size
         self.input_device = self.decoder.get_input_embeddings().weight.device
         self._captured: dict[int, torch.Tensor] = {}
         self._hooks = []

@@ -42,7 +42,7 @@ from typing import Any
 MIB = 1 << 20
 STAGE_PACKAGE = "eagle3_assets.stages"
 # Modules every stage needs besides its own: the Pipes protocol that carries its results back.
-BASE_MODULES = ("dagster_pipes",)
+BASE_MODULES = ("dagster_pipes", "pydantic")  # every stage reads its job with pydantic (core/job_schema.py)
 UNIT_STATES = ("active", "inactive")
 # systemctl states in which a unit still holds what it started (GPU memory, a port).
 _UNIT_RUNNING_STATES = {"active", "activating", "reloading", "deactivating", "refreshing"}

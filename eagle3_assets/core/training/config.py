@@ -7,12 +7,11 @@ descriptions from these fields; the ``train_draft`` stage gets a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import ClassVar
 
 from eagle3_assets.core.job_schema import JobSchema, given, setting
 
 
-@dataclass
 class TrainConfig(JobSchema):
     hidden_state_dirs: list[str] = given("one directory per shard (the hidden_states contract)")
     vocab_mapping: str = given("vocab_mapping.safetensors (or its directory)")
@@ -48,7 +47,7 @@ class TrainConfig(JobSchema):
     torch_threads: int | None = setting(None, "torch threads; default: torch's on GPU hosts, 1 on CPU")
 
     # Fields that do not change what is computed, so resuming across them is fine.
-    _NOT_IN_FINGERPRINT = ("training_dir", "log_every", "keep_checkpoints", "torch_threads")
+    _NOT_IN_FINGERPRINT: ClassVar[tuple[str, ...]] = ("training_dir", "log_every", "keep_checkpoints", "torch_threads")
 
     def validate(self) -> None:
         problems = []

@@ -18,7 +18,7 @@ import shutil
 import time
 from collections.abc import Callable, Iterable
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from eagle3_assets.core.draft_model import Eagle3Draft
+from eagle3_assets.core.environment import ALLOW_CPU
 from eagle3_assets.core.schedule import Schedule, fit_schedule, lr_lambda
 from eagle3_assets.core.storage import write_json_atomic
 from eagle3_assets.core.target import TargetHead, load_head_weights
@@ -133,7 +134,7 @@ def fitted_config(
         epochs=config.epochs,
         learning_rate=config.learning_rate,
     )
-    resolved = replace(config, batch_tokens=schedule.batch_tokens, epochs=schedule.epochs, learning_rate=schedule.learning_rate)
+    resolved = config.model_copy(update={"batch_tokens": schedule.batch_tokens, "epochs": schedule.epochs, "learning_rate": schedule.learning_rate})
     return resolved, schedule
 
 
@@ -144,7 +145,7 @@ def resolve_schedule(config: TrainConfig, index: HiddenStateIndex, lengths: list
         total_tokens=sum(lengths),
         supervised_tokens=supervised_token_count(index, config.max_seq_len),
         hidden_size=index.hidden_size,
-        steps_per_epoch_for=lambda batch_tokens: len(epoch_steps(lengths, replace(config, batch_tokens=batch_tokens), world, 0)),
+        steps_per_epoch_for=lambda batch_tokens: len(epoch_steps(lengths, config.model_copy(update={"batch_tokens": batch_tokens}), world, 0)),
         world=world,
     )
 
@@ -292,6 +293,6 @@ def _pick_device() -> torch.device:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)  # before NCCL starts: one GPU per process
         return device
-    if os.environ.get("EAGLE3_ALLOW_CPU", "1") != "1":
+    if not ALLOW_CPU.get():
         raise RuntimeError("no CUDA device on this host and EAGLE3_ALLOW_CPU is not 1: refusing to train on CPU")
     return torch.device("cpu")
