@@ -7,7 +7,7 @@ export EAGLE3_DATA_DIR ?= $(CURDIR)/data
 export DAGSTER_HOME ?= $(CURDIR)/.dagster
 DEMO_TARGET ?= tiny
 
-.PHONY: install demo test dev serve-demo bench clean
+.PHONY: install demo test dev serve-demo clean
 
 install: $(VENV)/.installed
 

@@ -74,7 +74,7 @@ def test_every_per_shard_gate_is_green_on_the_kimi_target(kimi_graph):
 
 
 def test_the_vllm_backend_stores_the_states_transformers_stores(kimi_graph, tmp_path):
-    """Both extraction backends on the same traces: bf16 MoE states compared relative to their norm (DESIGN.md 4)."""
+    """Both extraction backends on the same traces: bf16 MoE states compared relative to their norm (docs/hidden-states.md)."""
     instance, data, _ = kimi_graph
     key = sorted(instance.get_dynamic_partitions("sample_shards"))[0]
     other = tmp_path / "vllm-data"

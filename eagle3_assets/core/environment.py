@@ -197,7 +197,7 @@ PRODUCTION_SCRAPE_S = Variable("EAGLE3_PRODUCTION_SCRAPE_S", "int", 300, "second
 AUTO_GENERATE = Variable("EAGLE3_AUTO_GENERATE", "bool", False, "`1`: `new_prompt_shards` also requests a `prompts` + `raw_responses` run per new shard", unset="unset")
 DAGSTER_URL = Variable("EAGLE3_DAGSTER_URL", "str", "http://127.0.0.1:3000", "the webserver `python -m eagle3_assets.backfill` talks to")
 
-# The platform's; the embedded default declares its own beside it (eagle3_assets/demo/environment.py).
+# The platform's; the embedded default declares its own beside it, with the same Variable.
 VARIABLES: tuple[Variable, ...] = tuple(v for v in globals().values() if isinstance(v, Variable))
 BY_NAME: dict[str, Variable] = {v.name: v for v in VARIABLES}
 if len(BY_NAME) != len(VARIABLES):

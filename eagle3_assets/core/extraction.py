@@ -2,7 +2,7 @@
 
 EAGLE-3 trains on the target's residual stream at three auxiliary layers plus
 the final hidden state that the target's ``lm_head`` consumes. This module
-writes them per sample shard in the ``hidden_states`` contract (see DESIGN.md
+writes them per sample shard in the ``hidden_states`` contract (see docs/hidden-states.md
 and :data:`TENSOR_ORDER`), whichever backend computes them:
 
 - :class:`TransformersBackend` (this module): the HF model, bf16 with
