@@ -36,7 +36,7 @@ from pydantic import Field
 
 from eagle3_assets.config_fields import config_field, settings_of
 from eagle3_assets.core.preflight import StageRequirements
-from eagle3_assets.core.shard_paths import SIDECAR, ShardPaths
+from eagle3_assets.core.shard_paths import SIDECAR, DatasetPaths, ShardPaths
 from eagle3_assets.core.stage_jobs import BoundedRun, ExportGates, HiddenStatesSource, TrainingJob
 from eagle3_assets.core.storage import asset_dir, stable_hash
 from eagle3_assets.core.training.config import TrainConfig
@@ -152,9 +152,9 @@ def draft_checkpoint(
             "set target_model.path to the target they came from, or materialise their hidden_states again"
         )
 
+    paths = DatasetPaths()
     out = asset_dir("draft_checkpoint")
-    model_dir, training_dir = out / "model", out / "training"
-    mapping_file = asset_dir("vocab_mapping") / "vocab_mapping.safetensors"
+    model_dir, training_dir, mapping_file = paths.draft_model, paths.training_dir, paths.vocab_mapping
     train = TrainConfig(
         hidden_state_dirs=[str(d) for d in shard_dirs],
         vocab_mapping=str(mapping_file),
@@ -170,7 +170,7 @@ def draft_checkpoint(
             aux_layer_ids=layer_ids,
             target_vocab_size=vocab_size,
             trust_remote_code=target_model.trust_remote_code,
-            log_path=str(out / "loads_in_vllm.log"),
+            log_path=str(paths.loads_in_vllm_log),
         ),
         **settings_of(config, TrainingJob),
     )
@@ -184,7 +184,7 @@ def draft_checkpoint(
     vllm_report = stage_metadata.pop("loads_in_vllm").value  # tried only when config_complete passed
 
     # -- the training curve
-    history = json.loads((training_dir / "history.json").read_text())["history"]
+    history = json.loads(paths.history.read_text())["history"]
     losses = epoch_means(history, "loss")
     accuracy = epoch_means(history, "accuracy")[-1] if history else []
 

@@ -28,7 +28,8 @@ from eagle3_assets.core.evaluation import load_conversations
 from eagle3_assets.core.heldout import held_out_prompts
 from eagle3_assets.core.preflight import StageRequirements
 from eagle3_assets.core.shard_files import read_shard_parquet
-from eagle3_assets.core.shard_paths import training_shards
+from eagle3_assets.core.export import CONFIG_FILE
+from eagle3_assets.core.shard_paths import DatasetPaths, training_shards
 from eagle3_assets.core.speculation_depth import validated_k_values
 from eagle3_assets.core.job_schema import values_of
 from eagle3_assets.core.stage_jobs import EvaluationJob, EvaluationRecipe
@@ -71,7 +72,8 @@ def resolve_eval_prompts(source: str, target_model: TargetModel, limit: int) -> 
             "(prompt_dataset.holdout_share is 0, or no prompts shard is materialised); raise holdout_share and "
             "materialise prompts again, or set draft_evaluation eval_prompts to a held-out JSONL/Parquet file"
         )
-    path = asset_dir("draft_evaluation") / "eval_prompts.jsonl"
+    path = DatasetPaths().eval_prompts
+    path.parent.mkdir(parents=True, exist_ok=True)
     write_bytes_atomic(path, "".join(json.dumps({"id": r["id"], "messages": r["messages"]}) + "\n" for r in rows.iter_rows(named=True)).encode())
     return str(path)
 
@@ -105,15 +107,15 @@ def draft_evaluation(
     overlap = training_overlap(ids, conversations, asset_dir("prompts"))
     if overlap:
         raise ValueError(f"evaluation prompts {eval_prompts} are not held out: {len(overlap)} also occur in training shards, e.g. {overlap[:5]}")
-    draft_dir = asset_dir("draft_checkpoint") / "model"
-    if not (draft_dir / "config.json").is_file():
+    draft_dir = DatasetPaths().draft_model
+    if not (draft_dir / CONFIG_FILE).is_file():
         raise FileNotFoundError(f"no exported draft at {draft_dir}: materialise draft_checkpoint first")
     job = EvaluationJob(
         target_dir=str(target_model.resolved_path()),
         target_trust_remote_code=target_model.trust_remote_code,
         draft_dir=str(draft_dir),
         eval_prompts=eval_prompts,
-        report_path=str(asset_dir("draft_evaluation") / "report.json"),
+        report_path=str(DatasetPaths().evaluation_report),
         **{**values_of(config, EvaluationRecipe), "k_values": validated_k_values(config.k_values)},
     )
     invocation = gpu_host.run_stage(context, STAGE, job.model_dump())

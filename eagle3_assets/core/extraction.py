@@ -54,7 +54,7 @@ from typing import Any, Protocol
 import torch
 
 from eagle3_assets.core.shard_files import ShardFileError, quarantine, read_shard_parquet
-from eagle3_assets.core.shard_paths import SIDECAR
+from eagle3_assets.core.shard_paths import PART_GLOB, PART_PATTERN, SIDECAR
 from eagle3_assets.core.stage_jobs import ExtractionRecipe
 from eagle3_assets.core.storage import PARTIAL_SUFFIX, atomic_path, file_hash, stable_hash, write_json_atomic
 from eagle3_assets.core.target import LAYER_IDS_SETTING, TargetError, layer_id_problem, read_config, text_config
@@ -68,7 +68,6 @@ from eagle3_assets.core.state_layout import (
 )
 
 FORMAT_VERSION = 1
-PART_PATTERN = "part-{:05d}.safetensors"
 STORAGE_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in STORAGE_DTYPE_BYTES}
 _SAFETENSORS_DTYPE = {
     torch.bfloat16: "BF16",
@@ -738,7 +737,7 @@ def extract_shard(
         emit({"event": "part", "part": part.name, "reused": False, "samples": len(sample_ids)})
 
     planned = {part.name for part in plan}
-    for stale in shard_dir.glob("part-*.safetensors"):
+    for stale in shard_dir.glob(PART_GLOB):
         if stale.name not in planned:
             stale.unlink()
 
@@ -791,7 +790,7 @@ def extract_shard(
 def shard_bytes(shard_dir: Path) -> int:
     """Bytes of a shard as stored: its part files and its sidecar."""
     shard_dir = Path(shard_dir)
-    return sum(p.stat().st_size for p in shard_dir.glob("part-*.safetensors")) + (
+    return sum(p.stat().st_size for p in shard_dir.glob(PART_GLOB)) + (
         (shard_dir / SIDECAR).stat().st_size if (shard_dir / SIDECAR).is_file() else 0
     )
 

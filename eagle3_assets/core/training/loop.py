@@ -28,6 +28,7 @@ from torch import nn
 from eagle3_assets.core.draft_model import Eagle3Draft
 from eagle3_assets.core.environment import ALLOW_CPU
 from eagle3_assets.core.schedule import Schedule, fit_schedule, lr_lambda
+from eagle3_assets.core.shard_paths import HISTORY_FILE, RESULT_FILE
 from eagle3_assets.core.storage import write_json_atomic
 from eagle3_assets.core.target import TargetHead, load_head_weights
 from eagle3_assets.core.training.checkpoints import latest_checkpoint, restore_checkpoint, run_fingerprint, save_checkpoint
@@ -280,8 +281,8 @@ def _train(config: TrainConfig, emit: OnEvent, device: torch.device, distributed
         schedule=asdict(schedule),
     )
     if rank == 0:
-        write_json_atomic(training_dir / "history.json", {"fingerprint": fingerprint, "history": history})
-        write_json_atomic(training_dir / "result.json", asdict(result) | {"history": None})
+        write_json_atomic(training_dir / HISTORY_FILE, {"fingerprint": fingerprint, "history": history})
+        write_json_atomic(training_dir / RESULT_FILE, asdict(result) | {"history": None})
         emit({"event": "done", "checkpoint": last_checkpoint, "tokens_per_s": result.tokens_per_s})
     if distributed:
         dist.barrier()
