@@ -113,6 +113,7 @@ def test_credentials_in_server_urls_are_redacted_everywhere_they_could_be_shown(
 
     # The environment holds the credentials; config (what Dagster stores with a run) holds the URL without them.
     monkeypatch.setenv("EAGLE3_VLLM_URLS", "http://user:s3cret@gpu-a:8000, http://gpu-b:8000")
+    monkeypatch.setenv("EAGLE3_SERVED_MODEL", "m")
     server = VLLMServerResource.from_env()
     assert server.base_urls == ["http://gpu-a:8000", "http://gpu-b:8000"] and not server.credentials_in_config()
     config = server.generation_config()
@@ -195,6 +196,9 @@ def test_the_resource_gives_an_openai_client_configured_as_it_is(vllm_server, mo
         )
     assert reply.choices[0].message.model_extra.get("reasoning") and reply.usage.completion_tokens > 0
     assert secret not in repr(server)
+    # No served name given (the platform assumes none): the one model the server lists, asked of it.
+    unnamed = server_at(vllm_server.base_url, "", api_key=EnvVar("VLLM_API_KEY"))
+    assert unnamed.served_model_name == "" and unnamed.generation_config().model == vllm_server.served_model_name
 
     # Without a key the client carries a placeholder; credentials for a URL come from EAGLE3_VLLM_URLS, as for requests.
     monkeypatch.delenv("VLLM_API_KEY")
