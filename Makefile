@@ -7,7 +7,7 @@ export EAGLE3_DATA_DIR ?= $(CURDIR)/data
 export DAGSTER_HOME ?= $(CURDIR)/.dagster
 DEMO_TARGET ?= tiny
 
-.PHONY: install demo test dev serve-demo bench gpu-check clean
+.PHONY: install demo test dev serve-demo gpu-check clean
 
 install: $(VENV)/.installed
 

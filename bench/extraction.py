@@ -125,6 +125,7 @@ CHILD = """
 import json, resource, sys, torch
 from pathlib import Path
 from eagle3_assets.core.extraction import ExtractionSettings, TransformersBackend, extract_shard, read_traces
+from eagle3_assets.core.stage_jobs import ExtractionRecipe
 
 def vm(field):
     for line in open("/proc/self/status"):
@@ -134,7 +135,7 @@ target, traces_file, out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
 if int(sys.argv[4]):
     torch.set_num_threads(int(sys.argv[4]))
 traces = read_traces(traces_file)
-backend = TransformersBackend(target, (2, 3, 4), max_batch_tokens=4096)
+backend = TransformersBackend(target, (2, 3, 4), ExtractionRecipe(max_batch_tokens=4096))
 settings = ExtractionSettings(target, "bench", (2, 3, 4))
 extract_shard(traces[:32], out / "warm", settings, backend)  # imports, allocator and kernels warmed up
 baseline = vm("VmHWM:")

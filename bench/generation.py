@@ -230,8 +230,10 @@ def main() -> None:
         else:
             from eagle3_assets.core.vllm_launcher import VLLMServer
             from eagle3_assets.demo.stack import tiny_target_dir
+            from eagle3_assets.demo.targets import TINY_SERVING
 
-            with VLLMServer(tiny_target_dir(), log_path=Path(tempfile.gettempdir()) / "bench-generation-vllm.log") as server:
+            log = Path(tempfile.gettempdir()) / "bench-generation-vllm.log"
+            with VLLMServer(tiny_target_dir(), log_path=log, **TINY_SERVING) as server:
                 ratios["P1"] = bench_p1(server.base_url, server.served_model_name, args.rounds, args.p1_prompts, args.p1_max_tokens)
     goals = {"P1": 0.97, "P2": 0.8}
     names = {"stage": "this stage's client (aiohttp)", "sdk": "the openai SDK on its aiohttp transport"}

@@ -133,9 +133,9 @@ def train_bounded_mode(shard_paths: list[Path], mapping: Path, target: Path, wor
         epochs=epochs, torch_threads=threads, **RECIPE,
     )  # fmt: skip
     run = BoundedRun(
-        shards=[StreamedShard(p.stem, str(p), "bench") for p in shard_paths],
+        shards=[StreamedShard(key=p.stem, traces=str(p), data_version="bench") for p in shard_paths],
         window_dir=str(work / "streamed_states"),
-        target=StageTarget(str(target), False, list(LAYER_IDS), target_identity(target).config_hash),
+        target=StageTarget(path=str(target), trust_remote_code=False, aux_layer_ids=list(LAYER_IDS), config_hash=target_identity(target).config_hash),
         extraction=ExtractionRecipe(dtype=dtype),
         window_shards=window,
     )  # fmt: skip

@@ -17,7 +17,6 @@ webserver unreachable).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,9 +24,8 @@ from pathlib import Path
 import yaml
 
 from eagle3_assets.core.backfill_client import PER_SHARD_ASSETS, BackfillClient, BackfillError, check_shards
+from eagle3_assets.core.environment import DAGSTER_URL
 
-URL_ENV = "EAGLE3_DAGSTER_URL"
-DEFAULT_URL = "http://127.0.0.1:3000"
 
 
 def _names(text: str) -> list[str]:
@@ -36,7 +34,7 @@ def _names(text: str) -> list[str]:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m eagle3_assets.backfill", description="Launch a backfill of sample shards through the Dagster webserver.")
-    parser.add_argument("--url", default=os.environ.get(URL_ENV) or DEFAULT_URL, help=f"the webserver's base URL (default ${URL_ENV} or {DEFAULT_URL})")
+    parser.add_argument("--url", default=DAGSTER_URL.get(), help=f"the webserver's base URL (default ${DAGSTER_URL.name} or {DAGSTER_URL.default})")
     which = parser.add_mutually_exclusive_group(required=True)
     which.add_argument("--shards", type=_names, help="comma-separated shard keys, e.g. shard-00000,shard-00003")
     which.add_argument("--shards-file", type=Path, help="a file of shard keys, one per line (for thousands of shards)")

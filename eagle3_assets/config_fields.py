@@ -1,38 +1,32 @@
-"""Dagster config fields made from the typed settings in :mod:`eagle3_assets.core` (see :mod:`eagle3_assets.core.job_schema`).
+"""Dagster config fields picked one by one from a settings model (:mod:`eagle3_assets.core.job_schema`).
 
-A ``Config`` class or resource lists its fields by name and type, each made by
-:func:`config_field` from the dataclass field that holds its default,
-description and range, so that none of them is written twice;
-:func:`settings_of` hands a config's values back to the dataclass by name.
+Only for a ``Config`` class that shows a *subset* of a model's settings
+(``draft_checkpoint``'s, today: ``TrainConfig`` holds settings a launchpad has
+no use for, and a tuple Dagster cannot show). A stage whose settings are all
+user-facing has its Config class be the model itself
+(``class HiddenStatesConfig(ExtractionRecipe, Config)``), with no field listed.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
-from pydantic import Field
+from pydantic import BaseModel
 
-from eagle3_assets.core.job_schema import DESCRIPTION, LIMITS, default_of
-
-
-def _field(settings: type, name: str) -> dataclasses.Field:
-    by_name = {f.name: f for f in dataclasses.fields(settings)}
-    if name not in by_name:
-        raise KeyError(f"{settings.__name__} has no setting {name!r}; its settings: {sorted(by_name)}")
-    return by_name[name]
+from eagle3_assets.core.job_schema import values_of
 
 
-def config_field(settings: type, name: str, **overrides: Any) -> Any:
-    """A pydantic ``Field`` with the default, description and limits of the setting ``name`` of ``settings``."""
-    source = _field(settings, name)
-    default = default_of(source)
-    if default is dataclasses.MISSING:
+def config_field(settings: type[BaseModel], name: str) -> Any:
+    """The pydantic field of the setting ``name`` of ``settings``: its default, description and limits, as written there."""
+    if name not in settings.model_fields:
+        raise KeyError(f"{settings.__name__} has no setting {name!r}; its settings: {sorted(settings.model_fields)}")
+    field = settings.model_fields[name]
+    if field.is_required():
         raise ValueError(f"{settings.__name__}.{name} has no default: the asset fills it in, it is not a config field")
-    return Field(**{"default": default, "description": source.metadata[DESCRIPTION], **source.metadata[LIMITS], **overrides})
+    return field
 
 
-def settings_of(config: Any, settings: type) -> dict[str, Any]:
+def settings_of(config: Any, settings: type[BaseModel]) -> dict[str, Any]:
     """The values of ``config``'s fields that are settings (fields with a default) of ``settings``, by name."""
-    names = {f.name for f in dataclasses.fields(settings) if default_of(f) is not dataclasses.MISSING}
-    return {name: getattr(config, name) for name in type(config).model_fields if name in names}
+    names = {name for name, field in settings.model_fields.items() if not field.is_required()}
+    return {name: value for name, value in values_of(config, settings).items() if name in names and name in type(config).model_fields}

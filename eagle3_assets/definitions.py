@@ -9,8 +9,8 @@ fits them. This is the one module outside ``demo/`` that knows of it.
 
 from __future__ import annotations
 
-import os
 
+from eagle3_assets.core.environment import BY_NAME
 from eagle3_assets.demo import plugin as demo
 from eagle3_assets.graph import build_definitions, deployment_resources
 from resources.prompt_dataset import SOURCE_ENV, PromptDataset
@@ -18,7 +18,7 @@ from resources.target_model import PATH_ENV, TargetModel
 
 
 def _names_the_demo(variable: str) -> bool:
-    return os.environ.get(variable, "") in ("", demo.BUILT_IN)
+    return (BY_NAME[variable].get() or "") in ("", demo.BUILT_IN)
 
 
 def default_resources() -> dict:

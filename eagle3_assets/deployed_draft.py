@@ -14,14 +14,11 @@ An external asset, downstream of ``draft_checkpoint`` and ``draft_evaluation``
 so that the graph reads train -> evaluate -> deploy.
 """
 
-from dagster import AssetSpec
-
-from eagle3_assets.draft_checkpoint import draft_checkpoint
-from eagle3_assets.draft_evaluation import draft_evaluation
+from dagster import AssetKey, AssetSpec
 
 deployed_draft = AssetSpec(
     "deployed_draft",
-    deps=[draft_checkpoint, draft_evaluation],
+    deps=[AssetKey("draft_checkpoint"), AssetKey("draft_evaluation")],
     group_name="production",
     kinds={"vllm"},
     description=(

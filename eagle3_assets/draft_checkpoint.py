@@ -50,7 +50,7 @@ from pydantic import Field
 
 from eagle3_assets.config_fields import config_field, settings_of
 from eagle3_assets.core.stage_requirements import StageRequirements
-from eagle3_assets.core.shard_paths import SIDECAR, ShardPaths
+from eagle3_assets.core.shard_paths import SIDECAR, DatasetPaths, ShardPaths
 from eagle3_assets.core.stage_jobs import (
     BoundedModeError,
     BoundedRun,
@@ -66,9 +66,10 @@ from eagle3_assets.core.storage import asset_dir, stable_hash
 from eagle3_assets.core.training.config import TrainConfig
 from eagle3_assets.core.training.curves import epoch_means, expected_accepted_tokens, render_accuracy, render_curve
 from eagle3_assets.core.training.streamed import describe_estimate
-from eagle3_assets.hidden_states import STAGE_MODULES, UPSTREAM, HiddenStatesConfig, disk_estimate, states_lineage
+from eagle3_assets.core.extraction_needs import EXTRACTION_MODULES, TRACES, disk_estimate
+from eagle3_assets.lineage import states_lineage
 from eagle3_assets.partitions import SAMPLE_SHARDS
-from eagle3_assets.vocab_mapping import vocab_mapping
+from eagle3_assets.stage_configs import HiddenStatesConfig
 from resources.gpu_host import GPU_POOL, GPUHost, register_stage
 from resources.target_model import TargetModel
 
@@ -171,7 +172,7 @@ def bounded_requirements(keys: list[str], hidden_size: int, extraction: HiddenSt
     shard_bytes = {key: disk_estimate(key, hidden_size, extraction.dtype)[0] for key in keys}
     window_bytes, note = describe_estimate(shard_bytes, window_shards, f"{extraction.dtype}, H={hidden_size}")
     return StageRequirements(
-        modules=STAGE_MODULES + (["vllm"] if extraction.backend == "vllm" else []),
+        modules=EXTRACTION_MODULES + (["vllm"] if extraction.backend == "vllm" else []),
         output_dirs=["draft_checkpoint"],
         disk_bytes=window_bytes,
         disk_note=note,
@@ -188,7 +189,7 @@ def streamed_states(
     shards = [
         StreamedShard(
             key=key,
-            traces=ShardPaths(UPSTREAM, key).parquet.as_posix(),
+            traces=ShardPaths(TRACES, key).parquet.as_posix(),
             data_version=streamed_data_version(context, key, target_model, extraction),
         )
         for key in keys
@@ -215,7 +216,7 @@ def streamed_states(
         AssetDep(AssetKey("hidden_states"), partition_mapping=AllPartitionMapping()),
         # Bounded mode reads the traces and extracts the states itself (streamed_states).
         AssetDep(AssetKey("validated_traces"), partition_mapping=AllPartitionMapping()),
-        vocab_mapping,
+        AssetKey("vocab_mapping"),
     ],
     check_specs=[
         AssetCheckSpec(
@@ -240,8 +241,9 @@ def draft_checkpoint(
     check_mode(config.hidden_states_mode, config.window_shards, config.checkpoint_every_steps, config.nproc_per_node)
     keys = sorted(context.instance.get_dynamic_partitions(SAMPLE_SHARDS))
     identity = target_model.identity()
+    paths = DatasetPaths()
     out = asset_dir("draft_checkpoint")
-    model_dir, training_dir = out / "model", out / "training"
+    model_dir, training_dir = paths.draft_model, paths.training_dir
     # The one choice between the modes: where the stage's batches come from.
     states = (
         streamed_states(context, keys, target_model, config, out)
@@ -250,7 +252,7 @@ def draft_checkpoint(
     )
     layer_ids = states.layer_ids
 
-    mapping_file = asset_dir("vocab_mapping") / "vocab_mapping.safetensors"
+    mapping_file = paths.vocab_mapping
     train = TrainConfig(
         hidden_state_dirs=[str(d) for d in states.shard_dirs],
         vocab_mapping=str(mapping_file),
@@ -267,7 +269,7 @@ def draft_checkpoint(
             aux_layer_ids=layer_ids,
             target_vocab_size=states.vocab_size,
             trust_remote_code=target_model.trust_remote_code,
-            log_path=str(out / "loads_in_vllm.log"),
+            log_path=str(paths.loads_in_vllm_log),
         ),
         **settings_of(config, TrainingJob),
     )
@@ -278,7 +280,7 @@ def draft_checkpoint(
     vllm_report = stage_metadata.pop("loads_in_vllm").value  # tried only when config_complete passed
 
     # -- the training curve
-    history = json.loads((training_dir / "history.json").read_text())["history"]
+    history = json.loads(paths.history.read_text())["history"]
     losses = epoch_means(history, "loss")
     accuracy = epoch_means(history, "accuracy")[-1] if history else []
 

@@ -18,31 +18,36 @@ draft does not beat the baseline.
 
 import json
 from pathlib import Path
-from typing import Optional
 
 import polars as pl
-from dagster import AssetCheckSpec, AssetExecutionContext, Config, MaterializeResult, asset
+from dagster import AssetExecutionContext, AssetKey, Config, MaterializeResult, asset
 from pydantic import Field
 
-from eagle3_assets.config_fields import config_field, settings_of
+from eagle3_assets.check_results import Gate, Gates
 from eagle3_assets.core.evaluation import load_conversations
 from eagle3_assets.core.heldout import held_out_prompts
 from eagle3_assets.core.stage_requirements import StageRequirements
 from eagle3_assets.core.shard_files import read_shard_parquet
-from eagle3_assets.core.shard_paths import training_shards
+from eagle3_assets.core.export import CONFIG_FILE
+from eagle3_assets.core.shard_paths import DatasetPaths, training_shards
 from eagle3_assets.core.speculation_depth import validated_k_values
-from eagle3_assets.core.stage_jobs import EvaluationJob
+from eagle3_assets.core.job_schema import values_of
+from eagle3_assets.core.stage_jobs import EvaluationJob, EvaluationRecipe
 from eagle3_assets.core.storage import asset_dir, write_bytes_atomic
-from eagle3_assets.draft_checkpoint import draft_checkpoint
 from resources.gpu_host import GPU_POOL, GPUHost, register_stage
 from resources.target_model import TargetModel
 
 STAGE = "evaluate_draft"
+# Computed by the stage (its severity depends on which way it failed), reported over Pipes.
+GATES = Gates(
+    "draft_evaluation",
+    [Gate("acceptance_above_floor", False, "ERROR below the floor; WARN when the trained draft does not beat the baseline")],
+)
 register_stage(STAGE, StageRequirements(modules=["vllm", "torch", "openai", "dagster_pipes"], output_dirs=["draft_evaluation"]))
 
 
-class DraftEvaluationConfig(Config):
-    """Which held-out prompts, and how the drafts are served and judged (defaults: ``EvaluationJob``)."""
+class DraftEvaluationConfig(EvaluationRecipe, Config):
+    """Which held-out prompts (here), and how the drafts are served and judged (:class:`~eagle3_assets.core.stage_jobs.EvaluationRecipe`)."""
 
     eval_prompts: str = Field(
         default="",
@@ -50,14 +55,6 @@ class DraftEvaluationConfig(Config):
         "with one, else the rows the prompts asset held out of training (prompt_dataset.holdout_share)",
     )
     max_eval_prompts: int = Field(default=64, gt=0, description="at most this many held-out prompts are served")
-    k_values: list[int] = config_field(EvaluationJob, "k_values")
-    measure_each_k: Optional[bool] = config_field(EvaluationJob, "measure_each_k")
-    draft_cost_ratio: float = config_field(EvaluationJob, "draft_cost_ratio")
-    max_tokens: int = config_field(EvaluationJob, "max_tokens")
-    max_model_len: int = config_field(EvaluationJob, "max_model_len")
-    concurrency: int = config_field(EvaluationJob, "concurrency")
-    floor: float = config_field(EvaluationJob, "floor")
-    baseline: str = config_field(EvaluationJob, "baseline")
 
 
 def resolve_eval_prompts(source: str, target_model: TargetModel, limit: int) -> str:
@@ -75,7 +72,8 @@ def resolve_eval_prompts(source: str, target_model: TargetModel, limit: int) -> 
             "(prompt_dataset.holdout_share is 0, or no prompts shard is materialised); raise holdout_share and "
             "materialise prompts again, or set draft_evaluation eval_prompts to a held-out JSONL/Parquet file"
         )
-    path = asset_dir("draft_evaluation") / "eval_prompts.jsonl"
+    path = DatasetPaths().eval_prompts
+    path.parent.mkdir(parents=True, exist_ok=True)
     write_bytes_atomic(path, "".join(json.dumps({"id": r["id"], "messages": r["messages"]}) + "\n" for r in rows.iter_rows(named=True)).encode())
     return str(path)
 
@@ -96,14 +94,8 @@ def training_overlap(eval_ids: list[str], eval_conversations: list[list[dict]], 
     code_version="2",
     kinds={"vllm"},
     pool=GPU_POOL,
-    deps=[draft_checkpoint],
-    check_specs=[
-        AssetCheckSpec(
-            "acceptance_above_floor",
-            asset="draft_evaluation",
-            description="ERROR below the floor; WARN when the trained draft does not beat the baseline",
-        )
-    ],
+    deps=[AssetKey("draft_checkpoint")],
+    check_specs=GATES.specs(),
 )
 def draft_evaluation(
     context: AssetExecutionContext, config: DraftEvaluationConfig, target_model: TargetModel, gpu_host: GPUHost
@@ -115,16 +107,16 @@ def draft_evaluation(
     overlap = training_overlap(ids, conversations, asset_dir("prompts"))
     if overlap:
         raise ValueError(f"evaluation prompts {eval_prompts} are not held out: {len(overlap)} also occur in training shards, e.g. {overlap[:5]}")
-    draft_dir = asset_dir("draft_checkpoint") / "model"
-    if not (draft_dir / "config.json").is_file():
+    draft_dir = DatasetPaths().draft_model
+    if not (draft_dir / CONFIG_FILE).is_file():
         raise FileNotFoundError(f"no exported draft at {draft_dir}: materialise draft_checkpoint first")
     job = EvaluationJob(
         target_dir=str(target_model.resolved_path()),
         target_trust_remote_code=target_model.trust_remote_code,
         draft_dir=str(draft_dir),
         eval_prompts=eval_prompts,
-        report_path=str(asset_dir("draft_evaluation") / "report.json"),
-        **{**settings_of(config, EvaluationJob), "k_values": validated_k_values(config.k_values)},
+        report_path=str(DatasetPaths().evaluation_report),
+        **{**values_of(config, EvaluationRecipe), "k_values": validated_k_values(config.k_values)},
     )
-    invocation = gpu_host.run_stage(context, STAGE, job.to_dict())
+    invocation = gpu_host.run_stage(context, STAGE, job.model_dump())
     return invocation.get_materialize_result()

@@ -8,10 +8,9 @@ bad rows still materialises; only an unreadable file fails the run.
 """
 
 
+from types import SimpleNamespace
+
 from dagster import (
-    AssetCheckResult,
-    AssetCheckSeverity,
-    AssetCheckSpec,
     AssetExecutionContext,
     DataVersion,
     MaterializeResult,
@@ -19,7 +18,8 @@ from dagster import (
     asset,
 )
 
-from eagle3_assets.check_results import share_at_most
+from eagle3_assets.check_results import Gate, Gates
+from eagle3_assets.core.checks import CheckOutcome, share_at_most
 from eagle3_assets.core.shard_files import quarantine_if_corrupt
 from eagle3_assets.core.shard_lease import ShardLease
 from eagle3_assets.core.heldout import split_held_out
@@ -30,16 +30,32 @@ from resources.prompt_dataset import PromptDataset
 
 MAX_REJECTED_SHARE = 0.05
 
+GATES = Gates(
+    "prompts",
+    [
+        Gate(
+            "prompts_present", True, "the shard holds at least one usable prompt",
+            lambda e: CheckOutcome(
+                "prompts_present", e.accepted > 0, "" if e.accepted else f"shard {e.key} has no usable prompt ({e.rejected} rows rejected)",
+                {"accepted": e.accepted, "rejected": e.rejected},
+            ),
+        ),
+        Gate(
+            "rejected_rows_rare", False, f"at most {MAX_REJECTED_SHARE:.0%} of the shard's rows were rejected",
+            lambda e: share_at_most(
+                "rejected_rows_rare", "rejected_share", e.rejected_share, MAX_REJECTED_SHARE, "the shard's rows were rejected", examples=e.examples
+            ),
+        ),
+    ],
+)  # fmt: skip
+
 
 @asset(
     partitions_def=sample_shards,
     group_name="generation",
     code_version="1",
     kinds={"polars", "parquet"},
-    check_specs=[
-        AssetCheckSpec("prompts_present", asset="prompts", blocking=True, description="the shard holds at least one usable prompt"),
-        AssetCheckSpec("rejected_rows_rare", asset="prompts", description=f"at most {MAX_REJECTED_SHARE:.0%} of the shard's rows were rejected"),
-    ],
+    check_specs=GATES.specs(),
 )
 def prompts(context: AssetExecutionContext, prompt_dataset: PromptDataset) -> MaterializeResult:
     """The questions of one shard, normalised to ``id`` and chat ``messages``; bad rows kept apart with a reason."""
@@ -78,14 +94,7 @@ def prompts(context: AssetExecutionContext, prompt_dataset: PromptDataset) -> Ma
             "dataset_indexes": MetadataValue.json(shard.indexes),
             "dagster/row_count": accepted,
         },
-        check_results=[
-            AssetCheckResult(
-                check_name="prompts_present",
-                passed=accepted > 0,
-                severity=AssetCheckSeverity.ERROR,
-                description=None if accepted else f"shard {key} has no usable prompt ({rejected} rows rejected)",
-                metadata={"accepted": accepted, "rejected": rejected},
-            ),
-            share_at_most("rejected_rows_rare", "rejected_share", rejected_share, MAX_REJECTED_SHARE, examples=MetadataValue.json(examples)),
-        ],
+        check_results=GATES.results(
+            SimpleNamespace(key=key, accepted=accepted, rejected=rejected, rejected_share=rejected_share, examples=examples)
+        ),
     )

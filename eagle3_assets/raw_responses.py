@@ -13,18 +13,19 @@ overwritten.
 Its blocking ``reasoning_present`` check stops the run before validation when
 the answered rows lack reasoning (the story's failure), with the canary's
 diagnosis; after the server is fixed, one run of the shard sends those rows again.
+The share of requests that ended in an error is measured once, by
+``validated_traces``' ``request_errors_rare`` (docs/validation.md says why there);
+here it is in the metadata (``request_errors``, ``errors_by_kind``).
 
 The step runs in the Dagster pool ``vllm_generation`` so that a backfill of many
 shards does not multiply the requests in flight (see the README).
 """
 
 from collections import Counter
+from types import SimpleNamespace
 
 import polars as pl
 from dagster import (
-    AssetCheckResult,
-    AssetCheckSeverity,
-    AssetCheckSpec,
     AssetExecutionContext,
     AssetKey,
     DataVersion,
@@ -38,7 +39,8 @@ from eagle3_assets.core.completions import Sample
 from eagle3_assets.core.generation import ServerUnavailableError, generate_shard
 from eagle3_assets.core.generation_client import PreflightError
 from eagle3_assets.core.generation_report import completion_length_histogram, shard_summary
-from eagle3_assets.check_results import check_result, share_at_most
+from eagle3_assets.check_results import Gate, Gates
+from eagle3_assets.core.checks import CheckOutcome
 from eagle3_assets.core.redaction import redact_credentials, redact_url
 from eagle3_assets.core.response_rules import DEFAULT_MIN_REASONING_SHARE
 from eagle3_assets.core.shard_files import quarantine_if_corrupt, read_shard_parquet
@@ -48,38 +50,51 @@ from eagle3_assets.core.shard_paths import ShardPaths
 from eagle3_assets.core.storage import file_hash, stable_hash
 from eagle3_assets.core.trace_gates import check_reasoning_present
 from eagle3_assets.partitions import sample_shards
-from eagle3_assets.prompts import prompts
+from eagle3_assets.lineage import upstream_version
 from resources.target_model import TargetModel
 from resources.vllm_server import GENERATION_POOL, VLLMServerResource
 
-MAX_ERROR_SHARE = 0.02
-DATA_VERSION_TAG = "dagster/data_version"
+
+
+def _one_row_per_prompt(e) -> CheckOutcome:
+    passed = not (e.duplicated or e.missing or e.extra) and e.written_ids.len() == e.expected_ids.len()
+    return CheckOutcome(
+        "one_row_per_prompt", passed,
+        "" if passed else f"{len(e.missing)} prompts without a row, {len(e.duplicated)} with two, {len(e.extra)} rows of no prompt",
+        {
+            "prompts": e.expected_ids.len(), "rows": e.written_ids.len(), "missing_ids": e.missing[:10],
+            "duplicated_ids": e.duplicated[:10], "unexpected_ids": e.extra[:10],
+        },
+    )  # fmt: skip
+
+
+GATES = Gates(
+    "raw_responses",
+    [
+        Gate(
+            "one_row_per_prompt", True,
+            "the shard's Parquet holds exactly one row per prompt id of the shard, none missing, none twice",
+            _one_row_per_prompt,
+        ),
+        Gate(
+            "reasoning_present", True,
+            f"at least {DEFAULT_MIN_REASONING_SHARE:.0%} of the rows that got a response carry reasoning; "
+            "otherwise the server lost its reasoning parser (fix it and materialise the shard again: those rows are re-sent)",
+            lambda e: e.reasoning,
+        ),
+    ],
+)  # fmt: skip
 
 
 @asset(
     partitions_def=sample_shards,
-    deps=[prompts],
+    deps=[AssetKey("prompts")],
     group_name="generation",
     pool=GENERATION_POOL,
     code_version="1",
     kinds={"vllm", "parquet"},
-    check_specs=[
-        AssetCheckSpec(
-            "one_row_per_prompt", asset="raw_responses", blocking=True,
-            description="the shard's Parquet holds exactly one row per prompt id of the shard, none missing, none twice",
-        ),
-        AssetCheckSpec(
-            "errors_rare", asset="raw_responses",
-            description=f"at most {MAX_ERROR_SHARE:.0%} of the requests ended in an error (a rerun of the shard retries them); "
-            "prompts too long for the server are not requests",
-        ),
-        AssetCheckSpec(
-            "reasoning_present", asset="raw_responses", blocking=True,
-            description=f"at least {DEFAULT_MIN_REASONING_SHARE:.0%} of the rows that got a response carry reasoning; "
-            "otherwise the server lost its reasoning parser (fix it and materialise the shard again: those rows are re-sent)",
-        ),
-    ],
-)  # fmt: skip
+    check_specs=GATES.specs(),
+)
 def raw_responses(context: AssetExecutionContext, vllm_server: VLLMServerResource, target_model: TargetModel) -> MaterializeResult:
     """The target's reasoning and answer for every prompt of the shard, regenerated through vLLM; resumable after a crash."""
     key = context.partition_key
@@ -111,7 +126,7 @@ def _generate(context: AssetExecutionContext, vllm_server: VLLMServerResource, p
     # A finished Parquet that no longer decodes is moved aside; the journal's rows are kept and the rest is sent again.
     quarantine_if_corrupt(parquet_path, context.log.warning)
     context.log.info(
-        f"{key}: {len(samples)} prompts -> {vllm_server.served_model_name} on {len(config.servers)} server(s), "
+        f"{key}: {len(samples)} prompts -> {config.model} on {len(config.servers)} server(s), "
         f"{config.concurrency} in flight, max_tokens {config.max_tokens}"
     )
     try:
@@ -138,8 +153,6 @@ def _generate(context: AssetExecutionContext, vllm_server: VLLMServerResource, p
         raise Failure(f"raw_responses {key}: {type(exc).__name__}: {redact_credentials(str(exc))}") from None
 
     frame, summary = outcome.frame, shard_summary(outcome.frame)
-    sent_requests = frame.height - summary["prompts_too_long"]
-    error_share = summary["request_errors"] / sent_requests if sent_requests else 0.0
     reasoning = check_reasoning_present(
         summary["answered_rows"], summary["rows_without_reasoning_ids"], DEFAULT_MIN_REASONING_SHARE, summary["reasoning_fields"]
     )
@@ -154,7 +167,7 @@ def _generate(context: AssetExecutionContext, vllm_server: VLLMServerResource, p
         f"finish reasons {summary['finish_reasons']}"
     )
 
-    version = stable_hash({"prompts": _prompts_version(context, key, prompts_path), "generation": config.identity()})
+    version = stable_hash({"prompts": upstream_version(context, "prompts", key, prompts_path), "generation": config.identity()})
     return MaterializeResult(
         data_version=DataVersion(version),
         metadata={
@@ -181,6 +194,9 @@ def _generate(context: AssetExecutionContext, vllm_server: VLLMServerResource, p
             "errors": summary["errors"],
             "prompts_too_long": summary["prompts_too_long"],
             "errors_by_kind": MetadataValue.json(summary["errors_by_kind"]),
+            # Requests that ended in an error (prompts too long were never sent); validated_traces gates their share.
+            "request_errors": summary["request_errors"],
+            "error_examples": MetadataValue.json(summary["error_examples"]),
             "rows_without_reasoning": summary["rows_without_reasoning"],
             "finish_reasons": MetadataValue.json(summary["finish_reasons"]),
             "reasoning_fields": MetadataValue.json(summary["reasoning_fields"]),
@@ -193,40 +209,13 @@ def _generate(context: AssetExecutionContext, vllm_server: VLLMServerResource, p
             "latency_p95_s": summary["latency_p95_s"],
             "completion_lengths": MetadataValue.md(completion_length_histogram(frame["completion_tokens"].to_list())),
         },
-        check_results=[
-            AssetCheckResult(
-                check_name="one_row_per_prompt",
-                passed=not (duplicated or missing or extra) and written_ids.len() == expected_ids.len(),
-                severity=AssetCheckSeverity.ERROR,
-                metadata={
-                    "prompts": expected_ids.len(),
-                    "rows": written_ids.len(),
-                    "missing_ids": MetadataValue.json(missing[:10]),
-                    "duplicated_ids": MetadataValue.json(duplicated[:10]),
-                    "unexpected_ids": MetadataValue.json(extra[:10]),
-                },
-            ),
-            share_at_most(
-                "errors_rare",
-                "error_share",
-                error_share,
-                MAX_ERROR_SHARE,
-                request_errors=summary["request_errors"],
-                prompts_too_long=summary["prompts_too_long"],
-                errors_by_kind=MetadataValue.json(summary["errors_by_kind"]),
-                examples=MetadataValue.json(summary["error_examples"]),
-            ),
-            check_result(reasoning.with_evidence(reasoning_fields=summary["reasoning_fields"])),
-        ],
+        check_results=GATES.results(
+            SimpleNamespace(
+                written_ids=written_ids, expected_ids=expected_ids, duplicated=duplicated, missing=missing, extra=extra,
+                reasoning=reasoning.with_evidence(reasoning_fields=summary["reasoning_fields"]),
+            )
+        ),
     )
-
-
-def _prompts_version(context: AssetExecutionContext, key: str, prompts_path) -> str:
-    """The data version ``prompts`` recorded for this shard, else (no record in this instance) the file's hash."""
-    record = context.instance.get_latest_data_version_record(AssetKey("prompts"), is_source=False, partition_key=key)
-    materialization = record.asset_materialization if record else None
-    tag = materialization.tags.get(DATA_VERSION_TAG) if materialization and materialization.tags else None
-    return tag or f"file:{file_hash(prompts_path)}"
 
 
 def _by_server(counts) -> dict[str, int]:

@@ -17,11 +17,10 @@ reasoning would have stopped the run at once.
 depend on how generation is implemented.
 """
 
+from types import SimpleNamespace
 from typing import Optional
 
 from dagster import (
-    AssetCheckSeverity,
-    AssetCheckSpec,
     AssetExecutionContext,
     AssetKey,
     Config,
@@ -32,7 +31,7 @@ from dagster import (
 )
 from pydantic import Field
 
-from eagle3_assets.check_results import check_result
+from eagle3_assets.check_results import Gate, Gates
 from eagle3_assets.core.journal import parquet_generation
 from eagle3_assets.core.response_rules import DEFAULT_MIN_REASONING_SHARE
 from eagle3_assets.core.shard_files import quarantine_if_corrupt, verify_shard_parquet
@@ -89,25 +88,57 @@ class ValidationConfig(Config):
     batch_rows: int = Field(default=128, description="rows rendered and tokenised per batch, and rows per parquet row group (bounds memory)")
 
 
-def _spec(name: str, description: str, blocking: bool = False) -> AssetCheckSpec:
-    return AssetCheckSpec(name, asset=ASSET, blocking=blocking, description=description)
-
-
-CHECK_SPECS = [
-    _spec("traces_present", "at least one row of the shard was kept", blocking=True),
-    _spec("reasoning_present", "enough of the rows that got a response carry non-empty reasoning (default 98 %)", blocking=True),
-    _spec("responses_accounted", "raw rows = kept + rejected, raw ids unique, every prompt of the shard answered", blocking=True),
-    _spec(
-        "loss_mask_aligned",
-        "every kept row supervises exactly the target's output: reasoning, think markers, answer, end of turn; "
-        "token by token against the server's own ids where raw_responses has them",
-        blocking=True,
-    ),
-    _spec("request_errors_rare", "few requests ended in an error, the server's or the network's failure (default at most 5 %)", blocking=True),
-    _spec("truncation_rate_low", "few generations hit max_tokens (default at most 5 %)"),
-    _spec("think_markers_absent", "no think marker left inside reasoning or answer"),
-    _spec("prompts_fit_context", "no prompt is longer than the server's context (such prompts are rejected as prompt_too_long, never sent)"),
-]
+# The evidence each predicate reads: the shard's summary, this run's config, the loss-mask audit, the ids written.
+GATES = Gates(
+    ASSET,
+    [
+        Gate(
+            "traces_present", True, "at least one row of the shard was kept",
+            lambda e: check_traces_present(e.summary.kept, e.summary.rejected_by_reason, e.summary.rejected_examples),
+        ),
+        Gate(
+            "reasoning_present", True,
+            f"enough of the rows that got a response carry non-empty reasoning (default {DEFAULT_MIN_REASONING_SHARE:.0%})",
+            lambda e: check_reasoning_present(
+                e.summary.answered_rows, e.summary.ids_without_reasoning, e.config.min_reasoning_share, e.summary.reasoning_fields
+            ),
+        ),
+        Gate(
+            "responses_accounted", True, "raw rows = kept + rejected, raw ids unique, every prompt of the shard answered",
+            lambda e: check_responses_accounted(e.summary.raw_ids, e.summary.prompt_ids, e.kept_ids, e.rejected_ids),
+        ),
+        Gate(
+            "loss_mask_aligned", True,
+            "every kept row supervises exactly the target's output: reasoning, think markers, answer, end of turn; "
+            "token by token against the server's own ids where raw_responses has them",
+            lambda e: check_loss_mask_aligned(e.alignment),
+        ),
+        # The one measure of failed requests (raw_responses has none): blocking, because past it the server or the
+        # network is failing, and a rerun of raw_responses for the shard sends the errored rows again.
+        Gate(
+            "request_errors_rare", True,
+            "few requests ended in an error, the server's or the network's failure "
+            f"(default at most {DEFAULT_MAX_REQUEST_ERROR_SHARE:.0%} of the requests sent; prompts too long were never sent)",
+            lambda e: check_request_errors_rare(
+                e.summary.raw_rows, e.summary.request_error_ids, e.summary.request_errors_by_kind,
+                len(e.summary.prompt_too_long_ids), e.config.max_request_error_share,
+            ),
+        ),
+        Gate(
+            "truncation_rate_low", False, f"few generations hit max_tokens (default at most {DEFAULT_MAX_TRUNCATION_RATE:.0%})",
+            lambda e: check_truncation_rate_low(e.summary.raw_rows, e.summary.truncated_ids, e.config.max_truncation_rate),
+        ),
+        Gate(
+            "think_markers_absent", False, "no think marker left inside reasoning or answer",
+            lambda e: check_think_markers_absent(e.summary.raw_rows, e.summary.think_marker_ids, e.markers),
+        ),
+        Gate(
+            "prompts_fit_context", False,
+            "no prompt is longer than the server's context (such prompts are rejected as prompt_too_long, never sent)",
+            lambda e: check_prompts_fit_context(e.summary.raw_rows, e.summary.prompt_too_long_ids),
+        ),
+    ],
+)  # fmt: skip
 
 
 @asset(
@@ -116,7 +147,7 @@ CHECK_SPECS = [
     code_version="1",
     kinds={"polars", "parquet"},
     deps=[AssetKey("prompts"), AssetKey("raw_responses")],
-    check_specs=CHECK_SPECS,
+    check_specs=GATES.specs(),
 )
 def validated_traces(context: AssetExecutionContext, config: ValidationConfig, target_model: TargetModel) -> MaterializeResult:
     """Rows that pass the gates, rendered into the target's chat template with its thinking tokens, with input_ids and loss_mask; rejected rows kept apart with a reason."""
@@ -161,22 +192,12 @@ def _validate(context: AssetExecutionContext, config: ValidationConfig, target_m
         f"tokens p50 {stats['p50']} p95 {stats['p95']} max {stats['max']}"
     )
 
-    blocking = [
-        check_traces_present(summary.kept, summary.rejected_by_reason, summary.rejected_examples),
-        check_reasoning_present(summary.answered_rows, summary.ids_without_reasoning, config.min_reasoning_share, summary.reasoning_fields),
-        check_responses_accounted(summary.raw_ids, summary.prompt_ids, written_ids(kept_path), written_ids(rejected_path)),
-        check_loss_mask_aligned(alignment),
-        check_request_errors_rare(
-            summary.raw_rows, summary.request_error_ids, summary.request_errors_by_kind, len(summary.prompt_too_long_ids), config.max_request_error_share
-        ),
-    ]
-    advisory = [
-        check_truncation_rate_low(summary.raw_rows, summary.truncated_ids, config.max_truncation_rate),
-        check_think_markers_absent(summary.raw_rows, summary.think_marker_ids, markers),
-        check_prompts_fit_context(summary.raw_rows, summary.prompt_too_long_ids),
-    ]
-    check_results = [check_result(outcome, AssetCheckSeverity.ERROR) for outcome in blocking]
-    check_results += [check_result(outcome, AssetCheckSeverity.WARN) for outcome in advisory]
+    check_results = GATES.results(
+        SimpleNamespace(
+            summary=summary, config=config, alignment=alignment, markers=markers,
+            kept_ids=written_ids(kept_path), rejected_ids=written_ids(rejected_path),
+        )
+    )  # fmt: skip
 
     version = stable_hash(
         {

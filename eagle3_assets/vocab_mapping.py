@@ -6,11 +6,10 @@ id), and writes ``<data>/vocab_mapping/vocab_mapping.safetensors`` (``d2t``,
 ``t2d``) and ``vocab_mapping.json``. See :mod:`eagle3_assets.core.vocab`.
 """
 
+from types import SimpleNamespace
+
 from dagster import (
     AllPartitionMapping,
-    AssetCheckResult,
-    AssetCheckSeverity,
-    AssetCheckSpec,
     AssetDep,
     AssetExecutionContext,
     AssetKey,
@@ -22,6 +21,8 @@ from dagster import (
 )
 from pydantic import Field
 
+from eagle3_assets.check_results import Gate, Gates
+from eagle3_assets.core.checks import CheckOutcome
 from eagle3_assets.core.shard_files import read_shard_parquet
 from eagle3_assets.core.shard_paths import ShardPaths
 from eagle3_assets.core.storage import asset_dir, file_hash, stable_hash
@@ -29,6 +30,21 @@ from eagle3_assets.partitions import SAMPLE_SHARDS
 from resources.target_model import TargetModel
 
 MIN_COVERAGE = 0.95
+
+
+def _covers_targets(e) -> CheckOutcome:
+    passed = e.covered >= MIN_COVERAGE
+    return CheckOutcome(
+        "draft_vocab_covers_targets", passed,
+        "" if passed else f"only {e.covered:.2%} of supervised tokens are in the draft vocabulary: raise draft_vocab_size",
+        {"coverage": e.covered, "threshold": MIN_COVERAGE, "uncovered_tokens": e.uncovered, "most_frequent_uncovered_ids": e.uncovered_ids},
+    )  # fmt: skip
+
+
+GATES = Gates(
+    "vocab_mapping",
+    [Gate("draft_vocab_covers_targets", False, f"at least {MIN_COVERAGE:.0%} of the supervised target tokens are in the draft vocabulary", _covers_targets)],
+)
 
 
 class VocabMappingConfig(Config):
@@ -51,13 +67,7 @@ def shard_files(asset_name: str, keys: list[str]) -> dict:
     code_version="1",
     kinds={"polars", "safetensors"},
     deps=[AssetDep(AssetKey("validated_traces"), partition_mapping=AllPartitionMapping())],
-    check_specs=[
-        AssetCheckSpec(
-            "draft_vocab_covers_targets",
-            asset="vocab_mapping",
-            description=f"at least {MIN_COVERAGE:.0%} of the supervised target tokens are in the draft vocabulary",
-        )
-    ],
+    check_specs=GATES.specs(),
 )
 def vocab_mapping(context: AssetExecutionContext, config: VocabMappingConfig, target_model: TargetModel) -> MaterializeResult:
     """The draft vocabulary (d2t/t2d): the most frequent target tokens of every shard's assistant turns."""
@@ -115,20 +125,7 @@ def vocab_mapping(context: AssetExecutionContext, config: VocabMappingConfig, ta
             "samples": samples,
             "shards": len(keys),
         },
-        check_results=[
-            AssetCheckResult(
-                check_name="draft_vocab_covers_targets",
-                passed=covered >= MIN_COVERAGE,
-                severity=AssetCheckSeverity.WARN,
-                description=None if covered >= MIN_COVERAGE else (
-                    f"only {covered:.2%} of supervised tokens are in the draft vocabulary: raise draft_vocab_size"
-                ),
-                metadata={
-                    "coverage": covered,
-                    "threshold": MIN_COVERAGE,
-                    "uncovered_tokens": supervised - int(counts[mapping.t2d].sum()),
-                    "most_frequent_uncovered_ids": MetadataValue.json(uncovered_ids),
-                },
-            )
-        ],
+        check_results=GATES.results(
+            SimpleNamespace(covered=covered, uncovered=supervised - int(counts[mapping.t2d].sum()), uncovered_ids=uncovered_ids)
+        ),
     )

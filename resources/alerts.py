@@ -1,14 +1,14 @@
 """Where alerts go: a Slack-compatible webhook, or Slack itself through dagster-slack."""
 
-import os
 
 from dagster import ConfigurableResource, EnvVar
 from pydantic import Field
 
 from eagle3_assets.core.alerts import Alert, AlertDeliveryError, post_webhook
+from eagle3_assets.core.environment import ALERT_WEBHOOK_URL, SLACK_BOT_TOKEN, SLACK_CHANNEL, UI_BASE_URL
 
-WEBHOOK_ENV = "EAGLE3_ALERT_WEBHOOK_URL"
-SLACK_TOKEN_ENV = "EAGLE3_SLACK_BOT_TOKEN"
+WEBHOOK_ENV = ALERT_WEBHOOK_URL.name
+SLACK_TOKEN_ENV = SLACK_BOT_TOKEN.name
 
 
 class AlertChannel(ConfigurableResource):
@@ -16,8 +16,8 @@ class AlertChannel(ConfigurableResource):
 
     webhook_url: str | None = Field(default=None, description=f"Slack-compatible incoming webhook (set from ${WEBHOOK_ENV})")
     slack_token: str | None = Field(default=None, description=f"Slack bot token (set from ${SLACK_TOKEN_ENV}); needs dagster-slack")
-    slack_channel: str = Field(default="#eagle3-alerts", description="channel used with the Slack token")
-    ui_base_url: str = Field(default="http://127.0.0.1:3000", description="the Dagster UI, for links to runs")
+    slack_channel: str = Field(default=SLACK_CHANNEL.default, description=f"channel used with the Slack token (set from ${SLACK_CHANNEL.name})")
+    ui_base_url: str = Field(default=UI_BASE_URL.default, description=f"the Dagster UI, for links to runs (set from ${UI_BASE_URL.name})")
 
     @property
     def configured(self) -> bool:
@@ -46,8 +46,8 @@ class AlertChannel(ConfigurableResource):
 def alert_channel_from_env() -> AlertChannel:
     """Bind the secrets through ``EnvVar`` only when they are set, so an unset one is not an error."""
     return AlertChannel(
-        webhook_url=EnvVar(WEBHOOK_ENV) if os.environ.get(WEBHOOK_ENV) else None,
-        slack_token=EnvVar(SLACK_TOKEN_ENV) if os.environ.get(SLACK_TOKEN_ENV) else None,
-        slack_channel=os.environ.get("EAGLE3_SLACK_CHANNEL", "#eagle3-alerts"),
-        ui_base_url=os.environ.get("EAGLE3_UI_BASE_URL", "http://127.0.0.1:3000"),
+        webhook_url=EnvVar(WEBHOOK_ENV) if ALERT_WEBHOOK_URL.is_set() else None,
+        slack_token=EnvVar(SLACK_TOKEN_ENV) if SLACK_BOT_TOKEN.is_set() else None,
+        slack_channel=SLACK_CHANNEL.get(),
+        ui_base_url=UI_BASE_URL.get(),
     )

@@ -48,15 +48,16 @@ from eagle3_assets.core import preflight as preflight_module
 from eagle3_assets.core.preflight import STAGE_PACKAGE
 from eagle3_assets.core.stage_requirements import StageRequirements, build_spec, validate_stage_name
 from eagle3_assets.core.remote import HostConnection, HostError, SSHTarget, StageProcess
-from eagle3_assets.core.storage import DATA_DIR_ENV, PARTIAL_SUFFIX, data_dir
+from eagle3_assets.core import environment as env_vars
+from eagle3_assets.core.shard_paths import LOCKS_DIR, PARTIAL_SUFFIX, data_dir
 from resources.pools import ensure_pool_limit
 
 # The pool every GPU stage's asset joins: ``@asset(pool=GPU_POOL)``. One pool per GPU host;
 # a deployment with two hosts gives the second one its own pool name (EAGLE3_GPU_POOL).
-GPU_POOL = os.environ.get("EAGLE3_GPU_POOL") or "gpu_host"
-GPU_POOL_LIMIT_ENV = "EAGLE3_GPU_POOL_LIMIT"
+GPU_POOL = env_vars.GPU_POOL.get()
 MODES = ("local", "ssh")
-HF_TOKEN_ENV = "HF_TOKEN"  # what huggingface_hub reads; a gated target on the hub needs it on the GPU host
+DATA_DIR_ENV = env_vars.DATA_DIR.name
+HF_TOKEN_ENV = env_vars.HF_TOKEN.name  # what huggingface_hub reads; a gated target on the hub needs it on the GPU host
 
 # What each GPU stage needs from the host. A stage's asset module declares its entry with
 # ``register_stage(...)``; ``run_stage`` uses it when no requirements are passed, and the
@@ -75,7 +76,7 @@ def register_stage(stage: str, requirements: StageRequirements) -> StageRequirem
 def ensure_gpu_pool_limit(instance: DagsterInstance, limit: int | None = None) -> int:
     """The GPU pool's limit (``$EAGLE3_GPU_POOL_LIMIT`` or 1: one GPU stage at a time on the host) unless one was
     set by hand; the limit in force. ``make dev`` calls this, and so does anything that runs the graph without it."""
-    return ensure_pool_limit(instance, GPU_POOL, GPU_POOL_LIMIT_ENV, limit)
+    return ensure_pool_limit(instance, GPU_POOL, env_vars.GPU_POOL_LIMIT, limit)
 
 
 class _RunnerStdoutMessageReader(PipesMessageReader):
@@ -115,7 +116,11 @@ class GPUHost(ConfigurableResource):
     python: str = Field(default=sys.executable, description="the Python interpreter on the host that has torch (and vllm)")
     working_dir: str = Field(default=".", description="working directory of stage processes on the host")
     data_dir: str = Field(default="", description=f"data directory on the host; empty: ${DATA_DIR_ENV} of this process (local mode only)")
-    lock_dir: str = Field(default="", description="where stage locks live on the host; empty: <data_dir>/.locks")
+    lock_dir: str = Field(
+        default="",
+        description=f"where stage locks and shard-lease guards live on the host (a local disk); empty: <data_dir>/{LOCKS_DIR}. "
+        f"The stage processes get it as ${env_vars.LOCK_DIR.name}",
+    )
     allow_cpu: bool = Field(default=True, description="let every stage run on CPU when the host has no GPU (small local targets, tests); false: only stages that declare cpu_allowed")
     remove_partial_files: bool = Field(default=False, description="delete partial files left by an aborted run instead of failing the pre-flight")
     preflight_timeout_s: float = Field(default=300.0, description="limit for the pre-flight (imports of large modules included)")
@@ -156,7 +161,7 @@ class GPUHost(ConfigurableResource):
         return str(data_dir())
 
     def host_lock_dir(self) -> str:
-        return self.lock_dir or os.path.join(self.host_data_dir(), ".locks")
+        return self.lock_dir or os.path.join(self.host_data_dir(), LOCKS_DIR)
 
     def stage_secrets(self) -> dict[str, str]:
         """The secrets every stage gets in its environment: those set."""
@@ -230,7 +235,12 @@ class GPUHost(ConfigurableResource):
         context.log.info(f"GPU host {label}: pre-flight for {stage} passed ({preflight_summary(report)})")
 
         cpu_allowed = requirements.cpu_allowed or self.allow_cpu
-        stage_env = {**self.stage_secrets(), **(env or {}), DATA_DIR_ENV: self.host_data_dir(), "EAGLE3_ALLOW_CPU": "1" if cpu_allowed else "0"}
+        stage_env = {
+            **self.stage_secrets(), **(env or {}),
+            DATA_DIR_ENV: self.host_data_dir(),
+            env_vars.LOCK_DIR.name: self.host_lock_dir(),  # the stage's shard leases and its stage lock: one directory
+            env_vars.ALLOW_CPU.name: "1" if cpu_allowed else "0",
+        }  # fmt: skip
         runner = [
             self.python, "-m", STAGE_PACKAGE, stage,
             "--lock", report["lock"]["path"],
@@ -322,31 +332,29 @@ def preflight_metadata(report: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def gpu_host_from_env() -> GPUHost:
-    """The deployment's GPU host from the environment (the README's table); every field stays editable per run.
+    """The deployment's GPU host from the environment (:mod:`eagle3_assets.core.environment`); every field stays editable per run.
 
     ``EAGLE3_GPU_HOST`` is ``local`` (default) or ``ssh://[user@]host[:port]``.
     """
-    where = os.environ.get("EAGLE3_GPU_HOST") or "local"
+    where = env_vars.GPU_HOST.get()
     fields: dict[str, Any] = {}
     if where != "local":
         url = urlsplit(where)
         if url.scheme != "ssh" or not url.hostname:
             raise ValueError(f"EAGLE3_GPU_HOST={where!r}: expected 'local' or 'ssh://[user@]host[:port]'")
         fields.update(mode="ssh", ssh_host=url.hostname, ssh_port=url.port or 22, ssh_user=url.username or "")
-        fields["python"] = os.environ.get("EAGLE3_GPU_HOST_PYTHON") or "python3"
-    elif os.environ.get("EAGLE3_GPU_HOST_PYTHON"):
-        fields["python"] = os.environ["EAGLE3_GPU_HOST_PYTHON"]
-    for field_name, variable in (
-        ("working_dir", "EAGLE3_GPU_HOST_WORKDIR"),
-        ("data_dir", "EAGLE3_GPU_HOST_DATA_DIR"),
-        ("ssh_identity_file", "EAGLE3_SSH_IDENTITY_FILE"),
-        ("ssh_known_hosts", "EAGLE3_SSH_KNOWN_HOSTS"),
-        ("ssh_known_hosts_file", "EAGLE3_SSH_KNOWN_HOSTS_FILE"),
-    ):
-        if os.environ.get(variable):
-            fields[field_name] = os.environ[variable]
-    if os.environ.get(HF_TOKEN_ENV):  # an EnvVar of an unset variable fails the run: only pass it when set
+        fields["python"] = env_vars.GPU_HOST_PYTHON.get() or "python3"
+    elif env_vars.GPU_HOST_PYTHON.is_set():
+        fields["python"] = env_vars.GPU_HOST_PYTHON.get()
+    for variable in (
+        env_vars.GPU_HOST_WORKDIR, env_vars.GPU_HOST_DATA_DIR, env_vars.SSH_IDENTITY_FILE, env_vars.SSH_KNOWN_HOSTS,
+        env_vars.SSH_KNOWN_HOSTS_FILE, env_vars.GPU_HOST_ALLOW_CPU,
+    ):  # fmt: skip
+        if variable.is_set():
+            (field_name,) = [g.split(".", 1)[1] for g in variable.gives]
+            fields[field_name] = variable.get()
+    if env_vars.LOCK_DIR.is_set() and where == "local":  # this machine's lock directory is the local host's
+        fields["lock_dir"] = env_vars.LOCK_DIR.get()
+    if env_vars.HF_TOKEN.is_set():  # an EnvVar of an unset variable fails the run: only pass it when set
         fields["hf_token"] = EnvVar(HF_TOKEN_ENV)
-    if os.environ.get("EAGLE3_GPU_HOST_ALLOW_CPU"):
-        fields["allow_cpu"] = os.environ["EAGLE3_GPU_HOST_ALLOW_CPU"].lower() in {"1", "true", "yes"}
     return GPUHost(**fields)

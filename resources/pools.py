@@ -2,22 +2,20 @@
 
 from __future__ import annotations
 
-import os
-
 from dagster import DagsterInstance
 
-DEFAULT_POOL_LIMIT = 1
+from eagle3_assets.core.environment import Variable
 
 
-def ensure_pool_limit(instance: DagsterInstance, pool: str, limit_env: str, limit: int | None = None) -> int:
+def ensure_pool_limit(instance: DagsterInstance, pool: str, limit_env: Variable, limit: int | None = None) -> int:
     """Give ``pool`` its limit on ``instance`` unless one was set already; return the limit in force.
 
-    The limit is ``limit``, else ``$limit_env``, else 1. A limit set by hand
+    The limit is ``limit``, else the variable ``limit_env`` (its default: 1). A limit set by hand
     (``dagster instance concurrency set POOL N`` or the UI) is kept. An
     instance without global concurrency limits enforces none: the wanted limit
     is returned, nothing is set.
     """
-    wanted = limit if limit is not None else int(os.environ.get(limit_env) or DEFAULT_POOL_LIMIT)
+    wanted = limit if limit is not None else limit_env.get()
     storage = instance.event_log_storage
     if not storage.supports_global_concurrency_limits:
         return wanted

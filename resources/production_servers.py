@@ -14,21 +14,21 @@ the exported draft's ``SERVING.md`` gives, so that it says which draft it runs.
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
 from dagster import ConfigurableResource, EnvVar
 from pydantic import Field
 
+from eagle3_assets.core.environment import PRODUCTION_API_KEY, PRODUCTION_URLS
 from eagle3_assets.core.production_watch import Scrape, scrape
 
-URLS_ENV = "EAGLE3_PRODUCTION_URLS"
-API_KEY_ENV = "EAGLE3_PRODUCTION_API_KEY"
+URLS_ENV = PRODUCTION_URLS.name
+API_KEY_ENV = PRODUCTION_API_KEY.name
 
 
 def production_urls_from_env() -> list[str]:
-    return [u.strip() for u in (os.environ.get(URLS_ENV) or "").split(",") if u.strip()]
+    return PRODUCTION_URLS.get()
 
 
 class ProductionServers(ConfigurableResource):
@@ -48,7 +48,7 @@ class ProductionServers(ConfigurableResource):
     @classmethod
     def from_env(cls, **overrides: Any) -> ProductionServers:
         fields: dict[str, Any] = {"base_urls": production_urls_from_env()}
-        if os.environ.get(API_KEY_ENV):  # an EnvVar of an unset variable fails: only pass it when set
+        if PRODUCTION_API_KEY.is_set():  # an EnvVar of an unset variable fails: only pass it when set
             fields["api_key"] = EnvVar(API_KEY_ENV)
         return cls(**{**fields, **overrides})
 

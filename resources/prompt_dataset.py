@@ -8,29 +8,23 @@ defaults: a launchpad override of one field keeps the others
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from dagster import ConfigurableResource
 from pydantic import Field
 
+from eagle3_assets.core.environment import PROMPTS, SHARD_SIZE
 from eagle3_assets.core.prompt_loading import ShardPrompts, count_rows, load_shard
 from eagle3_assets.core.sharding import DEFAULT_SHARD_SIZE, shard_keys_for
 
-SOURCE_ENV = "EAGLE3_PROMPTS"
-SHARD_SIZE_ENV = "EAGLE3_SHARD_SIZE"
+SOURCE_ENV = PROMPTS.name
+SHARD_SIZE_ENV = SHARD_SIZE.name
 # 1 %: 100 evaluation prompts from the story's 10,000, and a draft trained on the other 99 %.
 DEFAULT_HOLDOUT_SHARE = 0.01
 
 
 def shard_size_from_env() -> int | None:
-    raw = os.environ.get(SHARD_SIZE_ENV)
-    if not raw:
-        return None
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"environment variable {SHARD_SIZE_ENV}={raw!r} is not an integer") from None
+    return SHARD_SIZE.get()
 
 
 class PromptDataset(ConfigurableResource):
@@ -38,7 +32,7 @@ class PromptDataset(ConfigurableResource):
 
     # Required unless the environment names the deployment's prompts.
     source: str = Field(
-        default=os.environ.get(SOURCE_ENV) or ...,
+        default=PROMPTS.get() or ...,
         description=f"JSONL/Parquet path, or hub dataset name ('org/name' or 'org/name:split') (default: ${SOURCE_ENV})",
     )
     shard_size: int = Field(
@@ -56,7 +50,7 @@ class PromptDataset(ConfigurableResource):
     @classmethod
     def from_env(cls, **overrides) -> PromptDataset:
         """The deployment's prompts: ``EAGLE3_PROMPTS`` and ``EAGLE3_SHARD_SIZE`` where set, read now."""
-        fields = {"source": os.environ.get(SOURCE_ENV) or None, "shard_size": shard_size_from_env()}
+        fields = {"source": PROMPTS.get(), "shard_size": shard_size_from_env()}
         return cls(**{**{k: v for k, v in fields.items() if v is not None}, **overrides})
 
     def resolved_source(self) -> str:

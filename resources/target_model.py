@@ -16,7 +16,6 @@ the class defaults, that is to another model, with every gate green.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from dagster import ConfigurableResource
@@ -26,31 +25,21 @@ from eagle3_assets.core import target as core_target
 from eagle3_assets.core.target_identity import TargetIdentity, config_hash, target_identity
 from eagle3_assets.core.target_preflight import TargetSettings, preflight_problems
 from eagle3_assets.core.tokenizer_loading import load_tokenizer
+from eagle3_assets.core.environment import AUX_LAYER_IDS, TARGET_MODEL, TRUST_REMOTE_CODE
 
-PATH_ENV = "EAGLE3_TARGET_MODEL"
-TRUST_REMOTE_CODE_ENV = "EAGLE3_TRUST_REMOTE_CODE"
-LAYER_IDS_ENV = "EAGLE3_AUX_LAYER_IDS"
+PATH_ENV = TARGET_MODEL.name
 
 
 def path_from_env() -> str | None:
-    return os.environ.get(PATH_ENV) or None
+    return TARGET_MODEL.get()
 
 
 def trust_remote_code_from_env() -> bool:
-    raw = (os.environ.get(TRUST_REMOTE_CODE_ENV) or "0").strip().lower()
-    if raw not in ("0", "1", "true", "false", "yes", "no", ""):
-        raise ValueError(f"environment variable {TRUST_REMOTE_CODE_ENV}={raw!r}: use 1 or 0")
-    return raw in ("1", "true", "yes")
+    return TRUST_REMOTE_CODE.get()
 
 
 def layer_ids_from_env() -> list[int] | None:
-    raw = os.environ.get(LAYER_IDS_ENV)
-    if not raw:
-        return None
-    try:
-        return [int(part) for part in raw.replace(" ", "").split(",") if part]
-    except ValueError:
-        raise ValueError(f"environment variable {LAYER_IDS_ENV}={raw!r}: three comma-separated integers, e.g. 2,4,5") from None
+    return AUX_LAYER_IDS.get()
 
 
 class TargetModel(ConfigurableResource):
@@ -64,11 +53,11 @@ class TargetModel(ConfigurableResource):
     trust_remote_code: bool = Field(
         default=trust_remote_code_from_env(),
         description="let the target's own Python code (auto_map) run in every tokenizer, config, model and vLLM load; "
-        f"needed for Kimi-K2's tokenizer. Off unless set (default: ${TRUST_REMOTE_CODE_ENV})",
+        f"needed for Kimi-K2's tokenizer. Off unless set (default: ${TRUST_REMOTE_CODE.name})",
     )
     aux_layer_ids: list[int] | None = Field(
         default=layer_ids_from_env(),
-        description=f"three EAGLE-3 auxiliary layer ids in vLLM's convention; default (2, L//2, L-3) when distinct (default: ${LAYER_IDS_ENV})",
+        description=f"three EAGLE-3 auxiliary layer ids in vLLM's convention; default (2, L//2, L-3) when distinct (default: ${AUX_LAYER_IDS.name})",
     )
     think_open: str | None = Field(default=None, description="start-of-thinking marker; default: found in the tokenizer/template")
     think_close: str | None = Field(default=None, description="end-of-thinking marker; default: found in the tokenizer/template")

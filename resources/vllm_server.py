@@ -6,7 +6,7 @@ defaults come from the environment (:meth:`VLLMServerResource.from_env`):
 
 - ``EAGLE3_VLLM_URLS``: comma-separated base URLs (default ``http://127.0.0.1:8000``);
   requests are spread over them, fewest in flight first;
-- ``EAGLE3_SERVED_MODEL``: the served model name (default ``tiny-reasoner``, what the local launcher serves by default);
+- ``EAGLE3_SERVED_MODEL``: the served model name; unset, the one model the servers list at ``/v1/models``;
 - ``VLLM_API_KEY``: the API key, passed as a Dagster ``EnvVar`` so that the
   value is never shown in the launchpad, the logs or the metadata.
 
@@ -27,7 +27,7 @@ key), this resource's connect and read timeouts and ``max_retries``::
     server = VLLMServerResource.from_env()  # or VLLMServerResource(base_urls=["http://gpu-host:8000"])
     with server.get_client() as client:
         reply = client.chat.completions.create(
-            model=server.served_model_name, messages=[{"role": "user", "content": "What is 17 + 25?"}], max_tokens=256
+            model=server.model_name(), messages=[{"role": "user", "content": "What is 17 + 25?"}], max_tokens=256
         )
     # vLLM's reasoning parser puts the thinking beside the answer (older vLLM: reasoning_content).
     print(reply.choices[0].message.model_extra.get("reasoning"), reply.choices[0].message.content)
@@ -44,36 +44,33 @@ in-flight requests stay at ``concurrency`` instead of shards x concurrency.
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, Any
 
 from dagster import ConfigurableResource, DagsterInstance, EnvVar
 from pydantic import Field
 
-from eagle3_assets.config_fields import config_field, settings_of
+from eagle3_assets.core import environment as env_vars
 from eagle3_assets.core.generation import DEFAULT_PROGRESS_INTERVAL_S
 from eagle3_assets.core.generation_client import DEFAULT_CANARY_MAX_TOKENS, DEFAULT_CANARY_PROMPT
-from eagle3_assets.core.generation_config import GenerationConfig, Sampling
+from eagle3_assets.core.generation_config import GenerationConfig, GenerationSettings, Sampling
+from eagle3_assets.core.job_schema import values_of
 from eagle3_assets.core.openai_client import async_openai_client, openai_client
 from eagle3_assets.core.redaction import has_credentials, redact_url
-from eagle3_assets.core.vllm_launcher import DEFAULT_SERVED_NAME
 from resources.pools import ensure_pool_limit
 
 if TYPE_CHECKING:
     import openai
 
-DEFAULT_BASE_URL = "http://127.0.0.1:8000"
-URLS_ENV = "EAGLE3_VLLM_URLS"
-MODEL_ENV = "EAGLE3_SERVED_MODEL"
-API_KEY_ENV = "VLLM_API_KEY"
+URLS_ENV = env_vars.VLLM_URLS.name
+MODEL_ENV = env_vars.SERVED_MODEL.name
+API_KEY_ENV = env_vars.VLLM_API_KEY.name
 
 GENERATION_POOL = "vllm_generation"
-POOL_LIMIT_ENV = "EAGLE3_GENERATION_POOL_LIMIT"
 
 
 def urls_from_env() -> list[str]:
     """``EAGLE3_VLLM_URLS`` as given, credentials included: for requests only, never for config or display."""
-    return [u.strip() for u in (os.environ.get(URLS_ENV) or DEFAULT_BASE_URL).split(",") if u.strip()]
+    return env_vars.VLLM_URLS.get()
 
 
 def shown_urls_from_env() -> list[str]:
@@ -90,11 +87,17 @@ def with_env_credentials(url: str) -> str:
 
 
 def served_model_from_env() -> str:
-    return os.environ.get(MODEL_ENV) or DEFAULT_SERVED_NAME
+    """``EAGLE3_SERVED_MODEL``, or empty: the one model the servers list (:meth:`VLLMServerResource.model_name`)."""
+    return env_vars.SERVED_MODEL.get() or ""
 
 
-class VLLMServerResource(ConfigurableResource):
-    """Where and how to generate: servers, model, sampling, timeouts, retries, concurrency."""
+class VLLMServerResource(Sampling, GenerationSettings, ConfigurableResource):
+    """Where and how to generate: servers, model, sampling, timeouts, retries, concurrency.
+
+    The settings are :class:`~eagle3_assets.core.generation.GenerationSettings` and
+    :class:`~eagle3_assets.core.generation.Sampling` themselves (their one default, description and limits);
+    this class adds where the servers are and the pre-flight's knobs.
+    """
 
     # The environment's values are also the schema's defaults (read when the code location loads):
     # run config for this resource replaces the values given in Python as a whole, so a launchpad
@@ -103,43 +106,24 @@ class VLLMServerResource(ConfigurableResource):
         default=shown_urls_from_env(),
         description=f"base URLs of the servers (no /v1); requests are spread over them. Credentials for a URL go into ${URLS_ENV}, not here",
     )
-    served_model_name: str = Field(default=served_model_from_env(), description="the model name the server serves (vLLM's --served-model-name)")
-    api_key: str | None = config_field(GenerationConfig, "api_key")
-    concurrency: int = config_field(GenerationConfig, "concurrency")
-    max_tokens: int = config_field(GenerationConfig, "max_tokens")
-    temperature: float = config_field(Sampling, "temperature")
-    top_p: float = config_field(Sampling, "top_p")
-    top_k: int | None = config_field(Sampling, "top_k")
-    min_p: float | None = config_field(Sampling, "min_p")
-    presence_penalty: float | None = config_field(Sampling, "presence_penalty")
-    frequency_penalty: float | None = config_field(Sampling, "frequency_penalty")
-    repetition_penalty: float | None = config_field(Sampling, "repetition_penalty")
-    seed: int | None = config_field(Sampling, "seed")
-    extra_body: dict[str, Any] = config_field(GenerationConfig, "extra_body")
-    connect_timeout_s: float = config_field(GenerationConfig, "connect_timeout_s")
-    read_timeout_s: float = config_field(GenerationConfig, "read_timeout_s")
-    tokenize_timeout_s: float = config_field(GenerationConfig, "tokenize_timeout_s")
-    max_retries: int = config_field(GenerationConfig, "max_retries")
-    retry_backoff_s: float = config_field(GenerationConfig, "retry_backoff_s")
-    retry_backoff_max_s: float = config_field(GenerationConfig, "retry_backoff_max_s")
-    max_consecutive_failures: int = config_field(GenerationConfig, "max_consecutive_failures")
+    served_model_name: str = Field(
+        default=served_model_from_env(),
+        description="the model name the server serves (vLLM's --served-model-name); empty: the one model the first server lists at /v1/models",
+    )
     canary_prompt: str = Field(default=DEFAULT_CANARY_PROMPT, description="pre-flight request whose response must carry reasoning")
     canary_max_tokens: int = Field(default=DEFAULT_CANARY_MAX_TOKENS, gt=0, description="completion token limit of the pre-flight request")
     progress_interval_s: float = Field(default=DEFAULT_PROGRESS_INTERVAL_S, gt=0, description="seconds between progress lines in the run log")
-    allow_truncated: bool = config_field(GenerationConfig, "allow_truncated")
-    max_attempts_per_sample: int = config_field(GenerationConfig, "max_attempts_per_sample")
-    return_token_ids: bool = config_field(GenerationConfig, "return_token_ids")
 
     @classmethod
     def from_env(cls, **overrides: Any) -> VLLMServerResource:
         """The deployment's defaults: ``EAGLE3_VLLM_URLS``, ``EAGLE3_SERVED_MODEL``, ``VLLM_API_KEY``."""
         fields: dict[str, Any] = {"base_urls": shown_urls_from_env(), "served_model_name": served_model_from_env()}
-        if os.environ.get(API_KEY_ENV):  # an EnvVar of an unset variable fails the run: only pass it when set
+        if env_vars.VLLM_API_KEY.is_set():  # an EnvVar of an unset variable fails the run: only pass it when set
             fields["api_key"] = EnvVar(API_KEY_ENV)
         return cls(**{**fields, **overrides})
 
     def sampling(self) -> dict[str, Any]:
-        return Sampling(**settings_of(self, Sampling)).request_fields()
+        return Sampling(**values_of(self, Sampling)).request_fields()
 
     def request_urls(self) -> list[str]:
         """``base_urls`` with the credentials ``EAGLE3_VLLM_URLS`` gives for them (matched by the URL without them)."""
@@ -154,7 +138,7 @@ class VLLMServerResource(ConfigurableResource):
         key = self.api_key
         if isinstance(key, EnvVar):  # outside a run (a notebook): only a run resolves it, when it initialises the resource
             key = key.get_value()
-        return key or os.environ.get(API_KEY_ENV) or None
+        return key or env_vars.VLLM_API_KEY.get()
 
     def get_client(self, base_url: str | None = None) -> openai.OpenAI:
         """An ``openai.OpenAI`` client of ``base_url`` (default: the first server), configured as this resource is."""
@@ -170,18 +154,29 @@ class VLLMServerResource(ConfigurableResource):
     def _client_settings(self) -> dict[str, Any]:
         return {"connect_timeout_s": self.connect_timeout_s, "read_timeout_s": self.read_timeout_s, "max_retries": self.max_retries}
 
+    def model_name(self) -> str:
+        """``served_model_name``, or when empty the one model the first server lists (an error naming them when it lists several)."""
+        if self.served_model_name:
+            return self.served_model_name
+        with self.get_client() as client:
+            listed = sorted(m.id for m in client.models.list())
+        if len(listed) != 1:
+            raise ValueError(
+                f"vllm_server.served_model_name is empty and {redact_url(self.base_urls[0])} serves {listed}: "
+                f"set served_model_name (or ${MODEL_ENV}) to the one to generate with"
+            )
+        return listed[0]
+
     def generation_config(self) -> GenerationConfig:
         return GenerationConfig(
             base_urls=tuple(self.request_urls()),
-            model=self.served_model_name,
-            api_key=self.request_api_key(),
+            model=self.model_name(),
             sampling=self.sampling(),
-            extra_body=dict(self.extra_body),
             # The rest by name: concurrency, max_tokens, timeouts, retries, what a rerun resends.
-            **{name: value for name, value in settings_of(self, GenerationConfig).items() if name not in ("api_key", "extra_body")},
+            **{**values_of(self, GenerationSettings), "api_key": self.request_api_key(), "extra_body": dict(self.extra_body)},
         )
 
 
 def ensure_generation_pool_limit(instance: DagsterInstance, limit: int | None = None) -> int:
     """The generation pool's limit (``$EAGLE3_GENERATION_POOL_LIMIT`` or 1) unless one was set by hand; the limit in force."""
-    return ensure_pool_limit(instance, GENERATION_POOL, POOL_LIMIT_ENV, limit)
+    return ensure_pool_limit(instance, GENERATION_POOL, env_vars.GENERATION_POOL_LIMIT, limit)

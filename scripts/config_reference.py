@@ -6,9 +6,10 @@
 What is on the page is found, not listed: every resource of
 ``eagle3_assets.definitions.defs`` (documented as its class under ``resources/``),
 every run-config class an asset or op of ``defs`` takes (read from the compute
-function's signature), every sensor, and every environment variable the code
-reads (found by name in the source). Only what the code cannot say is written
-here: what each environment variable means (:data:`ENVIRONMENT`).
+function's signature), every sensor, and every environment variable, as
+:mod:`eagle3_assets.core.environment` declares it (name, type, default,
+meaning). A project variable named in the source but not declared there is
+listed as undeclared, and tests/test_docs.py fails until it is.
 
 Several resource defaults are read from the environment when the code location
 loads. So that the page does not depend on who runs this script, the classes
@@ -33,55 +34,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 PAGE = REPO / "docs" / "configuration.md"
 SOURCE_DIRS = ("eagle3_assets", "resources", "sensors")
-# Variables of the project, and those of its dependencies it reads itself. Stripped from the
-# child's environment; the EAGLE3_ ones (and VLLM_API_KEY) found in the source are documented.
-PROJECT_ENV = re.compile(r"^(EAGLE3_|VLLM_|DAGSTER_PG_)")
-ENV_NAME = re.compile(r"[\"'](EAGLE3_[A-Z0-9_]+|VLLM_API_KEY)[\"']")
-
-# What the code cannot say about each environment variable: (default as documented, meaning,
-# the resource fields whose default it gives, as `key.field`).
-# A variable read by the code and missing here is listed on the page as undescribed, and
-# tests/test_docs.py fails until it has a line.
-ENVIRONMENT: dict[str, tuple[str, str, tuple[str, ...]]] = {
-    "EAGLE3_DATA_DIR": ("`./data`", "root of every asset's files: `<data>/<asset name>/`", ()),
-    "EAGLE3_PROMPTS": ("`demo`", "the prompt dataset", ("prompt_dataset.source",)),
-    "EAGLE3_SHARD_SIZE": ("128 (64 for `demo`)", "rows per sample shard", ("prompt_dataset.shard_size",)),
-    "EAGLE3_VLLM_URLS": ("`http://127.0.0.1:8000`", "generation servers, comma separated; credentials in a URL stay in the environment", ("vllm_server.base_urls",)),
-    "EAGLE3_SERVED_MODEL": ("`tiny-reasoner`", "the served model name (vLLM's `--served-model-name`)", ("vllm_server.served_model_name",)),
-    "VLLM_API_KEY": ("unset", "the generation servers' API key, bound as a Dagster `EnvVar` (never shown or logged)", ("vllm_server.api_key",)),
-    "EAGLE3_GENERATION_POOL_LIMIT": ("1", "limit given to the `vllm_generation` pool when it has none (`make demo`, `make dev`)", ()),
-    "EAGLE3_GPU_CHECK_FAULT": ("unset", "fault injection for the tests: the `eagle3-gpu-check` path of that name fails", ()),
-    "EAGLE3_TARGET_MODEL": ("`demo`", "the target's HF model directory", ("target_model.path",)),
-    "EAGLE3_TRUST_REMOTE_CODE": ("`0`", "`1` lets the target's own code run", ("target_model.trust_remote_code",)),
-    "EAGLE3_AUX_LAYER_IDS": ("`(2, L//2, L-3)`", "three layer ids in vLLM's convention, e.g. `2,30,58`", ("target_model.aux_layer_ids",)),
-    "EAGLE3_GPU_HOST": ("`local`", "`local` or `ssh://[user@]host[:port]`", ("gpu_host.mode", "gpu_host.ssh_host", "gpu_host.ssh_port", "gpu_host.ssh_user")),
-    "EAGLE3_GPU_HOST_PYTHON": ("this Python (local), `python3` (ssh)", "the host's Python", ("gpu_host.python",)),
-    "EAGLE3_GPU_HOST_WORKDIR": ("`.`", "working directory of stage processes", ("gpu_host.working_dir",)),
-    "EAGLE3_GPU_HOST_DATA_DIR": ("`$EAGLE3_DATA_DIR` (local only)", "the data directory on the host, required for ssh", ("gpu_host.data_dir",)),
-    "EAGLE3_GPU_HOST_ALLOW_CPU": ("`1`", "`0`: only stages that declare `cpu_allowed` run without a GPU", ("gpu_host.allow_cpu",)),
-    "EAGLE3_SSH_IDENTITY_FILE": ("ssh's default", "private key on the orchestrator", ("gpu_host.ssh_identity_file",)),
-    "EAGLE3_SSH_KNOWN_HOSTS": ("`strict`", "host key policy", ("gpu_host.ssh_known_hosts",)),
-    "EAGLE3_SSH_KNOWN_HOSTS_FILE": ("ssh's default", "known_hosts file", ("gpu_host.ssh_known_hosts_file",)),
-    "EAGLE3_GPU_POOL": ("`gpu_host`", "the Dagster pool of the GPU stages (one per GPU host)", ()),
-    "EAGLE3_GPU_POOL_LIMIT": ("1", "limit given to the GPU pool when it has none", ()),
-    "EAGLE3_ALLOW_CPU": ("`1`", "set by the GPU host for each stage process from `allow_cpu`; not set by hand", ()),
-    "EAGLE3_ALERT_WEBHOOK_URL": ("unset", "Slack-compatible incoming webhook for alerts (a secret, `EnvVar`)", ("alert_channel.webhook_url",)),
-    "EAGLE3_SLACK_BOT_TOKEN": ("unset", "Slack bot token, alerts through `dagster-slack` (a secret, `EnvVar`)", ("alert_channel.slack_token",)),
-    "EAGLE3_SLACK_CHANNEL": ("`#eagle3-alerts`", "the channel used with the Slack token", ("alert_channel.slack_channel",)),
-    "EAGLE3_UI_BASE_URL": ("`http://127.0.0.1:3000`", "base of the run links in alerts (the proxy's address in production)", ("alert_channel.ui_base_url",)),
-    "EAGLE3_PRODUCTION_URLS": ("unset", "production servers the `deployed_draft_watch` sensor reads, comma separated", ("production_servers.base_urls",)),
-    "EAGLE3_PRODUCTION_API_KEY": ("unset", "their API key (`EnvVar`)", ("production_servers.api_key",)),
-    "EAGLE3_PRODUCTION_SCRAPE_S": ("300", "seconds between two scrapes of the production servers", ()),
-    "EAGLE3_AUTO_GENERATE": ("unset", "`1`: `new_prompt_shards` also requests a `prompts` + `raw_responses` run per new shard", ()),
-    "EAGLE3_LEASE_STALE_AFTER_S": ("900", "a shard lease held from another host is taken over after this many seconds without heartbeat", ()),
-    "EAGLE3_LEASE_TAKEOVER": ("unset", "hosts (comma separated, or `*`) whose leases may be taken over at once", ()),
-    "EAGLE3_DAGSTER_URL": ("`http://127.0.0.1:3000`", "the webserver `python -m eagle3_assets.backfill` talks to", ()),
-    "EAGLE3_DEMO_TARGET": ("`tiny`", "the built-in target `make demo` uses (`make demo DEMO_TARGET=kimi`)", ()),
-    "EAGLE3_TINY_TARGET_DIR": ("`<data>/demo/tiny_target`", "where the built-in tiny target is cached (the tests use `.cache/`)", ()),
-    "EAGLE3_ACCEPT_TARGET_FINGERPRINT": ("`0`", "`1`: use a built-in target whose greedy outputs differ from the recorded ones (`eagle3_assets/demo/target_fingerprints.json`)", ()),
-    "EAGLE3_KIMI_TARGET_DIR": ("`<data>/demo/kimi_target`", "where the built-in Kimi-family target is cached", ()),
-    "EAGLE3_QWEN3_TARGET_DIR": ("`<data>/demo/qwen3_target`", "where the built-in Qwen3 target is cached", ()),
-}
+# Variables of the project, and those of its dependencies it reads itself: stripped from the child's environment.
+PROJECT_ENV = re.compile(r"^(EAGLE3_|VLLM_|DAGSTER_PG_|HF_TOKEN$)")
+# A project variable spelled in the source: each must be declared in core/environment.py.
+ENV_NAME = re.compile(r"[\"'](EAGLE3_[A-Z0-9_]+)[\"']")
 
 INTRO = """\
 # Configuration reference
@@ -234,14 +190,25 @@ def own_doc(cls) -> str:
     return " ".join(inspect.cleandoc(doc).split("\n\n")[0].split()) if doc else ""
 
 
-def env_reads() -> dict[str, list[str]]:
-    """Every project environment variable named in the source, with the files that name it."""
+def spelled_variables() -> dict[str, list[str]]:
+    """Every project environment variable spelled in the source, with the files that spell it."""
     found: dict[str, set[str]] = {}
     for top in SOURCE_DIRS:
         for path in sorted((REPO / top).rglob("*.py")):
             for name in ENV_NAME.findall(path.read_text(encoding="utf-8")):
                 found.setdefault(name, set()).add(str(path.relative_to(REPO)))
     return {name: sorted(files) for name, files in sorted(found.items())}
+
+
+def declared_variables() -> list[dict]:
+    """The environment table of :mod:`eagle3_assets.core.environment`, in its order."""
+    from eagle3_assets.core.environment import VARIABLES
+    from eagle3_assets.demo.environment import DEMO_VARIABLES
+
+    return [
+        {"name": v.name, "type": v.type, "default": v.shown_default, "meaning": v.description, "gives": list(v.gives), "secret": v.secret}
+        for v in (*VARIABLES, *DEMO_VARIABLES)
+    ]
 
 
 def collect_here() -> dict:
@@ -292,7 +259,7 @@ def collect_here() -> dict:
         }
         for s in sorted(defs.sensors, key=lambda s: s.name)
     ]
-    return {"resources": resources, "configs": configs, "sensors": sensors, "environment": env_reads()}
+    return {"resources": resources, "configs": configs, "sensors": sensors, "environment": declared_variables(), "spelled": spelled_variables()}
 
 
 # -- rendering
@@ -306,12 +273,12 @@ def code(text: str) -> str:
     return f"`{text}`" if text else ""
 
 
-def env_for_fields() -> dict[str, list[str]]:
+def env_for_fields(data: dict) -> dict[str, list[str]]:
     """``key.field`` -> the variables that give its default."""
     out: dict[str, list[str]] = {}
-    for name, (_, _, fields) in ENVIRONMENT.items():
-        for field in fields:
-            out.setdefault(field, []).append(name)
+    for variable in data["environment"]:
+        for field in variable["gives"]:
+            out.setdefault(field, []).append(variable["name"])
     return out
 
 
@@ -329,7 +296,7 @@ def field_table(rows: list[dict], env: dict[str, list[str]] | None, prefix: str)
 
 def render(data: dict | None = None) -> str:
     data = data if data is not None else collect()
-    env_fields = env_for_fields()
+    env_fields = env_for_fields(data)
     out = [INTRO]
 
     out += ["## Contents", ""]
@@ -361,23 +328,28 @@ def render(data: dict | None = None) -> str:
     out += [""]
 
     out += ["## Environment variables", ""]
-    out += ["Every variable of the project that the code reads (found in `eagle3_assets/`, `resources/`, `sensors/`).", ""]
-    out += ["| variable | default | meaning | read in |", "| --- | --- | --- | --- |"]
-    undescribed = []
-    for name, files in data["environment"].items():
-        default, meaning, fields = ENVIRONMENT.get(name, ("", "", ()))
-        if fields:
-            meaning += "; the default of " + ", ".join(f"`{f}`" for f in fields)
-        if not meaning:
-            undescribed.append(name)
-            meaning = "**not yet described** (add it to `ENVIRONMENT` in scripts/config_reference.py)"
-        out.append(f"| `{name}` | {default} | {meaning} | {', '.join(f'`{f}`' for f in files)} |")
+    out += [
+        "Every variable of the project, as `eagle3_assets/core/environment.py` declares it; the code reads each through "
+        "that declaration (its default is written there only). Secrets are bound as Dagster `EnvVar`s, never read into config.",
+        "",
+    ]
+    out += ["| variable | type | default | meaning |", "| --- | --- | --- | --- |"]
+    for v in data["environment"]:
+        meaning = v["meaning"] + (" (a secret)" if v["secret"] and "EnvVar" not in v["meaning"] else "")
+        if v["gives"]:
+            meaning += "; the default of " + ", ".join(f"`{f}`" for f in v["gives"])
+        out.append(f"| `{v['name']}` | {v['type']} | {v['default']} | {cell(meaning)} |")
+    undeclared = undescribed_variables(data)
+    if undeclared:
+        out += ["", "Spelled in the source but **not declared** in `eagle3_assets/core/environment.py`: " + ", ".join(f"`{n}`" for n in undeclared)]
     out += [""]
     return "\n".join(out)
 
 
 def undescribed_variables(data: dict) -> list[str]:
-    return [name for name in data["environment"] if name not in ENVIRONMENT]
+    """Project variables spelled in the source that the environment table does not declare."""
+    declared = {v["name"] for v in data["environment"]}
+    return [name for name in data["spelled"] if name not in declared]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,17 +16,15 @@ of ``draft_evaluation`` (the acceptance length at the k the server runs).
 from __future__ import annotations
 
 import json
-import os
 
 from dagster import AssetKey, AssetObservation, DefaultSensorStatus, MetadataValue, SensorEvaluationContext, SensorResult, SkipReason, sensor
 
 from eagle3_assets.core.alerts import AlertDeliveryError
+from eagle3_assets.core.environment import PRODUCTION_SCRAPE_S
 from eagle3_assets.core.production_watch import Expectation, ServerMemory, Verdict, judge, undelivered
 from resources.alerts import AlertChannel
 from resources.production_servers import URLS_ENV, ProductionServers
 
-INTERVAL_ENV = "EAGLE3_PRODUCTION_SCRAPE_S"
-DEFAULT_INTERVAL_S = 300
 
 
 def latest_metadata(instance, asset: str) -> dict:
@@ -77,7 +75,7 @@ def observation(verdict: Verdict) -> AssetObservation:
 
 @sensor(
     name="deployed_draft_watch",
-    minimum_interval_seconds=int(os.environ.get(INTERVAL_ENV) or DEFAULT_INTERVAL_S),
+    minimum_interval_seconds=PRODUCTION_SCRAPE_S.get(),
     # On by default: without EAGLE3_PRODUCTION_URLS a tick is a skip and reads nothing.
     default_status=DefaultSensorStatus.RUNNING,
     description="Scrapes the production servers' /metrics: windowed acceptance, which draft runs; alerts on drops, stale drafts, silence.",

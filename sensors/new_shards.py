@@ -12,14 +12,14 @@ counted every tick, as before.
 """
 
 import json
-import os
 
 from dagster import AssetSelection, DefaultSensorStatus, RunRequest, SensorEvaluationContext, SensorResult, SkipReason, sensor
 
+from eagle3_assets.core.environment import AUTO_GENERATE
 from eagle3_assets.partitions import SAMPLE_SHARDS, sample_shards
 from resources.prompt_dataset import PromptDataset
 
-AUTO_GENERATE_ENV = "EAGLE3_AUTO_GENERATE"
+AUTO_GENERATE_ENV = AUTO_GENERATE.name
 
 
 @sensor(
@@ -42,7 +42,7 @@ def new_prompt_shards(context: SensorEvaluationContext, prompt_dataset: PromptDa
     if not new:
         return SensorResult(skip_reason=SkipReason(f"no new shards ({len(known)} known)"), cursor=cursor)
     runs = []
-    if os.environ.get(AUTO_GENERATE_ENV) == "1":
+    if AUTO_GENERATE.get():
         runs = [RunRequest(run_key=f"generate-{key}", partition_key=key) for key in new]
     context.log.info(f"adding {len(new)} shard(s): {new[0]} .. {new[-1]}")
     return SensorResult(run_requests=runs, dynamic_partitions_requests=[sample_shards.build_add_request(new)], cursor=cursor)

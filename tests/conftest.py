@@ -55,7 +55,8 @@ def qwen3_target() -> Path:
 def vllm_server(tiny_target, tmp_path_factory):
     """One real vLLM server for the session, stopped (process group) when the session ends."""
     from eagle3_assets.core.vllm_launcher import VLLMServer
+    from eagle3_assets.demo.targets import TINY_SERVING
 
     log = tmp_path_factory.mktemp("vllm") / "server.log"
-    with VLLMServer(tiny_target, log_path=log) as server:
+    with VLLMServer(tiny_target, log_path=log, **TINY_SERVING) as server:
         yield server

@@ -59,7 +59,7 @@ def streamed(tiny_target, tmp_path_factory) -> dict:
 
 def run_settings(tiny_target, streamed, work: Path, *, dtype="bfloat16", epochs=2, every=2) -> dict:
     """A TrainingJob with the streamed source, as the stage's --config takes it (which trains only)."""
-    from eagle3_assets.core.target import target_identity
+    from eagle3_assets.core.target_identity import target_identity
 
     train = dict(
         hidden_state_dirs=[], vocab_mapping=str(streamed["mapping"]), target_path=str(tiny_target), training_dir=str(work / "training"),

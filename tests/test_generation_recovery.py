@@ -118,7 +118,7 @@ def test_prompts_too_long_for_the_server_are_rejected_and_do_not_block_the_shard
         assert check(result, asset, name).passed, (asset, name, check(result, asset, name).description)
     assert {i: (sent[i], tokenized[i]) for i in long_ids} == {i: (0, 1) for i in long_ids}  # counted, never sent
     assert check(result, "raw_responses", "reasoning_present").metadata["answered_rows"].value == 9
-    errors = check(result, "raw_responses", "errors_rare")
+    errors = check(result, "validated_traces", "request_errors_rare")
     assert errors.passed and errors.metadata["request_errors"].value == 0 and errors.metadata["prompts_too_long"].value == 3
     fit = check(result, "validated_traces", "prompts_fit_context")
     assert not fit.passed and fit.severity.value == "WARN" and fit.metadata["offending_ids"].value == long_ids

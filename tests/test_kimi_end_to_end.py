@@ -33,7 +33,7 @@ from dagster import AssetKey, RunConfig, materialize
 from eagle3_assets.core.draft_forms import DEEPSEEK_MLA, LLAMA
 from eagle3_assets.core.export import ARCHITECTURES, LOAD_CHECK_CONTEXT, check_loads_in_vllm, export_draft
 from eagle3_assets.core.extraction import iter_samples, read_sidecar
-from eagle3_assets.core.target import vllm_serving
+from eagle3_assets.core.target_serving import vllm_serving
 from eagle3_assets.core.vllm_launcher import VLLMServer
 from eagle3_assets.core.vllm_platform import host_serving_facts
 from eagle3_assets.demo.kimi_target import kimi_serving
@@ -95,7 +95,7 @@ def test_every_per_shard_gate_is_green_on_the_kimi_target(kimi_graph):
 
 
 def test_the_vllm_backend_stores_the_states_transformers_stores(kimi_graph, tmp_path):
-    """Both extraction backends on the same traces: bf16 MoE states compared relative to their norm (DESIGN.md 4)."""
+    """Both extraction backends on the same traces: bf16 MoE states compared relative to their norm (docs/hidden-states.md)."""
     instance, data, _ = kimi_graph
     key = sorted(instance.get_dynamic_partitions("sample_shards"))[0]
     other = tmp_path / "vllm-data"

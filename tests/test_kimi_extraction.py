@@ -24,7 +24,10 @@ from eagle3_assets.core.hidden_state_checks import (
     keep_logits_references,
 )
 from eagle3_assets.core.stage_jobs import ExtractionRecipe
-from eagle3_assets.core.target import TargetHead, config_hash, load_tokenizer, vllm_engine_overrides
+from eagle3_assets.core.target_head import TargetHead
+from eagle3_assets.core.target_identity import config_hash
+from eagle3_assets.core.tokenizer_loading import load_tokenizer
+from eagle3_assets.core.target_serving import vllm_engine_overrides
 from eagle3_assets.demo.prompt_set import make_traces
 from tests.extraction_helpers import in_process_vllm_environment
 
@@ -52,7 +55,7 @@ def vllm_extraction(kimi_target, kimi_traces, tmp_path_factory):
 
     with in_process_vllm_environment():
         backend = VLLMBackend(
-            kimi_target, LAYER_IDS, dtype="bfloat16", max_model_len=1024, trust_remote_code=True,
+            kimi_target, LAYER_IDS, ExtractionRecipe(vllm_dtype="bfloat16"), max_model_len=1024, trust_remote_code=True,
             scratch_dir=tmp_path_factory.mktemp("kimi-vllm-scratch"), engine_kwargs=vllm_engine_overrides(kimi_target),
         )  # fmt: skip
         shard = tmp_path_factory.mktemp("kimi-states") / "shard"

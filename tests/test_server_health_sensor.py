@@ -8,6 +8,7 @@ import pytest
 from dagster import DagsterInstance, build_sensor_context
 
 from eagle3_assets.core.vllm_launcher import VLLMServer, free_port
+from eagle3_assets.demo.targets import TINY_SERVING
 from resources.alerts import AlertChannel
 from resources.vllm_server import VLLMServerResource
 from sensors.server_health import vllm_server_health
@@ -34,7 +35,7 @@ def test_health_sensor_alerts_on_down_and_on_recovery_only(tiny_target, tmp_path
         return result
 
     try:
-        with VLLMServer(tiny_target, port=port, log_path=tmp_path / "first.log"):
+        with VLLMServer(tiny_target, port=port, log_path=tmp_path / "first.log", **TINY_SERVING):
             result = tick()
             assert "up, 0.0 running, 0.0 waiting" in result.skip_message  # figures from /metrics
             tick()
@@ -45,7 +46,7 @@ def test_health_sensor_alerts_on_down_and_on_recovery_only(tiny_target, tmp_path
         tick()  # still down: no second alert
         assert len(receiver.received) == 1 and "down" in receiver.texts()[0]
 
-        with VLLMServer(tiny_target, port=port, log_path=tmp_path / "second.log"):
+        with VLLMServer(tiny_target, port=port, log_path=tmp_path / "second.log", **TINY_SERVING):
             tick()
             tick()
         assert len(receiver.received) == 2 and "recovered" in receiver.texts()[1]

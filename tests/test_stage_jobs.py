@@ -1,27 +1,29 @@
 """Typed stage jobs: each setting's default and description are written once, and a bad job is refused naming the key.
 
-The Dagster ``Config`` classes and the vLLM server resource take their fields
-from the Dagster-free dataclasses (:mod:`eagle3_assets.core.stage_jobs`,
-``TrainConfig``, ``GenerationConfig``); these tests hold them to it, and send a
-bad job to a real stage through the GPU host resource (local mode).
+The Dagster ``Config`` classes and the vLLM server resource are the Dagster-free
+pydantic settings models (:mod:`eagle3_assets.core.stage_jobs`, ``TrainConfig``,
+``GenerationSettings``) or take their fields from them; these tests hold them
+to it, and send a bad job to a real stage through the GPU host resource (local
+mode).
 """
 
-import dataclasses
 from pathlib import Path
 
 import pytest
 from dagster import AssetExecutionContext, DagsterEventType, DagsterInstance, asset, materialize
 
-from eagle3_assets.core.generation_config import GenerationConfig, Sampling
-from eagle3_assets.core.job_schema import DESCRIPTION, default_of
+from eagle3_assets.core.generation_config import GenerationConfig, GenerationSettings, Sampling
+from eagle3_assets.core.job_schema import setting_names
 from eagle3_assets.core.stage_requirements import StageRequirements
 from eagle3_assets.core.stage_jobs import (
     BoundedRun,
     EvaluationJob,
     ExportGates,
     ExtractionJob,
+    EvaluationRecipe,
     ExtractionRecipe,
     HiddenStatesSource,
+    ShardRerun,
     StageTarget,
     StreamedShard,
     TrainingJob,
@@ -35,7 +37,7 @@ from resources.vllm_server import VLLMServerResource
 
 REPO = Path(__file__).resolve().parents[1]
 
-# (Dagster class, the dataclasses its fields come from, its own fields, the dataclasses' settings it does not show)
+# (Dagster class, the models its fields come from, its own fields, the models' settings it does not show)
 SOURCES = [
     (HiddenStatesConfig, [ExtractionJob], set(), set()),
     (
@@ -58,9 +60,9 @@ SOURCES = [
 ]
 
 
-def settings(cls) -> dict[str, dataclasses.Field]:
-    """The dataclass's fields that have a default: what a user may set (the rest the asset fills in)."""
-    return {f.name: f for f in dataclasses.fields(cls) if default_of(f) is not dataclasses.MISSING}
+def settings(cls) -> dict:
+    """The model's fields that have a default: what a user may set (the rest the asset fills in)."""
+    return {name: cls.model_fields[name] for name in setting_names(cls)}
 
 
 @pytest.mark.parametrize("config_class, sources, own, hidden", SOURCES, ids=[s[0].__name__ for s in SOURCES])
@@ -73,8 +75,10 @@ def test_config_fields_are_the_settings_with_their_defaults_and_descriptions(con
         homes = [(source, found[name]) for source, found in by_source if name in found]
         assert len(homes) == 1, f"{config_class.__name__}.{name} is a setting of {[s.__name__ for s, _ in homes]}, expected exactly one"
         source, setting = homes[0]
-        assert fields[name].default == default_of(setting), f"{config_class.__name__}.{name}: default differs from {source.__name__}'s"
-        assert fields[name].description == setting.metadata[DESCRIPTION], f"{config_class.__name__}.{name}: description differs"
+        default = fields[name].get_default(call_default_factory=True)
+        assert default == setting.get_default(call_default_factory=True), f"{config_class.__name__}.{name}: default differs from {source.__name__}'s"
+        assert fields[name].description == setting.description, f"{config_class.__name__}.{name}: description differs"
+        assert fields[name].metadata == setting.metadata, f"{config_class.__name__}.{name}: limits differ"
     shown = set(fields)
     for source, found in by_source:
         unshown = set(found) - shown - hidden
@@ -82,14 +86,38 @@ def test_config_fields_are_the_settings_with_their_defaults_and_descriptions(con
     assert not hidden & shown
 
 
+@pytest.mark.parametrize(
+    "config_class, models",
+    [(HiddenStatesConfig, [ExtractionRecipe, ShardRerun]), (DraftEvaluationConfig, [EvaluationRecipe]), (VLLMServerResource, [GenerationSettings, Sampling])],
+    ids=lambda x: getattr(x, "__name__", ""),
+)
+def test_the_dagster_config_is_the_settings_model_itself(config_class, models):
+    """No field re-listed: the Config class (or resource) is the settings model with Dagster's base mixed in."""
+    for model in models:
+        assert issubclass(config_class, model)
+        for name in model.model_fields:
+            assert name not in config_class.__dict__.get("__annotations__", {}), f"{config_class.__name__} lists {name} again"
+
+
+def test_the_launchpad_shows_the_schema_defaults_and_descriptions():
+    """What Dagster makes of the mixed-in model: the field, its default and description as written in the model."""
+    from dagster._config.pythonic_config import infer_schema_from_config_class
+
+    fields = infer_schema_from_config_class(HiddenStatesConfig).config_type.fields
+    recipe = ExtractionRecipe.model_fields["max_batch_tokens"]
+    assert fields["max_batch_tokens"].default_value == recipe.default == 16384
+    assert fields["max_batch_tokens"].description == recipe.description
+    assert fields["recompute"].default_value is False and fields["vllm_enforce_eager"].default_value is None
+    with pytest.raises(ValueError, match="max_batch_tokens"):
+        HiddenStatesConfig(max_batch_tokens=0)  # the model's limit holds in the launchpad's config too
+
+
 def test_a_config_with_no_overrides_makes_the_stage_job_with_the_one_defaults():
     job = ExtractionJob(
         shard="shard-00000", traces="t.parquet", output="out", data_version="v", check_seed=1,
         target=StageTarget(path="/t", trust_remote_code=False, aux_layer_ids=[1, 2, 3], config_hash="h"),
     )  # fmt: skip
-    from eagle3_assets.config_fields import settings_of
-
-    assert ExtractionJob(**{**dataclasses.asdict(job), "target": job.target, **settings_of(HiddenStatesConfig(), ExtractionJob)}) == job
+    assert ExtractionJob(**{**job.model_dump(), **HiddenStatesConfig().model_dump()}) == job
     assert job.max_batch_tokens == HiddenStatesConfig().max_batch_tokens == 16384  # one default, whichever backend
 
 
@@ -98,10 +126,10 @@ def test_a_job_survives_json_to_the_stage_and_back():
     job = TrainingJob(
         train=train, export_dir="e", gates=ExportGates(aux_layer_ids=[2, 3, 4], target_vocab_size=640, trust_remote_code=False, log_path=None)
     )
-    back = TrainingJob.from_json(job.to_json())
+    back = TrainingJob.from_json(job.model_dump_json())
     assert back == job and back.train.betas == (0.9, 0.95) and isinstance(back.gates, ExportGates)
     evaluation = EvaluationJob(target_dir="t", target_trust_remote_code=True, draft_dir="d", eval_prompts="p.jsonl", report_path="r.json")
-    assert EvaluationJob.from_json(evaluation.to_json()) == evaluation
+    assert EvaluationJob.from_json(evaluation.model_dump_json()) == evaluation
     bounded = TrainingJob(
         train=train, export_dir="e",
         bounded=BoundedRun(
@@ -110,7 +138,7 @@ def test_a_job_survives_json_to_the_stage_and_back():
             extraction=ExtractionRecipe(dtype="float8_e4m3fn"),
         ),
     )  # fmt: skip
-    back = TrainingJob.from_json(bounded.to_json())
+    back = TrainingJob.from_json(bounded.model_dump_json())
     assert back == bounded and isinstance(back.bounded.shards[0], StreamedShard) and back.bounded.window_shards == 2
 
 
@@ -127,13 +155,16 @@ def extraction_extras(**changes) -> dict:
     "extras, message",
     [
         (extraction_extras(max_batch_token=65536), "ExtractionJob: unknown setting(s) ['max_batch_token']"),
-        (extraction_extras(max_batch_tokens="16384"), "setting ExtractionJob.max_batch_tokens is '16384', expected a whole number"),
-        (extraction_extras(recompute="yes"), "setting ExtractionJob.recompute is 'yes', expected true or false"),
-        (extraction_extras(vllm_gpu_memory_utilization=1.5), "setting ExtractionJob.vllm_gpu_memory_utilization is 1.5, must be <= 1"),
+        (extraction_extras(max_batch_tokens="16384"), "setting ExtractionJob.max_batch_tokens is '16384': Input should be a valid integer"),
+        (extraction_extras(recompute="yes"), "setting ExtractionJob.recompute is 'yes': Input should be a valid boolean"),
+        (
+            extraction_extras(vllm_gpu_memory_utilization=1.5),
+            "setting ExtractionJob.vllm_gpu_memory_utilization is 1.5: Input should be less than or equal to 1",
+        ),
         ({k: v for k, v in extraction_extras().items() if k != "shard"}, "ExtractionJob: missing setting(s) ['shard']"),
         (
             extraction_extras(target={"path": "/t", "trust_remote_code": False, "aux_layer_ids": [2, "x"], "config_hash": "h"}),
-            "setting ExtractionJob.target.aux_layer_ids[1] is 'x', expected a whole number",
+            "setting ExtractionJob.target.aux_layer_ids[1] is 'x': Input should be a valid integer",
         ),
     ],
     ids=["unknown", "mistyped", "not-a-bool", "out-of-range", "missing", "nested"],
@@ -145,7 +176,7 @@ def test_a_bad_extraction_job_is_refused_naming_the_key(extras, message):
 
 
 def test_a_bad_training_setting_is_refused_inside_the_job():
-    raw = TrainingJob(train=TrainConfig(hidden_state_dirs=["a"], vocab_mapping="v", target_path="t", training_dir="d"), export_dir="e").to_dict()
+    raw = TrainingJob(train=TrainConfig(hidden_state_dirs=["a"], vocab_mapping="v", target_path="t", training_dir="d"), export_dir="e").model_dump()
     raw["train"]["epoch"] = 3
     with pytest.raises(ValueError, match=r"TrainingJob.train: unknown setting\(s\) \['epoch'\]"):
         TrainingJob.from_dict(raw)

@@ -41,6 +41,7 @@ from eagle3_assets.core.hidden_state_checks import (
     check_states_match_traces,
     storage_unit_roundoff,
 )
+from eagle3_assets.core.stage_jobs import ExtractionRecipe
 from eagle3_assets.core.state_layout import FP8_DTYPE, bytes_per_token, state_bytes_per_token
 from eagle3_assets.core.target_head import TargetHead
 from eagle3_assets.core.training.checkpoints import export_trained_draft
@@ -65,7 +66,7 @@ def traces(tiny_target, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def backend(tiny_target):
-    return TransformersBackend(tiny_target, LAYER_IDS, max_batch_size=8)
+    return TransformersBackend(tiny_target, LAYER_IDS, ExtractionRecipe(max_batch_size=8))
 
 
 def settings(tiny_target, dtype: str, part_bytes: int = 60_000) -> ExtractionSettings:
@@ -187,7 +188,7 @@ class NonFiniteTargetBackend_fault(TransformersBackend):
 
 
 def test_an_overflow_in_the_target_fails_states_finite_in_8bit_storage(tmp_path, tiny_target, traces, backend):
-    faulty = NonFiniteTargetBackend_fault(tiny_target, LAYER_IDS, model=backend.model, max_batch_size=64)
+    faulty = NonFiniteTargetBackend_fault(tiny_target, LAYER_IDS, ExtractionRecipe(max_batch_size=64), model=backend.model)
     extract_shard(traces, tmp_path / SHARD, settings(tiny_target, FP8_DTYPE, part_bytes=10**9), faulty)
     outcome = check_states_finite(tmp_path / SHARD)
     assert not outcome.passed and outcome.metadata["samples_with_non_finite"] == 1, outcome.description

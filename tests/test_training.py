@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 from eagle3_assets.core.draft_model import DraftConfig, Eagle3Draft
 from eagle3_assets.core.export import export_draft, read_draft_dir
 from eagle3_assets.core.storage import write_json_atomic
-from eagle3_assets.core.target import TargetHead, load_head_weights
+from eagle3_assets.core.target_head import TargetHead, load_head_weights
 from eagle3_assets.core.training.checkpoints import JOURNAL, checkpoint_name, latest_checkpoint, read_journal, run_fingerprint
 from eagle3_assets.core.training.config import TrainConfig
 from eagle3_assets.core.training.data import HiddenStateIndex, index_hidden_states, load_batch
@@ -149,7 +149,7 @@ def test_fine_tuning_refuses_a_draft_trained_on_other_layers_or_widths(tiny_targ
     target = load_head_weights(tiny_target)
 
     def start(draft_dir: Path, index: HiddenStateIndex):
-        config = TrainConfig(["unused"], str(tmp_path / "map"), str(tiny_target), str(tmp_path / "t"), init_from=str(draft_dir))
+        config = TrainConfig(hidden_state_dirs=["unused"], vocab_mapping=str(tmp_path / "map"), target_path=str(tiny_target), training_dir=str(tmp_path / "t"), init_from=str(draft_dir))
         return initial_draft(config, index, mapping, target)
 
     other_layers = export_draft(draft_with_rows_named_by_target_id(tiny_target, mapping, (1, 3, 5)), tmp_path / "a", dtype="float32")

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from eagle3_assets.core.draft_model import DraftConfig, Eagle3Draft
-from eagle3_assets.core.target import TargetHead
+from eagle3_assets.core.target_head import TargetHead
 from eagle3_assets.core.training.loss import TrainingTimeTest
 from eagle3_assets.core.training.memory import (
     MemoryPlanError,
@@ -155,7 +155,7 @@ def test_the_planner_splits_the_micro_batch_to_fit_and_refuses_what_cannot_fit()
     from eagle3_assets.core.training.config import TrainConfig
 
     draft, _, _ = small_draft(hidden=128, heads=4, kv_heads=2, head_dim=32, intermediate=384, vocab=3000, draft_vocab=1200)
-    config = TrainConfig(["x"], "v", "t", "d", batch_tokens=4096, grad_accumulation=2, max_seq_len=256, ttt_steps=3, memory_fraction=0.5)
+    config = TrainConfig(hidden_state_dirs=["x"], vocab_mapping="v", target_path="t", training_dir="d", batch_tokens=4096, grad_accumulation=2, max_seq_len=256, ttt_steps=3, memory_fraction=0.5)
     cpu = torch.device("cpu")
     roomy = plan_micro_batch(draft.config, config, longest=256, device=cpu, bf16=False, free=(2**40, 2**40))
     assert (roomy.batch_tokens, roomy.grad_accumulation, roomy.split) == (4096, 2, 1)
@@ -181,7 +181,7 @@ def test_a_kimi_width_draft_at_depth_7_fits_a_96_gb_card_by_the_defaults():
 
     kimi = DraftConfig(hidden_size=7168, intermediate_size=18432, num_attention_heads=64, num_key_value_heads=64, head_dim=128,
                        vocab_size=163840, draft_vocab_size=32000, target_hidden_size=7168, aux_layer_ids=(2, 30, 58))  # fmt: skip
-    defaults = TrainConfig(["x"], "v", "t", "d")
+    defaults = TrainConfig(hidden_state_dirs=["x"], vocab_mapping="v", target_path="t", training_dir="d")
     settings = dict(activation_checkpointing=defaults.activation_checkpointing, loss_chunk_tokens=defaults.loss_chunk_tokens,
                     target_head_chunk_tokens=defaults.target_head_chunk_tokens)  # fmt: skip
     on = estimate_step_bytes(StepShape.of(kimi, 8192, 2048, 7, bf16=True, **settings))["total"]

@@ -482,13 +482,13 @@ def test_rows_are_checked_against_the_servers_ids_where_the_raw_rows_carry_them(
 def test_a_gates_outcome_reaches_dagster_through_the_one_adapter_and_over_pipes():
     from dagster import AssetCheckSeverity
 
-    from eagle3_assets.check_results import check_result
     from eagle3_assets.core.checks import CheckOutcome
     from eagle3_assets.core.trace_gates import check_truncation_rate_low
+    from eagle3_assets.validated_traces import GATES
 
     outcome = check_truncation_rate_low(10, ["q1", "q2"], 0.05)
     assert (outcome.name, outcome.passed, outcome.figure, outcome.threshold, outcome.offending_ids) == ("truncation_rate_low", False, 0.2, 0.05, ["q1", "q2"])
-    result = check_result(outcome, AssetCheckSeverity.WARN)
+    result = GATES.result(outcome)  # the severity is the table's: truncation_rate_low is advisory
     assert (result.check_name, result.passed, result.severity, result.description) == ("truncation_rate_low", False, AssetCheckSeverity.WARN, outcome.description)
     assert result.metadata["truncation_rate"].value == 0.2 and result.metadata["offending_ids"].value == ["q1", "q2"]
     sent = outcome.pipes_metadata()  # what a GPU stage reports

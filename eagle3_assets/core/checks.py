@@ -2,7 +2,7 @@
 
 The verdict, a one-line description that says what to look at, and the
 evidence the UI shows beside it: the figure the gate measured, its threshold,
-a few offending ids, further counts. :func:`eagle3_assets.check_results.check_result`
+a few offending ids, further counts. :class:`eagle3_assets.check_results.Gates`
 is the one adapter to Dagster's ``AssetCheckResult``; a GPU stage sends the
 same outcome through Dagster Pipes (:meth:`CheckOutcome.pipes_metadata`).
 """
@@ -72,3 +72,10 @@ class CheckOutcome:
         rest = {k: v for k, v in metadata.items() if k != "summary"}
         summary = metadata.get("summary")
         return cls(name, passed, str(getattr(summary, "value", summary)) if summary is not None else "", rest)
+
+
+def share_at_most(name: str, share_name: str, share: float, threshold: float, what: str, **evidence: Any) -> CheckOutcome:
+    """A gate on a share (of rejected rows, say): at most ``threshold``; ``evidence`` follows it in the metadata."""
+    passed = share <= threshold
+    description = "" if passed else f"{share:.1%} of {what}, above the threshold {threshold:.0%}"
+    return CheckOutcome(name, passed, description, {share_name: share, "threshold": threshold, **evidence})

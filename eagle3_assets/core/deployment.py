@@ -21,12 +21,13 @@ import re
 import shlex
 from pathlib import Path
 
+from eagle3_assets.core.shard_paths import SERVING_NOTES
 from eagle3_assets.core.storage import write_bytes_atomic, write_json_atomic
 
 ALIAS_PREFIX = "eagle3-draft-"
 HASH_LENGTH = 12
 ALIAS_PATTERN = re.compile(rf"^{re.escape(ALIAS_PREFIX)}([0-9a-f]{{{HASH_LENGTH}}})$")
-SERVING_README = "SERVING.md"
+SERVING_README = SERVING_NOTES
 SERVING_JSON = "serving.json"
 
 

@@ -26,7 +26,8 @@ from typing import Any
 
 from eagle3_assets.core.draft_model import DraftConfig, Eagle3Draft
 from eagle3_assets.core.draft_model_mla import DEFAULT_QK_ROPE_HEAD_DIM, Eagle3MLADraft, MLADraftConfig
-from eagle3_assets.core.target import text_config, uses_mla
+from eagle3_assets.core.target import text_config
+from eagle3_assets.core.target_serving import uses_mla
 
 LLAMA, DEEPSEEK_MLA, AUTO = "llama", "deepseek_mla", "auto"
 FORMS = (LLAMA, DEEPSEEK_MLA)

@@ -2,7 +2,7 @@
 
 EAGLE-3 trains on the target's residual stream at three auxiliary layers plus
 the final hidden state that the target's ``lm_head`` consumes. This module
-writes them per sample shard in the ``hidden_states`` contract (see DESIGN.md
+writes them per sample shard in the ``hidden_states`` contract (see docs/hidden-states.md
 and :data:`TENSOR_ORDER`), whichever backend computes them:
 
 - :class:`TransformersBackend` (this module): the HF model, bf16 with
@@ -54,7 +54,8 @@ from typing import Any, Protocol
 import torch
 
 from eagle3_assets.core.shard_files import ShardFileError, quarantine, read_shard_parquet
-from eagle3_assets.core.shard_paths import SIDECAR
+from eagle3_assets.core.shard_paths import PART_GLOB, PART_PATTERN, SIDECAR
+from eagle3_assets.core.stage_jobs import ExtractionRecipe
 from eagle3_assets.core.storage import PARTIAL_SUFFIX, atomic_path, file_hash, stable_hash, write_json_atomic
 from eagle3_assets.core.target import TargetError, checked_layer_ids, read_config, text_config
 from eagle3_assets.core.state_layout import (
@@ -67,7 +68,6 @@ from eagle3_assets.core.state_layout import (
 )
 
 FORMAT_VERSION = 1
-PART_PATTERN = "part-{:05d}.safetensors"
 STORAGE_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in STORAGE_DTYPE_BYTES}
 _SAFETENSORS_DTYPE = {
     torch.bfloat16: "BF16",
@@ -485,21 +485,21 @@ class TransformersBackend:
         self,
         target_path: Path | str,
         aux_layer_ids: Sequence[int],
+        recipe: ExtractionRecipe | None = None,
         *,
         device: str | None = None,
         dtype: torch.dtype | None = None,
-        max_batch_tokens: int = 16384,
-        max_batch_size: int = 64,
         trust_remote_code: bool = False,
         model=None,
     ):
+        recipe = recipe or ExtractionRecipe()  # batch sizes: the stage's settings, with their one default
         self.target_path = Path(target_path)
         self.model = model if model is not None else load_target(target_path, device, dtype, trust_remote_code)
         self.decoder, layers, norm = decoder_parts(self.model)
         self.num_layers = len(layers)
         self.aux_layer_ids = validate_layer_ids(aux_layer_ids, self.num_layers)
-        self.max_batch_tokens = int(max_batch_tokens)
-        self.max_batch_size = int(max_batch_size)
+        self.max_batch_tokens = recipe.max_batch_tokens
+        self.max_batch_size = recipe.max_batch_size
         self.input_device = self.decoder.get_input_embeddings().weight.device
         self._captured: dict[int, torch.Tensor] = {}
         self._hooks = []
@@ -738,7 +738,7 @@ def extract_shard(
         emit({"event": "part", "part": part.name, "reused": False, "samples": len(sample_ids)})
 
     planned = {part.name for part in plan}
-    for stale in shard_dir.glob("part-*.safetensors"):
+    for stale in shard_dir.glob(PART_GLOB):
         if stale.name not in planned:
             stale.unlink()
 
@@ -791,7 +791,7 @@ def extract_shard(
 def shard_bytes(shard_dir: Path) -> int:
     """Bytes of a shard as stored: its part files and its sidecar."""
     shard_dir = Path(shard_dir)
-    return sum(p.stat().st_size for p in shard_dir.glob("part-*.safetensors")) + (
+    return sum(p.stat().st_size for p in shard_dir.glob(PART_GLOB)) + (
         (shard_dir / SIDECAR).stat().st_size if (shard_dir / SIDECAR).is_file() else 0
     )
 

@@ -4,7 +4,7 @@ Why a hand-written aiohttp client for the samples and not the ``openai`` SDK:
 the SDK, on its default transport and on its aiohttp one alike, becomes the
 bottleneck at the concurrency a GPU server needs: against an instant stub it
 answers a small fraction of what plain aiohttp does (``bench/generation.py``
-prints both figures). The pre-flight's single canary request does go through
+prints both figures; docs/performance.md). The pre-flight's single canary request does go through
 the SDK (:mod:`.openai_client`). The wire format is exactly OpenAI's chat
 completions either way (:mod:`.completions`), so any server that speaks it works.
 """

@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import urllib.parse
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
+
+from pydantic import ConfigDict
 
 from eagle3_assets.core.job_schema import JobSchema, given, setting
 from eagle3_assets.core.redaction import has_credentials, redact_url
 from eagle3_assets.core.response_rules import DEFAULT_MAX_ATTEMPTS_PER_SAMPLE
 
 
-@dataclass(frozen=True)
 class Sampling(JobSchema):
     """How the target samples; unset fields are left to the server (vLLM's extensions included)."""
+
+    model_config = ConfigDict(frozen=True)
 
     temperature: float = setting(0.6, "sampling temperature (match how the target is served)", ge=0)
     top_p: float = setting(0.95, "nucleus sampling: the smallest set of tokens whose probability reaches top_p", gt=0, le=1)
@@ -27,20 +29,18 @@ class Sampling(JobSchema):
 
     def request_fields(self) -> dict[str, Any]:
         """The fields a request carries: the ones that are set."""
-        return {name: value for name, value in self.to_dict().items() if value is not None}
+        return {name: value for name, value in self.model_dump().items() if value is not None}
 
 
-@dataclass(frozen=True)
-class GenerationConfig(JobSchema):
-    """Everything the client needs; the Dagster resource builds one (``VLLMServerResource.generation_config``)."""
+class GenerationSettings(JobSchema):
+    """How requests are sent, retried and kept: the settings of ``vllm_server`` (the resource is this class and ``Sampling``)."""
 
-    base_urls: tuple[str, ...] = given("base URLs of the servers (no /v1); requests are spread over them")
-    model: str = given("the model name the server serves (vLLM's --served-model-name)")
+    model_config = ConfigDict(frozen=True)
+
     # Never printed, never part of a fingerprint.
     api_key: str | None = setting(None, "bearer token; set it with EnvVar('VLLM_API_KEY'), never as a literal", repr=False)
     concurrency: int = setting(128, "requests in flight per run (per shard being generated)", gt=0)
     max_tokens: int = setting(8192, "completion token limit per request, reasoning included", gt=0)
-    sampling: Mapping[str, Any] = setting(Sampling().request_fields(), "sampling fields of every request (see Sampling)")
     extra_body: Mapping[str, Any] = setting({}, "merged into every request body, e.g. {'chat_template_kwargs': {'thinking': true}}")
     connect_timeout_s: float = setting(10.0, "to open a connection; failures are retried", gt=0)
     read_timeout_s: float = setting(1800.0, "for one whole generation; a read timeout is not retried", gt=0)
@@ -75,7 +75,15 @@ class GenerationConfig(JobSchema):
         "only for a server that refuses unknown request fields; it changes no response and no shard's identity",
     )
 
-    def __post_init__(self) -> None:
+
+class GenerationConfig(GenerationSettings):
+    """Everything the client needs; the Dagster resource builds one (``VLLMServerResource.generation_config``)."""
+
+    base_urls: tuple[str, ...] = given("base URLs of the servers (no /v1); requests are spread over them")
+    model: str = given("the model name the server serves (vLLM's --served-model-name)")
+    sampling: Mapping[str, Any] = setting(Sampling().request_fields(), "sampling fields of every request (see Sampling)")
+
+    def model_post_init(self, _context: Any) -> None:
         if not self.base_urls:
             raise ValueError("vllm_server.base_urls is empty: give at least one server URL")
         for url in self.base_urls:

@@ -49,7 +49,7 @@ from eagle3_assets.core.target_identity import TargetIdentity
 GATES = ("target_matches_traces", "states_finite", "states_match_traces", "final_state_reproduces_logits", "aux_states_match_layer_ids")
 MAX_EXAMPLES = 10
 DEFAULT_MIN_ARGMAX_AGREEMENT = 0.999
-# Stored states of a bf16 engine against an fp32 forward of another engine (transformers). Measured: a demo
+# Stored states of a bf16 engine against an fp32 forward of another engine (transformers). Measured: a tiny-target
 # shard extracted in bf16 on an H200 and in fp32 on a CPU agree on 99.78 % of final-state argmaxes (a dense
 # model); the bf16 MoE tiny Kimi target, vLLM against transformers here: see docs/hidden-states.md. Not a tie
 # bound: bf16 moves every state, and a token routed to other experts moves further.

@@ -11,7 +11,7 @@ recycled pid is not mistaken for the holder), when it was taken and a
 heartbeat the holder refreshes. A second writer:
 
 - finds no lease: creates it (written whole, then renamed into place, under a
-  short ``flock`` on ``<data dir>/.locks/<asset>.leases.guard``, so that two
+  short ``flock`` on ``<lock dir>/<asset>.leases.guard`` (``shard_paths.lock_dir``), so that two
   takers never both win);
 - finds a live holder on this host: fails at once with a message naming the
   holding run, host and pid (failing at once is honest: a wait would hold a
@@ -49,12 +49,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from eagle3_assets.core.shard_paths import lease_path, shard_partials
+from eagle3_assets.core.environment import LEASE_STALE_AFTER_S, LEASE_TAKEOVER
+from eagle3_assets.core.shard_paths import lease_path, lock_dir, shard_partials
 
 GUARD_SUFFIX = ".leases.guard"
-STALE_AFTER_ENV = "EAGLE3_LEASE_STALE_AFTER_S"
-TAKEOVER_ENV = "EAGLE3_LEASE_TAKEOVER"
-DEFAULT_STALE_AFTER_S = 900.0
+TAKEOVER_ENV = LEASE_TAKEOVER.name
 HEARTBEAT_S = 60.0
 
 # What lease_state() says about an existing lease.
@@ -98,10 +97,10 @@ def lease_state(record: Mapping[str, Any] | None, *, now: float | None = None, s
     if not record.get("host") or not isinstance(record.get("pid"), int):
         return DEAD  # a record that cannot name a holder names no live one
     if record["host"] != socket.gethostname():
-        takeover = {h.strip() for h in os.environ.get(TAKEOVER_ENV, "").split(",") if h.strip()}
+        takeover = set(LEASE_TAKEOVER.get())
         if "*" in takeover or record["host"] in takeover:
             return STALE
-        limit = stale_after_s if stale_after_s is not None else float(os.environ.get(STALE_AFTER_ENV) or DEFAULT_STALE_AFTER_S)
+        limit = stale_after_s if stale_after_s is not None else LEASE_STALE_AFTER_S.get()
         beat = float(record.get("heartbeat_at") or record.get("started_at_s") or 0)
         return STALE if (now or time.time()) - beat > limit else REMOTE
     ticks = process_start_ticks(record["pid"])
@@ -233,8 +232,8 @@ class ShardLease:
         os.replace(tmp, self.path)
 
     def _guard(self):
-        # Beside the stage locks (<data dir>/.locks/), not among the shard's files: an asset's directory holds its outputs.
-        locks = self.asset_dir.parent / ".locks"
+        # Beside the stage locks (the one lock directory), not among the shard's files: an asset's directory holds its outputs.
+        locks = lock_dir(self.asset_dir.parent)
         locks.mkdir(parents=True, exist_ok=True)
         return _Guard(locks / f"{self.asset_dir.name}{GUARD_SUFFIX}")
 

@@ -12,6 +12,17 @@ partition key, ``shard-00003``) its files there::
     <data>/<asset>/<shard>/                           a shard of many files (hidden_states' parts) ...
     <data>/<asset>/<shard>/metadata.json              ... and its sidecar, written last
     <data>/<asset>/.<shard>.*.partial                 temporary files, renamed into place when whole
+    <data>/.locks/                                    stage locks and lease guards ($EAGLE3_LOCK_DIR, gpu_host.lock_dir)
+
+and the assets over all shards (:class:`DatasetPaths`)::
+
+    <data>/vocab_mapping/vocab_mapping.safetensors
+    <data>/draft_checkpoint/model/                    the exported draft (config.json, model.safetensors, SERVING.md)
+    <data>/draft_checkpoint/training/                 checkpoints, history.json, result.json
+    <data>/draft_checkpoint/loads_in_vllm.log
+    <data>/draft_evaluation/report.json, eval_prompts.jsonl
+
+Every file name of the platform is spelled here, and only here.
 
 A GPU stage is sent the same paths relative to the data directory
 (:meth:`ShardPaths.relative`) and resolves them against its host's own.
@@ -24,6 +35,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from eagle3_assets.core.environment import DATA_DIR, LOCK_DIR
+
 PARTIAL_SUFFIX = ".partial"  # temporary files and directories (core.storage.atomic_path, staging_dir)
 PARQUET_SUFFIX = ".parquet"
 REJECTED_SUFFIX = ".rejected.parquet"
@@ -32,6 +45,31 @@ JOURNAL_SUFFIX = ".journal.jsonl"
 LEASE_SUFFIX = ".lease"
 SUPERSEDED_DIR = "superseded"
 SIDECAR = "metadata.json"
+PART_PATTERN = "part-{:05d}.safetensors"  # hidden_states' parts, in order
+PART_GLOB = "part-*.safetensors"
+LOCKS_DIR = ".locks"
+VOCAB_MAPPING_FILE = "vocab_mapping.safetensors"
+HISTORY_FILE = "history.json"  # the training run's per-step losses
+RESULT_FILE = "result.json"  # the training run's summary
+SERVING_NOTES = "SERVING.md"  # beside the exported draft: how to serve it
+LOADS_IN_VLLM_LOG = "loads_in_vllm.log"
+EVALUATION_REPORT = "report.json"
+EVAL_PROMPTS_FILE = "eval_prompts.jsonl"
+
+
+def data_dir() -> Path:
+    """The root of all asset outputs: ``$EAGLE3_DATA_DIR``, else ``./data``."""
+    return Path(DATA_DIR.get()).resolve()
+
+
+def lock_dir(root: Path | str | None = None) -> Path:
+    """Where this machine's stage locks and lease guards live: ``$EAGLE3_LOCK_DIR``, else ``<root>/.locks``.
+
+    ``root``: the data directory (default this process's). On the GPU host the stage process gets
+    ``EAGLE3_LOCK_DIR`` from ``gpu_host.lock_dir``, so its shard leases and its stage lock share the one setting.
+    """
+    chosen = LOCK_DIR.get()
+    return Path(chosen) if chosen else Path(root or data_dir()) / LOCKS_DIR
 
 
 def lease_path(asset_dir: Path | str, shard: str) -> Path:
@@ -59,19 +97,13 @@ def training_shards(asset_dir: Path | str) -> list[Path]:
     return sorted(p for p in Path(asset_dir).glob(f"shard-*{PARQUET_SUFFIX}") if not p.name.endswith((REJECTED_SUFFIX, HELDOUT_SUFFIX)))
 
 
-def _data_dir() -> Path:
-    from eagle3_assets.core.storage import data_dir  # polars beside it: not for the pre-flight
-
-    return data_dir()
-
-
 @dataclass(frozen=True)
 class ShardPaths:
     """The files of one shard of one asset, under ``root`` (the data directory, read when made)."""
 
     asset: str
     shard: str
-    root: Path = field(default_factory=lambda: _data_dir())
+    root: Path = field(default_factory=data_dir)
 
     @classmethod
     def relative(cls, asset: str, shard: str) -> ShardPaths:
@@ -125,3 +157,47 @@ class ShardPaths:
 
     def partials(self) -> list[Path]:
         return shard_partials(self.asset_dir, self.shard)
+
+
+@dataclass(frozen=True)
+class DatasetPaths:
+    """The files of the assets made over all shards, under ``root`` (the data directory, read when made)."""
+
+    root: Path = field(default_factory=data_dir)
+
+    @property
+    def vocab_mapping(self) -> Path:
+        return self.root / "vocab_mapping" / VOCAB_MAPPING_FILE
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.root / "draft_checkpoint"
+
+    @property
+    def draft_model(self) -> Path:
+        """The exported draft, the directory vLLM loads."""
+        return self.checkpoint_dir / "model"
+
+    @property
+    def training_dir(self) -> Path:
+        return self.checkpoint_dir / "training"
+
+    @property
+    def history(self) -> Path:
+        return self.training_dir / HISTORY_FILE
+
+    @property
+    def loads_in_vllm_log(self) -> Path:
+        return self.checkpoint_dir / LOADS_IN_VLLM_LOG
+
+    @property
+    def evaluation_dir(self) -> Path:
+        return self.root / "draft_evaluation"
+
+    @property
+    def evaluation_report(self) -> Path:
+        return self.evaluation_dir / EVALUATION_REPORT
+
+    @property
+    def eval_prompts(self) -> Path:
+        return self.evaluation_dir / EVAL_PROMPTS_FILE

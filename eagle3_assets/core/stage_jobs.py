@@ -1,17 +1,18 @@
 """The GPU stages' jobs: what ``extract_hidden_states``, ``train_draft`` and ``evaluate_draft`` are told.
 
-Each asset builds its stage's job, sends ``job.to_dict()`` as the Pipes extras
-(JSON), and the stage reads it back with ``Job.from_dict(extras)``: an unknown,
-missing or mistyped key is refused there, naming the key. Every setting has its
-one default and description here; the assets' Dagster ``Config`` classes take
-theirs from these fields (see :mod:`eagle3_assets.config_fields`). Fields made
-with :func:`given` are filled in by the asset (paths, the target, the shard).
+Pydantic models (:mod:`eagle3_assets.core.job_schema`). A stage's user-facing
+settings are one model (``ExtractionRecipe``, ``EvaluationRecipe``): the
+asset's Dagster ``Config`` class *is* that model with Dagster's base mixed in
+(``class HiddenStatesConfig(ExtractionRecipe, Config)``), and the job is that
+model plus the fields the asset fills in with :func:`given` (paths, the target,
+the shard). The asset sends ``job.model_dump()`` as the Pipes extras (JSON),
+and the stage reads it back with ``Job.from_dict(extras)`` (strict
+``model_validate``): an unknown, missing or mistyped key is refused there,
+naming the key. Every setting has its one default, description and limits here.
 Dagster-free.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 from eagle3_assets.core.job_schema import JobSchema, given, setting
 from eagle3_assets.core.speculation_depth import DEFAULT_DRAFT_COST_RATIO, DEFAULT_K_VALUES
@@ -22,9 +23,8 @@ from eagle3_assets.core.training.config import TrainConfig
 EVAL_MAX_TOKENS = 128  # completion tokens per held-out prompt: enough decode steps to measure acceptance
 
 
-@dataclass
 class StageTarget(JobSchema):
-    """The target as the orchestrator configured it (``TargetModel.stage_target``)."""
+    """The target as the orchestrator configured it (``TargetModel.stage_extras``)."""
 
     path: str = given("the target's HF directory on the GPU host")
     trust_remote_code: bool = given("load the target's own modelling and tokenizer code")
@@ -32,7 +32,6 @@ class StageTarget(JobSchema):
     config_hash: str = given("what the orchestrator saw; the stage records the identity of the model it loads itself")
 
 
-@dataclass
 class ExtractionRecipe(JobSchema):
     """How states are extracted and gated: ``hidden_states``' settings, shared by offline and bounded-disk mode."""
 
@@ -60,9 +59,15 @@ class ExtractionRecipe(JobSchema):
     )
 
 
-# kw_only: the shard's fields come after the recipe's defaults.
-@dataclass(kw_only=True)
-class ExtractionJob(ExtractionRecipe):
+class ShardRerun(JobSchema):
+    """What a rerun of an already extracted shard does (offline mode only: bounded mode extracts anew every epoch)."""
+
+    recompute: bool = setting(
+        False, "discard the shard's stored files and extract it again (a rerun otherwise keeps durable parts and re-checks them)"
+    )
+
+
+class ExtractionJob(ShardRerun, ExtractionRecipe):
     """One shard's hidden states (``extract_hidden_states``); paths relative to ``$EAGLE3_DATA_DIR`` on the host, or absolute."""
 
     shard: str = given("the shard's partition key")
@@ -71,9 +76,6 @@ class ExtractionJob(ExtractionRecipe):
     target: StageTarget = given("the target to extract from")
     data_version: str = given("reported with the materialisation")
     check_seed: int = given("seed of the gates' sampling (from the shard's key: shard_check_seed)")
-    recompute: bool = setting(
-        False, "discard the shard's stored files and extract it again (a rerun otherwise keeps durable parts and re-checks them)"
-    )
 
 
 def shard_check_seed(key: str) -> int:
@@ -81,7 +83,6 @@ def shard_check_seed(key: str) -> int:
     return int(stable_hash(key, 8), 16)
 
 
-@dataclass
 class ExportGates(JobSchema):
     """What the export's gates compare the draft with, run on the GPU host because ``loads_in_vllm`` serves the target."""
 
@@ -98,7 +99,6 @@ class BoundedModeError(ValueError):
     """The bounded-disk settings cannot run; the message names the setting and what is wrong."""
 
 
-@dataclass
 class HiddenStatesSource(JobSchema):
     """Where ``draft_checkpoint`` takes its hidden states from (its launchpad's choice of stage)."""
 
@@ -110,7 +110,6 @@ class HiddenStatesSource(JobSchema):
     )
 
 
-@dataclass
 class StreamedShard(JobSchema):
     """One shard whose states bounded-disk training extracts, every epoch."""
 
@@ -119,7 +118,6 @@ class StreamedShard(JobSchema):
     data_version: str = given("what hidden_states would record for this shard's states (traces' version, target, layers, backend, dtype)")
 
 
-@dataclass
 class BoundedRun(JobSchema):
     """Bounded-disk training's batch source (:mod:`eagle3_assets.core.training.streamed`): the states streamed through a window of shards."""
 
@@ -156,7 +154,6 @@ def mode_problems(mode: str, window_shards: int, checkpoint_every_steps: int = 1
     return problems
 
 
-@dataclass
 class TrainingJob(JobSchema):
     """Train the draft, export it in vLLM's form and run its gates (``train_draft``, both hidden-state modes)."""
 
@@ -173,15 +170,9 @@ class TrainingJob(JobSchema):
     )
 
 
-@dataclass
-class EvaluationJob(JobSchema):
-    """Acceptance length of the trained draft and of a baseline, through vLLM (``evaluate_draft``)."""
+class EvaluationRecipe(JobSchema):
+    """How the drafts are served and judged: ``draft_evaluation``'s settings (its Dagster config is this class)."""
 
-    target_dir: str = given("the target's HF directory")
-    target_trust_remote_code: bool = given("how vLLM loads the target")
-    draft_dir: str = given("the exported draft")
-    eval_prompts: str = given("the held-out prompt set (JSONL/Parquet) served")
-    report_path: str = given("where the JSON report goes (written atomically)")
     max_model_len: int = setting(0, "vLLM's max_model_len for the evaluation servers; 0: the target's context, up to 16,384", ge=0)
     k_values: list[int] = setting(
         list(DEFAULT_K_VALUES),
@@ -202,3 +193,13 @@ class EvaluationJob(JobSchema):
     concurrency: int = setting(8, "requests in flight")
     floor: float = setting(2.0, "acceptance_above_floor fails (ERROR) below this mean acceptance length")
     baseline: str = setting("untrained", "'untrained' (random draft of the same shape) or the checkpoint training started from")
+
+
+class EvaluationJob(EvaluationRecipe):
+    """Acceptance length of the trained draft and of a baseline, through vLLM (``evaluate_draft``)."""
+
+    target_dir: str = given("the target's HF directory")
+    target_trust_remote_code: bool = given("how vLLM loads the target")
+    draft_dir: str = given("the exported draft")
+    eval_prompts: str = given("the held-out prompt set (JSONL/Parquet) served")
+    report_path: str = given("where the JSON report goes (written atomically)")

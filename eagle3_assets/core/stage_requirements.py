@@ -14,7 +14,7 @@ from eagle3_assets.core.preflight import STAGE_PACKAGE
 
 MIB = 1 << 20
 # Modules every stage needs besides its own: the Pipes protocol that carries its results back.
-BASE_MODULES = ("dagster_pipes",)
+BASE_MODULES = ("dagster_pipes", "pydantic")  # every stage reads its job with pydantic (core/job_schema.py)
 UNIT_STATES = ("active", "inactive")
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
 

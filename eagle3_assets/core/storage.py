@@ -19,14 +19,10 @@ from typing import Any
 
 import polars as pl
 
-from eagle3_assets.core.shard_paths import PARTIAL_SUFFIX
+from eagle3_assets.core.environment import DATA_DIR
+from eagle3_assets.core.shard_paths import PARTIAL_SUFFIX, data_dir
 
-DATA_DIR_ENV = "EAGLE3_DATA_DIR"
-
-
-def data_dir() -> Path:
-    """The root of all asset outputs: ``$EAGLE3_DATA_DIR``, else ``./data``."""
-    return Path(os.environ.get(DATA_DIR_ENV) or "data").resolve()
+DATA_DIR_ENV = DATA_DIR.name
 
 
 def asset_dir(asset_name: str, root: Path | None = None) -> Path:

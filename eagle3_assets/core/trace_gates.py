@@ -125,7 +125,7 @@ def check_request_errors_rare(raw_rows: int, error_ids: Sequence[str], errors_by
         threshold=max_share,
         offending_ids=_first(error_ids),
         description=description,
-        counts={"requests": sent, "request_errors": len(error_ids)},
+        counts={"requests": sent, "request_errors": len(error_ids), "prompts_too_long": prompts_too_long},
     )
 
 

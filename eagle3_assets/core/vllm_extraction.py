@@ -49,6 +49,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 )
 
 from eagle3_assets.core.extraction import TargetFacts, validate_layer_ids
+from eagle3_assets.core.stage_jobs import ExtractionRecipe
 
 CONNECTOR_MODULE = __name__
 CONNECTOR_CLASS = "SyncHiddenStatesConnector"
@@ -102,14 +103,10 @@ class VLLMBackend:
         self,
         target_path: Path | str,
         aux_layer_ids: Sequence[int],
+        recipe: ExtractionRecipe | None = None,
         *,
-        dtype: str = "auto",
         max_model_len: int = 4096,
-        max_batch_tokens: int = 65536,
         max_batch_requests: int = 256,
-        tensor_parallel_size: int = 1,
-        gpu_memory_utilization: float = 0.9,
-        enforce_eager: bool | None = None,
         scratch_dir: Path | str | None = None,
         seed: int = 0,
         engine_in_process: bool | None = None,
@@ -126,7 +123,8 @@ class VLLMBackend:
         # vLLM returns the states in layer order; the final state is id L.
         self.engine_layer_ids = sorted(set(self.aux_layer_ids) | {facts.num_layers})
         self.max_model_len = int(max_model_len)
-        self.max_batch_tokens = int(max_batch_tokens)
+        recipe = recipe or ExtractionRecipe()  # dtype, batching, parallelism: the stage's settings, with their one default
+        self.max_batch_tokens = recipe.max_batch_tokens
         self.max_batch_requests = int(max_batch_requests)
         self._owns_scratch = scratch_dir is None
         self.scratch_dir = Path(scratch_dir or tempfile.mkdtemp(prefix="eagle3-vllm-hidden-states-"))
@@ -134,13 +132,13 @@ class VLLMBackend:
         on_cpu = not torch.cuda.is_available()
         engine_args: dict[str, Any] = {
             "model": str(self.target_path),
-            "dtype": dtype,
+            "dtype": recipe.vllm_dtype,
             "max_model_len": self.max_model_len,
-            "tensor_parallel_size": tensor_parallel_size,
-            "gpu_memory_utilization": gpu_memory_utilization,
+            "tensor_parallel_size": recipe.vllm_tensor_parallel_size,
+            "gpu_memory_utilization": recipe.vllm_gpu_memory_utilization,
             # A cached prefix is not recomputed, so its states would never reach the connector.
             "enable_prefix_caching": False,
-            "enforce_eager": on_cpu if enforce_eager is None else enforce_eager,
+            "enforce_eager": on_cpu if recipe.vllm_enforce_eager is None else recipe.vllm_enforce_eager,
             "skip_tokenizer_init": True,
             "trust_remote_code": trust_remote_code,
             "seed": seed,

@@ -10,7 +10,9 @@ and it is stopped on exit, on Ctrl-C and when a test fails (context manager).
 
 from __future__ import annotations
 
+import argparse
 import ctypes
+import json
 import os
 import signal
 import socket
@@ -21,9 +23,6 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
-
-DEFAULT_SERVED_NAME = "tiny-reasoner"
-
 
 def _die_with_parent() -> None:
     """In the child, before exec: ask Linux to SIGTERM the server if its launcher dies.
@@ -86,9 +85,9 @@ class VLLMServer:
     def __init__(
         self,
         model: str | Path,
-        served_model_name: str = DEFAULT_SERVED_NAME,
+        served_model_name: str | None = None,
         port: int | None = None,
-        reasoning_parser: str | None = "deepseek_r1",
+        reasoning_parser: str | None = None,
         max_model_len: int = 4096,
         dtype: str = "float32",
         trust_remote_code: bool = False,
@@ -100,7 +99,9 @@ class VLLMServer:
         fast_start: bool = True,
     ):
         self.model = str(model)
-        self.served_model_name = served_model_name
+        # Unset: what vLLM itself serves under, the --model value. Nothing here assumes a target: the
+        # parser (None: no reasoning split) and the name are the caller's, who knows the target.
+        self.served_model_name = served_model_name or self.model
         self.port = port or free_port()
         self.reasoning_parser = reasoning_parser
         self.max_model_len = max_model_len
@@ -185,3 +186,39 @@ class VLLMServer:
 
     def __exit__(self, *exc_info) -> None:
         self.stop()
+
+
+def serve_until_stopped(server: VLLMServer) -> None:
+    """Start ``server``, print one JSON line (URL, served model name, log file), serve until Ctrl-C or SIGTERM."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # turn SIGTERM into the cleanup path
+    with server:
+        print(json.dumps({"base_url": server.base_url, "model": server.served_model_name, "log": str(server.log_path)}), flush=True)
+        try:
+            while server.process and server.process.poll() is None:
+                time.sleep(1)
+        except KeyboardInterrupt:
+            pass
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``eagle3-vllm-serve MODEL_DIR``: serve a model directory with vLLM on a loopback port until Ctrl-C."""
+    parser = argparse.ArgumentParser(prog="eagle3-vllm-serve", description="Serve a model directory with vLLM until Ctrl-C.")
+    parser.add_argument("model", help="the model's HF directory")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--served-model-name", default=None, help="default: the model directory, as vLLM names it")
+    parser.add_argument("--reasoning-parser", default=None, help="vLLM's reasoning parser of the target's family (deepseek_r1, qwen3, kimi_k2, ...)")
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--dtype", default="float32", help="vLLM's --dtype")
+    parser.add_argument("--trust-remote-code", action="store_true", help="let vLLM run the model directory's own code (e.g. its tokenizer)")
+    parser.add_argument("extra", nargs=argparse.REMAINDER, help="arguments passed to vLLM after --")
+    args = parser.parse_args(argv)
+    serve_until_stopped(
+        VLLMServer(
+            args.model, args.served_model_name, port=args.port, reasoning_parser=args.reasoning_parser, max_model_len=args.max_model_len,
+            dtype=args.dtype, trust_remote_code=args.trust_remote_code, extra_args=[a for a in args.extra if a != "--"],
+        )
+    )  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

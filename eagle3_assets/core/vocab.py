@@ -21,9 +21,10 @@ import polars as pl
 import torch
 from safetensors.torch import load_file, save_file
 
+from eagle3_assets.core.shard_paths import VOCAB_MAPPING_FILE
 from eagle3_assets.core.storage import atomic_path, write_json_atomic
 
-MAPPING_FILE = "vocab_mapping.safetensors"
+MAPPING_FILE = VOCAB_MAPPING_FILE
 SUMMARY_FILE = "vocab_mapping.json"
 
 

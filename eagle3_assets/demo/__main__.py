@@ -18,6 +18,7 @@ import time
 
 from dagster import DagsterInstance
 
+from eagle3_assets.core.shard_paths import DatasetPaths
 from eagle3_assets.core.storage import data_dir
 from eagle3_assets.core.vllm_launcher import VLLMServer
 from eagle3_assets.demo.pipeline import run_per_shard, run_whole_dataset
@@ -52,7 +53,7 @@ def main() -> int:
     print(f"demo: done in {time.monotonic() - started:.0f}s; outputs under {data_dir()}:")
     for path in sorted(p for p in data_dir().iterdir() if p.is_dir() and p.name != "demo"):
         print(f"  {path}/ ({sum(1 for _ in path.iterdir())} files)")
-    report = json.loads((data_dir() / "draft_evaluation" / "report.json").read_text())
+    report = json.loads(DatasetPaths().evaluation_report.read_text())
     for label in ("trained", "baseline"):
         result = report["results"][label]
         print(f"demo: mean acceptance length, {label} draft: {result['mean_acceptance_length']:.2f} at {report['num_speculative_tokens']} speculative tokens")

@@ -38,7 +38,10 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
-FAULT_ENV = "EAGLE3_GPU_CHECK_FAULT"
+from eagle3_assets.core.environment import ALLOW_CPU, TARGET_MODEL
+from eagle3_assets.demo.environment import GPU_CHECK_FAULT, TINY_TARGET_DIR
+
+FAULT_ENV = GPU_CHECK_FAULT.name
 LAYER_IDS = [2, 3, 4]
 
 
@@ -109,14 +112,14 @@ def _reset_peak(device: str) -> None:
 
 def extraction(ctx: Context, backend: str) -> Row:
     from eagle3_assets.core.stage_jobs import ExtractionJob, StageTarget
-    from eagle3_assets.core.target import target_identity
+    from eagle3_assets.core.target_identity import target_identity
     from eagle3_assets.demo.tiny_target import ensure_tiny_target
     from eagle3_assets.demo.validated_traces import write_validated_traces
     from eagle3_assets.stages.extract_hidden_states import run
 
     row = Row(f"extraction ({backend})")
     # The tiny target of $EAGLE3_TINY_TARGET_DIR when one is cached there (a build takes minutes), else built here.
-    cached = os.environ.get("EAGLE3_TINY_TARGET_DIR")
+    cached = TINY_TARGET_DIR.get()
     target = ctx.state.get("target") or ensure_tiny_target(Path(cached) if cached else ctx.work / "tiny_target", log=lambda line: None)
     ctx.state["target"] = target
     traces = ctx.state.get("traces") or write_validated_traces(ctx.work / "data", "shard-00000", target, count=ctx.args.samples)
@@ -200,7 +203,7 @@ def loads_in_vllm(ctx: Context) -> Row:
 def bench(ctx: Context) -> Row:
     from eagle3_assets.core.training import throughput
 
-    target = ctx.args.target or os.environ.get("EAGLE3_TARGET_MODEL")
+    target = ctx.args.target or TARGET_MODEL.get()
     argv = ["--device", ctx.device, "--ttt", str(ctx.args.bench_depth), "--steps", str(ctx.args.bench_steps), "--warmup", "1", "--plan"]
     argv += ["--target", target] if target else ["--preset", ctx.args.bench_preset]
     if not ctx.device.startswith("cuda"):
@@ -229,7 +232,7 @@ def check(ctx: Context) -> list[Row]:
     """Every path's row, in order: run, failed, or skipped with the reason."""
     rows: list[Row] = []
     outcome: dict[str, str] = {}
-    fault = os.environ.get(FAULT_ENV)
+    fault = GPU_CHECK_FAULT.get()
     for name, path, needs, needs_vllm in PATHS:
         if ctx.device is None:
             row = Row(name, detail="no CUDA device on this host (torch.cuda.is_available() is False): CUDA path not run")
@@ -269,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
 
     device = "cuda" if torch.cuda.is_available() else ("cpu" if args.allow_cpu else None)
     if device == "cpu":
-        os.environ["EAGLE3_ALLOW_CPU"] = "1"  # the stages refuse a CPU unless told
+        os.environ[ALLOW_CPU.name] = "1"  # the stages refuse a CPU unless told
     if device == "cpu" and args.bench_preset == "kimi-k2" and not args.target:
         args.bench_preset = "tiny"  # a Kimi-width step takes minutes on a CPU: the self-test checks the path, not the figure
     with tempfile.TemporaryDirectory(prefix="eagle3-gpu-check-") as tmp:

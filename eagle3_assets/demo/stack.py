@@ -10,10 +10,10 @@ target, of the DeepSeek-V3 / Kimi-K2 family (about two minutes to build), and
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from eagle3_assets.core.storage import data_dir
+from eagle3_assets.demo.environment import KIMI_TARGET_DIR, QWEN3_TARGET_DIR, TINY_TARGET_DIR
 from eagle3_assets.demo.kimi_target import KimiTargetSpec, ensure_kimi_target
 from eagle3_assets.demo.prompt_set import demo_prompts, eval_prompts, write_jsonl
 from eagle3_assets.demo.qwen3_target import Qwen3TargetSpec, ensure_qwen3_target
@@ -23,17 +23,17 @@ __all__ = ["demo_eval_prompts_path", "demo_prompts_path", "kimi_target_dir", "qw
 
 
 def tiny_target_dir(spec: TinyTargetSpec = TinyTargetSpec(), log=print) -> Path:
-    override = os.environ.get("EAGLE3_TINY_TARGET_DIR")
+    override = TINY_TARGET_DIR.get()
     return ensure_tiny_target(Path(override) if override else data_dir() / "demo" / "tiny_target", spec, log=log)
 
 
 def kimi_target_dir(spec: KimiTargetSpec = KimiTargetSpec(), log=print) -> Path:
-    override = os.environ.get("EAGLE3_KIMI_TARGET_DIR")
+    override = KIMI_TARGET_DIR.get()
     return ensure_kimi_target(Path(override) if override else data_dir() / "demo" / "kimi_target", spec, log=log)
 
 
 def qwen3_target_dir(spec: Qwen3TargetSpec = Qwen3TargetSpec(), log=print) -> Path:
-    override = os.environ.get("EAGLE3_QWEN3_TARGET_DIR")
+    override = QWEN3_TARGET_DIR.get()
     return ensure_qwen3_target(Path(override) if override else data_dir() / "demo" / "qwen3_target", spec, log=log)
 
 

@@ -39,10 +39,11 @@ from pathlib import Path
 
 from eagle3_assets.core.storage import staging_dir, write_json_atomic
 from eagle3_assets.demo.prompt_set import demo_prompts, eval_prompts, training_traces
+from eagle3_assets.demo.environment import ACCEPT_TARGET_FINGERPRINT
 
 BUILD_INFO = "build_info.json"
 RECORDED_FINGERPRINTS = Path(__file__).with_name("target_fingerprints.json")
-ACCEPT_UNRECORDED_ENV = "EAGLE3_ACCEPT_TARGET_FINGERPRINT"  # 1: use a build whose greedy outputs differ from the recorded
+ACCEPT_UNRECORDED_ENV = ACCEPT_TARGET_FINGERPRINT.name  # 1: use a build whose greedy outputs differ from the recorded
 
 # Each built-in target: (its module, its build function, its spec class, whether its tokenizer is remote code).
 BUILT_TARGETS = {
@@ -328,7 +329,7 @@ def checked_build(name: str, out_dir: Path, spec, log: Callable[[str], None] = p
             if info["greedy_token_ids"] == recorded:
                 return out_dir
         difference = fingerprint_difference(info["greedy_token_ids"], recorded)
-        if os.environ.get(ACCEPT_UNRECORDED_ENV) == "1":
+        if ACCEPT_TARGET_FINGERPRINT.get():
             log(f"{name} target at {out_dir}: {difference}; used anyway ({ACCEPT_UNRECORDED_ENV}=1)")
             return out_dir
         log(f"{name} target at {out_dir}: {difference}; rebuilding")
@@ -339,7 +340,7 @@ def checked_build(name: str, out_dir: Path, spec, log: Callable[[str], None] = p
             "`python -m eagle3_assets.demo.target_building record`)")  # fmt: skip
         return out_dir
     difference = fingerprint_difference(info["greedy_token_ids"], recorded)
-    if difference and os.environ.get(ACCEPT_UNRECORDED_ENV) != "1":
+    if difference and not ACCEPT_TARGET_FINGERPRINT.get():
         raise TargetBuildError(
             f"the {name} target built at {out_dir} does not do what was recorded for its spec: {difference}. The build's "
             f"arithmetic is pinned ({BUILD_ENVIRONMENT}), so this CPU computes differently; tests that depend on what the "

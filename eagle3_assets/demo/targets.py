@@ -15,14 +15,17 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from resources.target_model import TargetModel
 
-DEMO_TARGET_ENV = "EAGLE3_DEMO_TARGET"
+from eagle3_assets.demo.environment import DEMO_TARGET
+
+DEMO_TARGET_ENV = DEMO_TARGET.name
+# How the tiny target is served: its name in the demo's requests, and the parser of its <think> markup.
+TINY_SERVING = {"served_model_name": "tiny-reasoner", "reasoning_parser": "deepseek_r1"}
 
 
 @dataclass(frozen=True)
@@ -59,7 +62,7 @@ def _tiny_target_model() -> TargetModel:
 
 
 DEMO_TARGETS = {
-    "tiny": DemoTarget("tiny", _tiny_dir, _tiny_target_model),
+    "tiny": DemoTarget("tiny", _tiny_dir, _tiny_target_model, serving=TINY_SERVING),
     # A user's own target in all but origin: its real path, remote code opted in, prompts held out of its dataset.
     "kimi": DemoTarget(
         "kimi", _kimi_dir, lambda: TargetModel(path=str(_kimi_dir()), trust_remote_code=True), serving=_kimi_serving(), holdout_share=0.1
@@ -68,7 +71,7 @@ DEMO_TARGETS = {
 
 
 def selected_demo_target() -> DemoTarget:
-    name = os.environ.get(DEMO_TARGET_ENV) or "tiny"
+    name = DEMO_TARGET.get()
     if name not in DEMO_TARGETS:
         raise ValueError(f"{DEMO_TARGET_ENV}={name!r}: one of {sorted(DEMO_TARGETS)}")
     return DEMO_TARGETS[name]

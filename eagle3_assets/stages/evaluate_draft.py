@@ -16,6 +16,7 @@ rewrites the draft's serving notes (``SERVING.md``) with the recommended k.
 
 from __future__ import annotations
 
+from eagle3_assets.core.shard_paths import SERVING_NOTES
 from eagle3_assets.core.stage_jobs import EvaluationJob
 
 STAGE = "evaluate_draft"
@@ -175,7 +176,7 @@ def main() -> None:
                 "speedup": round(speedup, 3),
                 "speedup_note": CPU_NOTE,
                 "report": {"raw_value": str(report_path), "type": "path"},
-                "serving_notes": {"raw_value": str(draft_dir / "SERVING.md"), "type": "path"},
+                "serving_notes": {"raw_value": str(draft_dir / SERVING_NOTES), "type": "path"},
             },
             data_version=stable_hash({"report": report["results"], "draft": str(draft_dir), "k_values": k_values}),
         )

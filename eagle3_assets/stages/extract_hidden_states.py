@@ -13,13 +13,13 @@ results back. Each check's ``summary`` metadata is its one-line verdict.
 
 from __future__ import annotations
 
-import os
 import resource
 import shutil
 import time
 from pathlib import Path
 from typing import Any
 
+from eagle3_assets.core.environment import ALLOW_CPU
 from eagle3_assets.core.stage_jobs import ExtractionJob, ExtractionRecipe, StageTarget
 
 STAGE = "extract_hidden_states"
@@ -75,8 +75,7 @@ def make_backend(job: ExtractionRecipe, target: StageTarget, traces):
         return TransformersBackend(
             target.path,
             target.aux_layer_ids,
-            max_batch_tokens=job.max_batch_tokens,
-            max_batch_size=job.max_batch_size,
+            job,
             trust_remote_code=target.trust_remote_code,
         )
     if job.backend == "vllm":
@@ -88,12 +87,8 @@ def make_backend(job: ExtractionRecipe, target: StageTarget, traces):
         return VLLMBackend(
             target.path,
             target.aux_layer_ids,
-            dtype=job.vllm_dtype,
+            job,
             max_model_len=max_model_len,
-            max_batch_tokens=job.max_batch_tokens,
-            tensor_parallel_size=job.vllm_tensor_parallel_size,
-            gpu_memory_utilization=job.vllm_gpu_memory_utilization,
-            enforce_eager=job.vllm_enforce_eager,
             trust_remote_code=target.trust_remote_code,
             engine_kwargs=vllm_engine_overrides(target.path),
         )
@@ -125,7 +120,7 @@ def run(job: ExtractionJob, log=print, run_id: str | None = None) -> tuple[dict[
     from eagle3_assets.core.shard_lease import ShardLease
     from eagle3_assets.core.target_identity import identity_in_parquet, target_identity
 
-    if not torch.cuda.is_available() and os.environ.get("EAGLE3_ALLOW_CPU", "1") != "1":
+    if not torch.cuda.is_available() and not ALLOW_CPU.get():
         raise RuntimeError(f"{STAGE}: no CUDA device on this host and EAGLE3_ALLOW_CPU is not 1: refusing to run on CPU")
     if job.cpu_threads > 0:
         torch.set_num_threads(job.cpu_threads)

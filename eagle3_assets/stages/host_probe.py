@@ -26,6 +26,7 @@ STAGE = "host_probe"
 
 def probe(modules: list[str]) -> dict:
     from eagle3_assets.core.preflight import import_module_version, query_gpus
+    from eagle3_assets.core.shard_paths import lock_dir
 
     versions, errors = {}, {}
     for name in modules:
@@ -45,6 +46,8 @@ def probe(modules: list[str]) -> dict:
         "gpu_note": gpu_note,
         # Set by sshd in the stage's session: shows the stage really ran at the far end of SSH.
         "ssh_connection": os.environ.get("SSH_CONNECTION", ""),
+        # Where this host's stages take their shard leases (gpu_host.lock_dir, handed to every stage).
+        "lock_dir": str(lock_dir()),
     }
     if "torch" in modules and "torch" not in errors:
         import torch
@@ -83,6 +86,7 @@ def main() -> None:
             "gpu_count": len(report["gpus"]),
             "gpus": {"raw_value": report["gpus"], "type": "json"},
             "ssh_connection": report["ssh_connection"],
+            "lock_dir": report["lock_dir"],
         }
         if context.is_asset_step:
             context.report_asset_materialization(metadata=metadata, data_version=stable_hash(report))

@@ -183,14 +183,13 @@ def export_and_gate(job: TrainingJob, result: dict, log) -> dict:
 def with_chosen_form(job: TrainingJob, log) -> tuple[TrainingJob, dict]:
     """The job with its draft form decided on this host (``auto`` resolved, an unservable form refused before training),
     and the choice as metadata: the form, why, and the vLLM facts it was decided from."""
-    from dataclasses import replace
 
     from eagle3_assets.core.draft_forms import choose_training_form
 
     choice = choose_training_form(job.train)
     log(f"{STAGE}: draft form {choice.form!r} ({choice.requested!r} requested): {choice.reason}")
     metadata = choice.as_metadata()
-    return replace(job, train=replace(job.train, draft_form=choice.form)), {
+    return job.model_copy(update={"train": job.train.model_copy(update={"draft_form": choice.form})}), {
         **{k: v for k, v in metadata.items() if k != "vllm_facts"},
         "vllm_facts": {"raw_value": metadata["vllm_facts"], "type": "json"},
     }

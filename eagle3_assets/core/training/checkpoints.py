@@ -16,6 +16,7 @@ from eagle3_assets.core.draft_forms import draft_config_from_dict, new_draft
 from eagle3_assets.core.draft_model import Eagle3Draft
 from eagle3_assets.core.export import export_draft, read_draft_dir
 from eagle3_assets.core.storage import file_hash, fsync_dir, stable_hash, staging_dir
+from eagle3_assets.core.shard_paths import VOCAB_MAPPING_FILE
 from eagle3_assets.core.target import text_config
 from eagle3_assets.core.target_head import load_head_weights
 from eagle3_assets.core.training.config import TrainConfig
@@ -161,7 +162,7 @@ def _files_identity(directory: Path) -> list:
 
 def _mapping_file(path: str) -> Path:
     p = Path(path)
-    return p / "vocab_mapping.safetensors" if p.is_dir() else p
+    return p / VOCAB_MAPPING_FILE if p.is_dir() else p
 
 
 

@@ -7,12 +7,11 @@ descriptions from these fields; the ``train_draft`` stage gets a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import ClassVar
 
 from eagle3_assets.core.job_schema import JobSchema, given, setting
 
 
-@dataclass
 class TrainConfig(JobSchema):
     hidden_state_dirs: list[str] = given("one directory per shard (the hidden_states contract)")
     vocab_mapping: str = given("vocab_mapping.safetensors (or its directory)")
@@ -71,7 +70,7 @@ class TrainConfig(JobSchema):
     )
 
     # Fields that do not change what is computed (memory settings: up to float rounding), so resuming across them is fine.
-    _NOT_IN_FINGERPRINT = (
+    _NOT_IN_FINGERPRINT: ClassVar[tuple[str, ...]] = (
         "training_dir", "log_every", "keep_checkpoints", "torch_threads",
         "activation_checkpointing", "loss_chunk_tokens", "target_head_chunk_tokens", "memory_fraction",
     )  # fmt: skip

@@ -14,6 +14,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from eagle3_assets.core.shard_paths import RESULT_FILE
 from eagle3_assets.core.storage import write_json_atomic
 from eagle3_assets.core.training.config import TrainConfig
 from eagle3_assets.core.training.loop import Event, OnEvent, train
@@ -49,7 +50,7 @@ def run_training(config: TrainConfig, nproc: int = 1, on_event: OnEvent | None =
             on_event(decoder.raw_decode(chunk.strip())[0])
     if process.wait() != 0:
         raise RuntimeError(f"torchrun training exited with {process.returncode}:\n" + "\n".join(tail))
-    return json.loads((training_dir / "result.json").read_text())
+    return json.loads((training_dir / RESULT_FILE).read_text())
 
 
 def print_event(event: Event) -> None:

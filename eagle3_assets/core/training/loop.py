@@ -24,7 +24,7 @@ import shutil
 import time
 from collections.abc import Callable, Iterable
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -32,7 +32,9 @@ import torch.distributed as dist
 from torch import nn
 
 from eagle3_assets.core.draft_model import Eagle3Draft
+from eagle3_assets.core.environment import ALLOW_CPU
 from eagle3_assets.core.schedule import Schedule, fit_schedule, lr_lambda
+from eagle3_assets.core.shard_paths import HISTORY_FILE, RESULT_FILE
 from eagle3_assets.core.storage import write_bytes_atomic, write_json_atomic
 from eagle3_assets.core.target_head import TargetHead, load_head_weights
 from eagle3_assets.core.training.checkpoints import (
@@ -155,7 +157,7 @@ def fitted_config(
         epochs=config.epochs,
         learning_rate=config.learning_rate,
     )
-    resolved = replace(config, batch_tokens=schedule.batch_tokens, epochs=schedule.epochs, learning_rate=schedule.learning_rate)
+    resolved = config.model_copy(update={"batch_tokens": schedule.batch_tokens, "epochs": schedule.epochs, "learning_rate": schedule.learning_rate})
     return resolved, schedule
 
 
@@ -167,7 +169,7 @@ def resolve_schedule(config: TrainConfig, source: BatchSource, world: int = 1) -
         total_tokens=size.tokens,
         supervised_tokens=size.supervised_tokens,
         hidden_size=index.hidden_size,
-        steps_per_epoch_for=lambda batch_tokens: source.steps_per_epoch(replace(config, batch_tokens=batch_tokens), world),
+        steps_per_epoch_for=lambda batch_tokens: source.steps_per_epoch(config.model_copy(update={"batch_tokens": batch_tokens}), world),
         world=world,
     )
     return fitted, schedule, index, size
@@ -237,7 +239,7 @@ def _train(config: TrainConfig, source: BatchSource, emit: OnEvent, device: torc
         if recorded else None,
         free=(free, total),
     )  # fmt: skip
-    config = replace(config, batch_tokens=memory.batch_tokens, grad_accumulation=memory.grad_accumulation)
+    config = config.model_copy(update={"batch_tokens": memory.batch_tokens, "grad_accumulation": memory.grad_accumulation})
     emit({"event": "memory", "description": memory.describe(), **memory.as_dict()})
 
     # -- the plan: every optimizer step of every epoch, up front
@@ -373,8 +375,8 @@ def _train(config: TrainConfig, source: BatchSource, emit: OnEvent, device: torc
         memory=memory.as_dict(),
     )
     if rank == 0:
-        write_json_atomic(training_dir / "history.json", {"fingerprint": fingerprint, "history": history})
-        write_json_atomic(training_dir / "result.json", asdict(result) | {"history": None})
+        write_json_atomic(training_dir / HISTORY_FILE, {"fingerprint": fingerprint, "history": history})
+        write_json_atomic(training_dir / RESULT_FILE, asdict(result) | {"history": None})
         emit({"event": "done", "checkpoint": last_checkpoint, "tokens_per_s": result.tokens_per_s, **source.done_fields()})
     if distributed:
         dist.barrier()
@@ -387,6 +389,6 @@ def pick_device() -> torch.device:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)  # before NCCL starts: one GPU per process
         return device
-    if os.environ.get("EAGLE3_ALLOW_CPU", "1") != "1":
+    if not ALLOW_CPU.get():
         raise RuntimeError("no CUDA device on this host and EAGLE3_ALLOW_CPU is not 1: refusing to train on CPU")
     return torch.device("cpu")

@@ -105,7 +105,7 @@ def child(spec: dict) -> dict:
     import torch
 
     from eagle3_assets.core.draft_model import Eagle3Draft
-    from eagle3_assets.core.target import TargetHead
+    from eagle3_assets.core.target_head import TargetHead
     from eagle3_assets.core.training.loss import TrainingTimeTest
     from eagle3_assets.core.vocab import build_vocab_mapping
 
@@ -189,7 +189,7 @@ def run(args) -> list[dict]:
     shape = dict(shape_of_target(args.target) if args.target else PRESETS[args.preset])
     if args.batch_tokens:
         shape["batch_tokens"] = args.batch_tokens
-    defaults = TrainConfig(["-"], "-", "-", "-")
+    defaults = TrainConfig(hidden_state_dirs=["-"], vocab_mapping="-", target_path="-", training_dir="-")
     memory = {
         "activation_checkpointing": defaults.activation_checkpointing and not args.no_memory_settings,
         "loss_chunk_tokens": 0 if args.no_memory_settings else defaults.loss_chunk_tokens,
@@ -197,7 +197,7 @@ def run(args) -> list[dict]:
     }
     bf16 = args.device.startswith("cuda")
     if args.plan:  # the micro-batch a training run would plan on this device, at the deepest depth asked for
-        config = TrainConfig(["-"], "-", "-", "-", batch_tokens=shape["batch_tokens"], max_seq_len=shape["seq_len"], ttt_steps=max(args.ttt), **memory)
+        config = TrainConfig(hidden_state_dirs=["-"], vocab_mapping="-", target_path="-", training_dir="-", batch_tokens=shape["batch_tokens"], max_seq_len=shape["seq_len"], ttt_steps=max(args.ttt), **memory)
         planned = plan_micro_batch(draft_config_of(shape), config, longest=shape["seq_len"], device=torch.device(args.device), bf16=bf16)
         shape["batch_tokens"] = planned.batch_tokens
         print(f"  planned micro-batch: {planned.describe()}")
