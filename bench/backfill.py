@@ -158,7 +158,7 @@ def p6(root: Path, runs: int) -> None:
 def p7(root: Path, shards: int) -> None:
     from dagster import DagsterInstance
 
-    from eagle3_assets.core.backfill_client import PER_SHARD_ASSETS
+    from eagle3_assets.core.orchestration.backfill_client import PER_SHARD_ASSETS
     from eagle3_assets.definitions import defs
     from eagle3_assets.partitions import register_shards
     from tests.dagster_dev import DagsterDev

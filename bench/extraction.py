@@ -38,7 +38,7 @@ os.environ.setdefault("EAGLE3_TINY_TARGET_DIR", str(REPO / ".cache" / "tiny_targ
 
 import torch  # noqa: E402
 
-from eagle3_assets.core.extraction import (  # noqa: E402
+from eagle3_assets.core.extraction.shard_extraction import (
     ExtractionSettings,
     TargetFacts,
     TransformersBackend,
@@ -47,7 +47,7 @@ from eagle3_assets.core.extraction import (  # noqa: E402
     plan_parts,
     read_traces,
 )
-from eagle3_assets.core.state_layout import state_bytes_per_token  # noqa: E402
+from eagle3_assets.core.extraction.state_layout import state_bytes_per_token  # noqa: E402
 
 LAYER_IDS = (2, 3, 4)
 LARGE_HIDDEN = 7168
@@ -124,8 +124,8 @@ def p3(target: Path, traces_file: Path, rounds: int) -> list[float]:
 CHILD = """
 import json, resource, sys, torch
 from pathlib import Path
-from eagle3_assets.core.extraction import ExtractionSettings, TransformersBackend, extract_shard, read_traces
-from eagle3_assets.core.stage_jobs import ExtractionRecipe
+from eagle3_assets.core.extraction.shard_extraction import ExtractionSettings, TransformersBackend, extract_shard, read_traces
+from eagle3_assets.core.gpu_host.stage_jobs import ExtractionRecipe
 
 def vm(field):
     for line in open("/proc/self/status"):

@@ -40,9 +40,9 @@ os.environ.setdefault("EAGLE3_TINY_TARGET_DIR", str(REPO / ".cache" / "tiny_targ
 
 import aiohttp  # noqa: E402
 
-from eagle3_assets.core.completions import Sample  # noqa: E402
-from eagle3_assets.core.generation import generate_shard  # noqa: E402
-from eagle3_assets.core.generation_config import GenerationConfig  # noqa: E402
+from eagle3_assets.core.generation.completions import Sample  # noqa: E402
+from eagle3_assets.core.generation.shard_run import generate_shard  # noqa: E402
+from eagle3_assets.core.generation.config import GenerationConfig  # noqa: E402
 
 CONCURRENCY = 64
 STUB_REPLY = {
@@ -79,7 +79,7 @@ async def sdk_client(url: str, bodies: list[dict], concurrency: int) -> tuple[in
     """
     from openai import AsyncOpenAI, DefaultAioHttpClient
 
-    from eagle3_assets.core.completions import parse_completion
+    from eagle3_assets.core.generation.completions import parse_completion
 
     http = DefaultAioHttpClient()
     async with AsyncOpenAI(base_url=url + "/v1", api_key="unused", http_client=http, max_retries=0) as client:
@@ -189,7 +189,7 @@ def bench_p1(url: str, model: str, rounds: int, count: int, max_tokens: int) -> 
 
 
 def bench_p2(rounds: int, count: int) -> dict[str, float]:
-    from eagle3_assets.core.vllm_launcher import free_port
+    from eagle3_assets.core.serving.vllm_launcher import free_port
 
     port = free_port()
     stub = subprocess.Popen([sys.executable, __file__, "--serve-stub", str(port)], start_new_session=True)
@@ -228,7 +228,7 @@ def main() -> None:
         if args.url:
             ratios["P1"] = bench_p1(args.url, args.model, args.rounds, args.p1_prompts, args.p1_max_tokens)
         else:
-            from eagle3_assets.core.vllm_launcher import VLLMServer
+            from eagle3_assets.core.serving.vllm_launcher import VLLMServer
             from eagle3_assets.demo.stack import tiny_target_dir
             from eagle3_assets.demo.targets import TINY_SERVING
 

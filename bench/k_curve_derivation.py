@@ -2,7 +2,7 @@
 
 ``draft_evaluation`` on a CPU serves the draft once, at the largest k, and
 derives the acceptance length at each smaller k from the per-position rates
-(:mod:`eagle3_assets.core.speculation_depth` says why that is exact per
+(:mod:`eagle3_assets.core.evaluation.speculation_depth` says why that is exact per
 drafting step but not over a run). This serves the same draft at every k on
 the same held-out prompts and prints derived against measured, with their
 ratio, in one run.
@@ -29,9 +29,9 @@ def demo_draft(target: Path, work: Path) -> Path:
 
 
 def main() -> None:
-    from eagle3_assets.core.evaluation import evaluate, load_conversations
-    from eagle3_assets.core.speculation_depth import derived_curve
-    from eagle3_assets.core.stage_jobs import EVAL_MAX_TOKENS
+    from eagle3_assets.core.evaluation.acceptance import evaluate, load_conversations
+    from eagle3_assets.core.evaluation.speculation_depth import derived_curve
+    from eagle3_assets.core.gpu_host.stage_jobs import EVAL_MAX_TOKENS
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", type=Path, default=None, help="target directory (default: the demo's tiny target)")

@@ -35,10 +35,10 @@ sys.path.insert(0, str(REPO))
 
 import polars as pl  # noqa: E402
 
-from eagle3_assets.core.prompt_loading import count_rows, load_shard  # noqa: E402
-from eagle3_assets.core.prompt_records import normalise_record  # noqa: E402
-from eagle3_assets.core.prompt_sources import iter_dataset_rows  # noqa: E402
-from eagle3_assets.core.sharding import shard_keys_for  # noqa: E402
+from eagle3_assets.core.prompts.loading import count_rows, load_shard  # noqa: E402
+from eagle3_assets.core.prompts.records import normalise_record  # noqa: E402
+from eagle3_assets.core.prompts.sources import iter_dataset_rows  # noqa: E402
+from eagle3_assets.core.prompts.sharding import shard_keys_for  # noqa: E402
 
 PARQUET_ROW_GROUP = 10_000
 

@@ -45,7 +45,7 @@ os.environ.setdefault("EAGLE3_TINY_TARGET_DIR", str(REPO / ".cache" / "tiny_targ
 
 import torch  # noqa: E402
 
-from eagle3_assets.core.state_layout import FP8_DTYPE, bytes_per_token  # noqa: E402
+from eagle3_assets.core.extraction.state_layout import FP8_DTYPE, bytes_per_token  # noqa: E402
 
 LAYER_IDS = (2, 3, 4)  # vLLM's default for the 7-layer tiny target
 PRECISIONS = ("bfloat16", FP8_DTYPE)
@@ -58,7 +58,13 @@ STORY_EPOCHS = 10  # the fitted schedule's default
 
 
 def extract(traces_path: Path, target: Path, out: Path, dtype: str, threads: int) -> dict:
-    from eagle3_assets.core.extraction import ExtractionSettings, TargetFacts, TransformersBackend, extract_shard, read_traces
+    from eagle3_assets.core.extraction.shard_extraction import (
+        ExtractionSettings,
+        TargetFacts,
+        TransformersBackend,
+        extract_shard,
+        read_traces,
+    )
 
     torch.set_num_threads(threads)
     facts = TargetFacts.from_path(target)
@@ -81,7 +87,7 @@ def extract(traces_path: Path, target: Path, out: Path, dtype: str, threads: int
 def vocab_mapping(traces_path: Path, out: Path, size: int) -> Path:
     import polars as pl
 
-    from eagle3_assets.core.vocab import build_vocab_mapping, save_vocab_mapping
+    from eagle3_assets.core.draft.vocab import build_vocab_mapping, save_vocab_mapping
 
     frame = pl.read_parquet(traces_path, columns=["input_ids", "loss_mask"])
     ids = torch.from_numpy(frame["input_ids"].explode().cast(pl.Int64).to_numpy().copy())
@@ -120,9 +126,9 @@ def split_traces(traces_path: Path, out: Path, shards: int) -> list[Path]:
 def train_bounded_mode(shard_paths: list[Path], mapping: Path, target: Path, work: Path, dtype: str, window: int, epochs: int, threads: int) -> dict:
     from dataclasses import asdict
 
-    from eagle3_assets.core.extraction import TransformersBackend
-    from eagle3_assets.core.stage_jobs import BoundedRun, ExtractionRecipe, StageTarget, StreamedShard
-    from eagle3_assets.core.target_identity import target_identity
+    from eagle3_assets.core.extraction.shard_extraction import TransformersBackend
+    from eagle3_assets.core.gpu_host.stage_jobs import BoundedRun, ExtractionRecipe, StageTarget, StreamedShard
+    from eagle3_assets.core.target.identity import target_identity
     from eagle3_assets.core.training.config import TrainConfig
     from eagle3_assets.core.training.loop import train
     from eagle3_assets.core.training.streamed import StreamedWindow
@@ -152,7 +158,7 @@ def train_bounded_mode(shard_paths: list[Path], mapping: Path, target: Path, wor
 
 
 def main() -> None:
-    from eagle3_assets.core.evaluation import evaluate, load_conversations
+    from eagle3_assets.core.evaluation.acceptance import evaluate, load_conversations
     from eagle3_assets.demo.prompt_set import eval_prompts, write_jsonl
     from eagle3_assets.demo.stack import tiny_target_dir
     from tests.extraction_helpers import write_validated_traces

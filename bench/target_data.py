@@ -40,8 +40,8 @@ def main() -> int:
 
     from dagster import DagsterInstance, RunConfig, materialize
 
-    from eagle3_assets.core.target_serving import vllm_serving
-    from eagle3_assets.core.vllm_launcher import VLLMServer
+    from eagle3_assets.core.target.serving import vllm_serving
+    from eagle3_assets.core.serving.vllm_launcher import VLLMServer
     from eagle3_assets.demo.plugin import SAMPLING
     from eagle3_assets.graph import PER_SHARD_ASSETS, deployment_resources
     from eagle3_assets.local_runs import fail_dead_runs

@@ -65,8 +65,8 @@ def train_and_export(label: str, recipe: dict, data: Path, target: Path, work: P
 
 
 def main() -> None:
-    from eagle3_assets.core.evaluation import evaluate, load_conversations
-    from eagle3_assets.core.target_serving import vllm_serving
+    from eagle3_assets.core.evaluation.acceptance import evaluate, load_conversations
+    from eagle3_assets.core.target.serving import vllm_serving
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", default=str(REPO / "data"), help="data directory holding hidden_states/ and vocab_mapping/")

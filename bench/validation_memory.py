@@ -1,6 +1,6 @@
 """Peak memory of validating one shard, as a ratio to the shard's text.
 
-validated_traces streams a shard in batches (see eagle3_assets/core/validation.py),
+validated_traces streams a shard in batches (see eagle3_assets/core/validation/shard_validation.py),
 so its peak memory should stay a small multiple of one batch plus the per-row
 bookkeeping, not several copies of the shard. This writes a synthetic shard of
 long traces in the tiny target's format, validates it in a fresh child process
@@ -41,8 +41,8 @@ def rss_kib(field: str) -> int:
 def write_shard(root: Path, rows: int, sentences: int) -> int:
     import polars as pl
 
-    from eagle3_assets.core.prompt_loading import PROMPTS_SCHEMA
-    from eagle3_assets.core.trace_files import RAW_RESPONSES_SCHEMA
+    from eagle3_assets.core.prompts.loading import PROMPTS_SCHEMA
+    from eagle3_assets.core.validation.trace_files import RAW_RESPONSES_SCHEMA
 
     prompts, raw, text_bytes = [], [], 0
     for i in range(rows):
@@ -63,10 +63,10 @@ def write_shard(root: Path, rows: int, sentences: int) -> int:
 def child(root: Path, target: Path, batch_rows: int) -> None:
     from transformers import AutoTokenizer
 
-    from eagle3_assets.core.chat_rendering import ChatRenderer
-    from eagle3_assets.core.mask_alignment import mask_alignment_problems
-    from eagle3_assets.core.trace_files import written_token_lengths
-    from eagle3_assets.core.validation import ValidationRules, validate_shard
+    from eagle3_assets.core.validation.chat_rendering import ChatRenderer
+    from eagle3_assets.core.validation.mask_alignment import mask_alignment_problems
+    from eagle3_assets.core.validation.trace_files import written_token_lengths
+    from eagle3_assets.core.validation.shard_validation import ValidationRules, validate_shard
 
     renderer = ChatRenderer(AutoTokenizer.from_pretrained(target))
     renderer.render([{"role": "user", "content": "warm up"}], "r", "c")

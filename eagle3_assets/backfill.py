@@ -8,7 +8,7 @@ Examples::
 
 The webserver (``make dev``, or any deployment's) must be running; the daemon
 then runs the backfill, one run per shard, as if launched from the UI's
-partitions dialog. The logic lives in :mod:`eagle3_assets.core.backfill_client`.
+partitions dialog. The logic lives in :mod:`eagle3_assets.core.orchestration.backfill_client`.
 Exit status: 0 launched (with ``--wait``: and succeeded), 1 the backfill
 failed or timed out, 2 bad input (unknown shard or asset, unreadable config,
 webserver unreachable).
@@ -23,8 +23,8 @@ from pathlib import Path
 
 import yaml
 
-from eagle3_assets.core.backfill_client import PER_SHARD_ASSETS, BackfillClient, BackfillError, check_shards
-from eagle3_assets.core.environment import DAGSTER_URL
+from eagle3_assets.core.orchestration.backfill_client import PER_SHARD_ASSETS, BackfillClient, BackfillError, check_shards
+from eagle3_assets.core.settings.environment import DAGSTER_URL
 
 
 

@@ -2,7 +2,7 @@
 
 Each :class:`Gate` names its check, says whether it blocks (ERROR: nothing
 downstream of a failed one is built) or advises (WARN), describes what it
-holds, and computes its :class:`~eagle3_assets.core.checks.CheckOutcome`
+holds, and computes its :class:`~eagle3_assets.core.reporting.checks.CheckOutcome`
 (Dagster-free) from the evidence the asset gathered. The severity is stated
 there and nowhere else: the spec's ``blocking`` and the result's ``severity``
 both come from it. A gate computed on the GPU host (``hidden_states``,
@@ -18,7 +18,7 @@ from typing import Any
 
 from dagster import AssetCheckResult, AssetCheckSeverity, AssetCheckSpec, MetadataValue
 
-from eagle3_assets.core.checks import CheckOutcome
+from eagle3_assets.core.reporting.checks import CheckOutcome
 
 
 @dataclass(frozen=True)

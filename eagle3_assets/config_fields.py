@@ -1,4 +1,4 @@
-"""Dagster config fields picked one by one from a settings model (:mod:`eagle3_assets.core.job_schema`).
+"""Dagster config fields picked one by one from a settings model (:mod:`eagle3_assets.core.settings.job_schema`).
 
 Only for a ``Config`` class that shows a *subset* of a model's settings
 (``draft_checkpoint``'s, today: ``TrainConfig`` holds settings a launchpad has
@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from eagle3_assets.core.job_schema import values_of
+from eagle3_assets.core.settings.job_schema import values_of
 
 
 def config_field(settings: type[BaseModel], name: str) -> Any:

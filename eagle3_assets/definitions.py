@@ -10,7 +10,7 @@ fits them. This is the one module outside ``demo/`` that knows of it.
 from __future__ import annotations
 
 
-from eagle3_assets.core.environment import BY_NAME
+from eagle3_assets.core.settings.environment import BY_NAME
 from eagle3_assets.demo import plugin as demo
 from eagle3_assets.graph import build_definitions, deployment_resources
 from resources.prompt_dataset import SOURCE_ENV, PromptDataset

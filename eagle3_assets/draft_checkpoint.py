@@ -49,9 +49,9 @@ from dagster import (
 from pydantic import Field
 
 from eagle3_assets.config_fields import config_field, settings_of
-from eagle3_assets.core.stage_requirements import StageRequirements
-from eagle3_assets.core.shard_paths import SIDECAR, DatasetPaths, ShardPaths
-from eagle3_assets.core.stage_jobs import (
+from eagle3_assets.core.gpu_host.stage_requirements import StageRequirements
+from eagle3_assets.core.storage.shard_paths import SIDECAR, DatasetPaths, ShardPaths
+from eagle3_assets.core.gpu_host.stage_jobs import (
     BoundedModeError,
     BoundedRun,
     ExportGates,
@@ -62,11 +62,11 @@ from eagle3_assets.core.stage_jobs import (
     TrainingJob,
     mode_problems,
 )
-from eagle3_assets.core.storage import asset_dir, stable_hash
+from eagle3_assets.core.storage.files import asset_dir, stable_hash
 from eagle3_assets.core.training.config import TrainConfig
 from eagle3_assets.core.training.curves import epoch_means, expected_accepted_tokens, render_accuracy, render_curve
 from eagle3_assets.core.training.streamed import describe_estimate
-from eagle3_assets.core.extraction_needs import EXTRACTION_MODULES, TRACES, disk_estimate
+from eagle3_assets.core.extraction.needs import EXTRACTION_MODULES, TRACES, disk_estimate
 from eagle3_assets.lineage import states_lineage
 from eagle3_assets.partitions import SAMPLE_SHARDS
 from eagle3_assets.stage_configs import HiddenStatesConfig
@@ -86,7 +86,7 @@ class DraftTrainingConfig(Config):
     """Training knobs: published EAGLE-3 recipes, with the schedule fitted to the data where it is left unset.
 
     Defaults and descriptions: :class:`~eagle3_assets.core.training.config.TrainConfig` and
-    :class:`~eagle3_assets.core.stage_jobs.TrainingJob`.
+    :class:`~eagle3_assets.core.gpu_host.stage_jobs.TrainingJob`.
     """
 
     epochs: Optional[int] = config_field(TrainConfig, "epochs")

@@ -9,7 +9,7 @@ training (``prompt_dataset.holdout_share``), written to
 The target is served as it is configured (remote code, its dtype, a context it
 has). The drafts are served at the largest of ``k_values`` (default 1 to 5);
 the acceptance curve over k and the recommended ``num_speculative_tokens``
-(:mod:`eagle3_assets.core.speculation_depth` says how each is obtained) go
+(:mod:`eagle3_assets.core.evaluation.speculation_depth` says how each is obtained) go
 into the metadata, and the exported draft's ``SERVING.md`` is rewritten to use
 that k. Writes ``<data>/draft_evaluation/report.json``. The gate
 ``acceptance_above_floor`` is ERROR below the floor and WARN when the trained
@@ -24,16 +24,16 @@ from dagster import AssetExecutionContext, AssetKey, Config, MaterializeResult, 
 from pydantic import Field
 
 from eagle3_assets.check_results import Gate, Gates
-from eagle3_assets.core.evaluation import load_conversations
-from eagle3_assets.core.heldout import held_out_prompts
-from eagle3_assets.core.stage_requirements import StageRequirements
-from eagle3_assets.core.shard_files import read_shard_parquet
-from eagle3_assets.core.export import CONFIG_FILE
-from eagle3_assets.core.shard_paths import DatasetPaths, training_shards
-from eagle3_assets.core.speculation_depth import validated_k_values
-from eagle3_assets.core.job_schema import values_of
-from eagle3_assets.core.stage_jobs import EvaluationJob, EvaluationRecipe
-from eagle3_assets.core.storage import asset_dir, write_bytes_atomic
+from eagle3_assets.core.evaluation.acceptance import load_conversations
+from eagle3_assets.core.prompts.heldout import held_out_prompts
+from eagle3_assets.core.gpu_host.stage_requirements import StageRequirements
+from eagle3_assets.core.storage.shard_files import read_shard_parquet
+from eagle3_assets.core.draft.export import CONFIG_FILE
+from eagle3_assets.core.storage.shard_paths import DatasetPaths, training_shards
+from eagle3_assets.core.evaluation.speculation_depth import validated_k_values
+from eagle3_assets.core.settings.job_schema import values_of
+from eagle3_assets.core.gpu_host.stage_jobs import EvaluationJob, EvaluationRecipe
+from eagle3_assets.core.storage.files import asset_dir, write_bytes_atomic
 from resources.gpu_host import GPU_POOL, GPUHost, register_stage
 from resources.target_model import TargetModel
 
@@ -47,7 +47,7 @@ register_stage(STAGE, StageRequirements(modules=["vllm", "torch", "openai", "dag
 
 
 class DraftEvaluationConfig(EvaluationRecipe, Config):
-    """Which held-out prompts (here), and how the drafts are served and judged (:class:`~eagle3_assets.core.stage_jobs.EvaluationRecipe`)."""
+    """Which held-out prompts (here), and how the drafts are served and judged (:class:`~eagle3_assets.core.gpu_host.stage_jobs.EvaluationRecipe`)."""
 
     eval_prompts: str = Field(
         default="",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dagster import Definitions, in_process_executor
 
-from eagle3_assets.core.sharding import PER_SHARD_ASSETS as PER_SHARD_ASSET_NAMES
+from eagle3_assets.core.prompts.sharding import PER_SHARD_ASSETS as PER_SHARD_ASSET_NAMES
 from eagle3_assets.deployed_draft import deployed_draft
 from eagle3_assets.draft_checkpoint import draft_checkpoint
 from eagle3_assets.draft_evaluation import draft_evaluation
@@ -30,7 +30,7 @@ from sensors import ALL_SENSORS
 # The assets a run materialises, upstream first.
 ASSETS = [prompts, raw_responses, validated_traces, hidden_states, vocab_mapping, draft_checkpoint, draft_evaluation]
 
-# Materialised together, one shard at a time (backfills name them: core.sharding.PER_SHARD_ASSETS).
+# Materialised together, one shard at a time (backfills name them: core.prompts.sharding.PER_SHARD_ASSETS).
 PER_SHARD_ASSETS = [a for a in ASSETS if a.key.to_user_string() in PER_SHARD_ASSET_NAMES]
 
 # Unpartitioned, over every shard: materialised after all shards.

@@ -5,7 +5,7 @@ pre-flight) over ``<data>/validated_traces/<shard>.parquet`` and writes
 ``<data>/hidden_states/<shard>/``: ``part-NNNNN.safetensors`` files (aux states
 at the target's layer ids in vLLM's convention, the final state, input ids,
 loss mask, per-sample offsets) and ``metadata.json``, written last. See
-:mod:`eagle3_assets.core.extraction` for the format and the backends.
+:mod:`eagle3_assets.core.extraction.shard_extraction` for the format and the backends.
 
 The gates are computed on the GPU host, next to the files, and come back
 through Pipes; all four block everything downstream (training) of a shard
@@ -26,13 +26,13 @@ from dagster import (
 )
 
 from eagle3_assets.check_results import Gate, Gates
-from eagle3_assets.core.checks import CheckOutcome
-from eagle3_assets.core.extraction_needs import EXTRACTION_MODULES, EXTRACTION_STAGE, TRACES, disk_estimate
-from eagle3_assets.core.stage_requirements import StageRequirements
-from eagle3_assets.core.shard_paths import ShardPaths
-from eagle3_assets.core.stage_jobs import ExtractionJob, StageTarget, shard_check_seed
-from eagle3_assets.core.state_layout import BACKENDS, STORAGE_DTYPE_BYTES
-from eagle3_assets.core.storage import stable_hash
+from eagle3_assets.core.reporting.checks import CheckOutcome
+from eagle3_assets.core.extraction.needs import EXTRACTION_MODULES, EXTRACTION_STAGE, TRACES, disk_estimate
+from eagle3_assets.core.gpu_host.stage_requirements import StageRequirements
+from eagle3_assets.core.storage.shard_paths import ShardPaths
+from eagle3_assets.core.gpu_host.stage_jobs import ExtractionJob, StageTarget, shard_check_seed
+from eagle3_assets.core.extraction.state_layout import BACKENDS, STORAGE_DTYPE_BYTES
+from eagle3_assets.core.storage.files import stable_hash
 from eagle3_assets.lineage import states_lineage
 from eagle3_assets.partitions import sample_shards
 from eagle3_assets.stage_configs import HiddenStatesConfig

@@ -12,8 +12,8 @@ from pathlib import Path
 from dagster import AssetExecutionContext, AssetKey
 from dagster._core.definitions.data_version import extract_data_version_from_entry  # no public reader of the tag
 
-from eagle3_assets.core.shard_paths import ShardPaths
-from eagle3_assets.core.storage import file_hash
+from eagle3_assets.core.storage.shard_paths import ShardPaths
+from eagle3_assets.core.storage.files import file_hash
 from resources.target_model import TargetModel
 
 TRACES = "validated_traces"

@@ -32,7 +32,7 @@ from dagster import DagsterEventType, DagsterInstance, DagsterRun, DagsterRunSta
 # The run launcher's health protocol has no public names (Dagster exports neither type).
 from dagster._core.launcher.base import CheckRunHealthResult, WorkerStatus
 
-from eagle3_assets.core.shard_lease import process_start_ticks
+from eagle3_assets.core.storage.shard_lease import process_start_ticks
 
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 

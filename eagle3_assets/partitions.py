@@ -2,14 +2,14 @@
 
 Dynamic partitions, because a dataset can grow: the ``new_prompt_shards``
 sensor and :func:`register_shards` add the keys of new shards;
-existing keys never change meaning (see :mod:`eagle3_assets.core.sharding`).
+existing keys never change meaning (see :mod:`eagle3_assets.core.prompts.sharding`).
 """
 
 from __future__ import annotations
 
 from dagster import DagsterInstance, DynamicPartitionsDefinition
 
-from eagle3_assets.core.sharding import SAMPLE_SHARDS
+from eagle3_assets.core.prompts.sharding import SAMPLE_SHARDS
 
 sample_shards = DynamicPartitionsDefinition(name=SAMPLE_SHARDS)
 

@@ -2,7 +2,7 @@
 
 Writes ``<data>/prompts/<shard>.parquet`` (``row_index``, ``id``, ``messages``),
 ``<shard>.heldout.parquet`` (the rows kept out of training for
-``draft_evaluation``, see :mod:`eagle3_assets.core.heldout`) and
+``draft_evaluation``, see :mod:`eagle3_assets.core.prompts.heldout`) and
 ``<shard>.rejected.parquet`` (each bad row with its reason). A shard with
 bad rows still materialises; only an unreadable file fails the run.
 """
@@ -19,12 +19,12 @@ from dagster import (
 )
 
 from eagle3_assets.check_results import Gate, Gates
-from eagle3_assets.core.checks import CheckOutcome, share_at_most
-from eagle3_assets.core.shard_files import quarantine_if_corrupt
-from eagle3_assets.core.shard_lease import ShardLease
-from eagle3_assets.core.heldout import split_held_out
-from eagle3_assets.core.shard_paths import ShardPaths
-from eagle3_assets.core.storage import stable_hash, write_parquet_atomic
+from eagle3_assets.core.reporting.checks import CheckOutcome, share_at_most
+from eagle3_assets.core.storage.shard_files import quarantine_if_corrupt
+from eagle3_assets.core.storage.shard_lease import ShardLease
+from eagle3_assets.core.prompts.heldout import split_held_out
+from eagle3_assets.core.storage.shard_paths import ShardPaths
+from eagle3_assets.core.storage.files import stable_hash, write_parquet_atomic
 from eagle3_assets.partitions import sample_shards
 from resources.prompt_dataset import PromptDataset
 

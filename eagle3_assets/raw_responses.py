@@ -35,20 +35,20 @@ from dagster import (
     asset,
 )
 
-from eagle3_assets.core.completions import Sample
-from eagle3_assets.core.generation import ServerUnavailableError, generate_shard
-from eagle3_assets.core.generation_client import PreflightError
-from eagle3_assets.core.generation_report import completion_length_histogram, shard_summary
+from eagle3_assets.core.generation.completions import Sample
+from eagle3_assets.core.generation.shard_run import ServerUnavailableError, generate_shard
+from eagle3_assets.core.generation.client import PreflightError
+from eagle3_assets.core.generation.report import completion_length_histogram, shard_summary
 from eagle3_assets.check_results import Gate, Gates
-from eagle3_assets.core.checks import CheckOutcome
-from eagle3_assets.core.redaction import redact_credentials, redact_url
-from eagle3_assets.core.response_rules import DEFAULT_MIN_REASONING_SHARE
-from eagle3_assets.core.shard_files import quarantine_if_corrupt, read_shard_parquet
-from eagle3_assets.core.shard_lease import ShardLease
-from eagle3_assets.core.stage_jobs import EVAL_MAX_TOKENS
-from eagle3_assets.core.shard_paths import ShardPaths
-from eagle3_assets.core.storage import file_hash, stable_hash
-from eagle3_assets.core.trace_gates import check_reasoning_present
+from eagle3_assets.core.reporting.checks import CheckOutcome
+from eagle3_assets.core.generation.redaction import redact_credentials, redact_url
+from eagle3_assets.core.generation.response_rules import DEFAULT_MIN_REASONING_SHARE
+from eagle3_assets.core.storage.shard_files import quarantine_if_corrupt, read_shard_parquet
+from eagle3_assets.core.storage.shard_lease import ShardLease
+from eagle3_assets.core.gpu_host.stage_jobs import EVAL_MAX_TOKENS
+from eagle3_assets.core.storage.shard_paths import ShardPaths
+from eagle3_assets.core.storage.files import file_hash, stable_hash
+from eagle3_assets.core.validation.gates import check_reasoning_present
 from eagle3_assets.partitions import sample_shards
 from eagle3_assets.lineage import upstream_version
 from resources.target_model import TargetModel

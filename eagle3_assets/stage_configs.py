@@ -7,7 +7,7 @@ not in an asset module, so that no asset module imports another.
 
 from dagster import Config
 
-from eagle3_assets.core.stage_jobs import ExtractionRecipe, ShardRerun
+from eagle3_assets.core.gpu_host.stage_jobs import ExtractionRecipe, ShardRerun
 
 
 class HiddenStatesConfig(ShardRerun, ExtractionRecipe, Config):

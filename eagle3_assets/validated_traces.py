@@ -4,8 +4,8 @@ Reads ``<data>/prompts/<shard>.parquet`` and ``<data>/raw_responses/<shard>.parq
 writes ``<data>/validated_traces/<shard>.parquet`` (``id``, ``messages``,
 ``reasoning``, ``content``, ``input_ids``, ``loss_mask``, ``num_tokens``) and
 ``<shard>.rejected.parquet`` (``id``, ``reason``, ``detail``). The rules and the
-rendering live in :mod:`eagle3_assets.core.validation` and
-:mod:`eagle3_assets.core.chat_rendering`; this module wires them to Dagster.
+rendering live in :mod:`eagle3_assets.core.validation.shard_validation` and
+:mod:`eagle3_assets.core.validation.chat_rendering`; this module wires them to Dagster.
 
 The blocking checks are the point of running on Dagster: when one fails, the
 step fails after writing its files (so the rejected rows can be inspected),
@@ -32,16 +32,16 @@ from dagster import (
 from pydantic import Field
 
 from eagle3_assets.check_results import Gate, Gates
-from eagle3_assets.core.journal import parquet_generation
-from eagle3_assets.core.response_rules import DEFAULT_MIN_REASONING_SHARE
-from eagle3_assets.core.shard_files import quarantine_if_corrupt, verify_shard_parquet
-from eagle3_assets.core.shard_lease import ShardLease
-from eagle3_assets.core.target_identity import parquet_metadata
-from eagle3_assets.core.shard_paths import ShardPaths
-from eagle3_assets.core.storage import data_dir, file_hash, stable_hash
-from eagle3_assets.core.mask_alignment import mask_alignment_problems
-from eagle3_assets.core.trace_files import written_ids, written_token_lengths
-from eagle3_assets.core.trace_gates import (
+from eagle3_assets.core.storage.journal import parquet_generation
+from eagle3_assets.core.generation.response_rules import DEFAULT_MIN_REASONING_SHARE
+from eagle3_assets.core.storage.shard_files import quarantine_if_corrupt, verify_shard_parquet
+from eagle3_assets.core.storage.shard_lease import ShardLease
+from eagle3_assets.core.target.identity import parquet_metadata
+from eagle3_assets.core.storage.shard_paths import ShardPaths
+from eagle3_assets.core.storage.files import data_dir, file_hash, stable_hash
+from eagle3_assets.core.validation.mask_alignment import mask_alignment_problems
+from eagle3_assets.core.validation.trace_files import written_ids, written_token_lengths
+from eagle3_assets.core.validation.gates import (
     check_loss_mask_aligned,
     check_prompts_fit_context,
     check_reasoning_present,
@@ -53,7 +53,7 @@ from eagle3_assets.core.trace_gates import (
     token_length_histogram_markdown,
     token_length_stats,
 )
-from eagle3_assets.core.validation import REJECTION_REASONS, ValidationRules, validate_shard
+from eagle3_assets.core.validation.shard_validation import REJECTION_REASONS, ValidationRules, validate_shard
 from eagle3_assets.partitions import sample_shards
 from resources.target_model import TargetModel
 

@@ -3,7 +3,7 @@
 Counts target token ids where ``loss_mask == 1`` (the tokens the target wrote
 itself) over all shards, keeps the ``draft_vocab_size`` most frequent (ties by
 id), and writes ``<data>/vocab_mapping/vocab_mapping.safetensors`` (``d2t``,
-``t2d``) and ``vocab_mapping.json``. See :mod:`eagle3_assets.core.vocab`.
+``t2d``) and ``vocab_mapping.json``. See :mod:`eagle3_assets.core.draft.vocab`.
 """
 
 from types import SimpleNamespace
@@ -22,10 +22,10 @@ from dagster import (
 from pydantic import Field
 
 from eagle3_assets.check_results import Gate, Gates
-from eagle3_assets.core.checks import CheckOutcome
-from eagle3_assets.core.shard_files import read_shard_parquet
-from eagle3_assets.core.shard_paths import ShardPaths
-from eagle3_assets.core.storage import asset_dir, file_hash, stable_hash
+from eagle3_assets.core.reporting.checks import CheckOutcome
+from eagle3_assets.core.storage.shard_files import read_shard_parquet
+from eagle3_assets.core.storage.shard_paths import ShardPaths
+from eagle3_assets.core.storage.files import asset_dir, file_hash, stable_hash
 from eagle3_assets.partitions import SAMPLE_SHARDS
 from resources.target_model import TargetModel
 
@@ -71,8 +71,8 @@ def shard_files(asset_name: str, keys: list[str]) -> dict:
 )
 def vocab_mapping(context: AssetExecutionContext, config: VocabMappingConfig, target_model: TargetModel) -> MaterializeResult:
     """The draft vocabulary (d2t/t2d): the most frequent target tokens of every shard's assistant turns."""
-    # Here, not at the top: core.vocab needs torch, and every run worker loads this module.
-    from eagle3_assets.core.vocab import build_vocab_mapping, count_supervised_tokens, coverage, save_vocab_mapping
+    # Here, not at the top: core.draft.vocab needs torch, and every run worker loads this module.
+    from eagle3_assets.core.draft.vocab import build_vocab_mapping, count_supervised_tokens, coverage, save_vocab_mapping
 
     keys = sorted(context.instance.get_dynamic_partitions(SAMPLE_SHARDS))
     files = shard_files("validated_traces", keys)

@@ -4,8 +4,8 @@
 from dagster import ConfigurableResource, EnvVar
 from pydantic import Field
 
-from eagle3_assets.core.alerts import Alert, AlertDeliveryError, post_webhook
-from eagle3_assets.core.environment import ALERT_WEBHOOK_URL, SLACK_BOT_TOKEN, SLACK_CHANNEL, UI_BASE_URL
+from eagle3_assets.core.serving.alerts import Alert, AlertDeliveryError, post_webhook
+from eagle3_assets.core.settings.environment import ALERT_WEBHOOK_URL, SLACK_BOT_TOKEN, SLACK_CHANNEL, UI_BASE_URL
 
 WEBHOOK_ENV = ALERT_WEBHOOK_URL.name
 SLACK_TOKEN_ENV = SLACK_BOT_TOKEN.name

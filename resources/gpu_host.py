@@ -3,7 +3,7 @@
 A stage is a module under ``eagle3_assets.stages`` run with the host's Python.
 The host is this machine (``mode="local"``) or another one reached over SSH
 (``mode="ssh"``). Before every stage the pre-flight
-(:mod:`eagle3_assets.core.preflight`) runs on the host; a failure stops the
+(:mod:`eagle3_assets.core.gpu_host.preflight`) runs on the host; a failure stops the
 step with one line per problem, and what was checked becomes metadata of the
 materialisation. The stage is started by the stage runner (``python -m
 eagle3_assets.stages <stage>``, see its docstring), which holds the stage lock
@@ -44,12 +44,12 @@ from dagster import (
 from dagster._core.errors import DagsterPipesExecutionError
 from pydantic import Field
 
-from eagle3_assets.core import preflight as preflight_module
-from eagle3_assets.core.preflight import STAGE_PACKAGE
-from eagle3_assets.core.stage_requirements import StageRequirements, build_spec, validate_stage_name
-from eagle3_assets.core.remote import HostConnection, HostError, SSHTarget, StageProcess
-from eagle3_assets.core import environment as env_vars
-from eagle3_assets.core.shard_paths import LOCKS_DIR, PARTIAL_SUFFIX, data_dir
+from eagle3_assets.core.gpu_host import preflight as preflight_module
+from eagle3_assets.core.gpu_host.preflight import STAGE_PACKAGE
+from eagle3_assets.core.gpu_host.stage_requirements import StageRequirements, build_spec, validate_stage_name
+from eagle3_assets.core.gpu_host.remote import HostConnection, HostError, SSHTarget, StageProcess
+from eagle3_assets.core.settings import environment as env_vars
+from eagle3_assets.core.storage.shard_paths import LOCKS_DIR, PARTIAL_SUFFIX, data_dir
 from resources.pools import ensure_pool_limit
 
 # The pool every GPU stage's asset joins: ``@asset(pool=GPU_POOL)``. One pool per GPU host;
@@ -332,7 +332,7 @@ def preflight_metadata(report: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def gpu_host_from_env() -> GPUHost:
-    """The deployment's GPU host from the environment (:mod:`eagle3_assets.core.environment`); every field stays editable per run.
+    """The deployment's GPU host from the environment (:mod:`eagle3_assets.core.settings.environment`); every field stays editable per run.
 
     ``EAGLE3_GPU_HOST`` is ``local`` (default) or ``ssh://[user@]host[:port]``.
     """

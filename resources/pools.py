@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dagster import DagsterInstance
 
-from eagle3_assets.core.environment import Variable
+from eagle3_assets.core.settings.environment import Variable
 
 
 def ensure_pool_limit(instance: DagsterInstance, pool: str, limit_env: Variable, limit: int | None = None) -> int:

@@ -20,8 +20,8 @@ from typing import Any
 from dagster import ConfigurableResource, EnvVar
 from pydantic import Field
 
-from eagle3_assets.core.environment import PRODUCTION_API_KEY, PRODUCTION_URLS
-from eagle3_assets.core.production_watch import Scrape, scrape
+from eagle3_assets.core.settings.environment import PRODUCTION_API_KEY, PRODUCTION_URLS
+from eagle3_assets.core.serving.production_watch import Scrape, scrape
 
 URLS_ENV = PRODUCTION_URLS.name
 API_KEY_ENV = PRODUCTION_API_KEY.name

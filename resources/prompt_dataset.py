@@ -13,9 +13,9 @@ from pathlib import Path
 from dagster import ConfigurableResource
 from pydantic import Field
 
-from eagle3_assets.core.environment import PROMPTS, SHARD_SIZE
-from eagle3_assets.core.prompt_loading import ShardPrompts, count_rows, load_shard
-from eagle3_assets.core.sharding import DEFAULT_SHARD_SIZE, shard_keys_for
+from eagle3_assets.core.settings.environment import PROMPTS, SHARD_SIZE
+from eagle3_assets.core.prompts.loading import ShardPrompts, count_rows, load_shard
+from eagle3_assets.core.prompts.sharding import DEFAULT_SHARD_SIZE, shard_keys_for
 
 SOURCE_ENV = PROMPTS.name
 SHARD_SIZE_ENV = SHARD_SIZE.name

@@ -21,11 +21,11 @@ from pathlib import Path
 from dagster import ConfigurableResource
 from pydantic import Field, PrivateAttr
 
-from eagle3_assets.core import target as core_target
-from eagle3_assets.core.target_identity import TargetIdentity, config_hash, target_identity
-from eagle3_assets.core.target_preflight import TargetSettings, preflight_problems
-from eagle3_assets.core.tokenizer_loading import load_tokenizer
-from eagle3_assets.core.environment import AUX_LAYER_IDS, TARGET_MODEL, TRUST_REMOTE_CODE
+from eagle3_assets.core.target import description as core_target
+from eagle3_assets.core.target.identity import TargetIdentity, config_hash, target_identity
+from eagle3_assets.core.target.preflight import TargetSettings, preflight_problems
+from eagle3_assets.core.target.tokenizer import load_tokenizer
+from eagle3_assets.core.settings.environment import AUX_LAYER_IDS, TARGET_MODEL, TRUST_REMOTE_CODE
 
 PATH_ENV = TARGET_MODEL.name
 
@@ -128,7 +128,7 @@ class TargetModel(ConfigurableResource):
 
     def renderer(self):
         """The target's chat template, think markers and end of turn, with its tokenizer."""
-        from eagle3_assets.core.chat_rendering import ChatRenderer
+        from eagle3_assets.core.validation.chat_rendering import ChatRenderer
 
         return ChatRenderer(self.load_tokenizer(), self.think_open, self.think_close, self.end_of_turn)
 

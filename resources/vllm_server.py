@@ -49,13 +49,13 @@ from typing import TYPE_CHECKING, Any
 from dagster import ConfigurableResource, DagsterInstance, EnvVar
 from pydantic import Field
 
-from eagle3_assets.core import environment as env_vars
-from eagle3_assets.core.generation import DEFAULT_PROGRESS_INTERVAL_S
-from eagle3_assets.core.generation_client import DEFAULT_CANARY_MAX_TOKENS, DEFAULT_CANARY_PROMPT
-from eagle3_assets.core.generation_config import GenerationConfig, GenerationSettings, Sampling
-from eagle3_assets.core.job_schema import values_of
-from eagle3_assets.core.openai_client import async_openai_client, openai_client
-from eagle3_assets.core.redaction import has_credentials, redact_url
+from eagle3_assets.core.settings import environment as env_vars
+from eagle3_assets.core.generation.shard_run import DEFAULT_PROGRESS_INTERVAL_S
+from eagle3_assets.core.generation.client import DEFAULT_CANARY_MAX_TOKENS, DEFAULT_CANARY_PROMPT
+from eagle3_assets.core.generation.config import GenerationConfig, GenerationSettings, Sampling
+from eagle3_assets.core.settings.job_schema import values_of
+from eagle3_assets.core.generation.openai_client import async_openai_client, openai_client
+from eagle3_assets.core.generation.redaction import has_credentials, redact_url
 from resources.pools import ensure_pool_limit
 
 if TYPE_CHECKING:
@@ -94,8 +94,8 @@ def served_model_from_env() -> str:
 class VLLMServerResource(Sampling, GenerationSettings, ConfigurableResource):
     """Where and how to generate: servers, model, sampling, timeouts, retries, concurrency.
 
-    The settings are :class:`~eagle3_assets.core.generation.GenerationSettings` and
-    :class:`~eagle3_assets.core.generation.Sampling` themselves (their one default, description and limits);
+    The settings are :class:`~eagle3_assets.core.generation.config.GenerationSettings` and
+    :class:`~eagle3_assets.core.generation.config.Sampling` themselves (their one default, description and limits);
     this class adds where the servers are and the pre-flight's knobs.
     """
 

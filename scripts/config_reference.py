@@ -7,7 +7,7 @@ What is on the page is found, not listed: every resource of
 ``eagle3_assets.definitions.defs`` (documented as its class under ``resources/``),
 every run-config class an asset or op of ``defs`` takes (read from the compute
 function's signature), every sensor, and every environment variable, as
-:mod:`eagle3_assets.core.environment` declares it (name, type, default,
+:mod:`eagle3_assets.core.settings.environment` declares it (name, type, default,
 meaning). A project variable named in the source but not declared there is
 listed as undeclared, and tests/test_docs.py fails until it is.
 
@@ -36,7 +36,7 @@ PAGE = REPO / "docs" / "configuration.md"
 SOURCE_DIRS = ("eagle3_assets", "resources", "sensors")
 # Variables of the project, and those of its dependencies it reads itself: stripped from the child's environment.
 PROJECT_ENV = re.compile(r"^(EAGLE3_|VLLM_|DAGSTER_PG_|HF_TOKEN$)")
-# A project variable spelled in the source: each must be declared in core/environment.py.
+# A project variable spelled in the source: each must be declared in core/settings/environment.py.
 ENV_NAME = re.compile(r"[\"'](EAGLE3_[A-Z0-9_]+)[\"']")
 
 INTRO = """\
@@ -201,8 +201,8 @@ def spelled_variables() -> dict[str, list[str]]:
 
 
 def declared_variables() -> list[dict]:
-    """The environment table of :mod:`eagle3_assets.core.environment`, in its order."""
-    from eagle3_assets.core.environment import VARIABLES
+    """The environment table of :mod:`eagle3_assets.core.settings.environment`, in its order."""
+    from eagle3_assets.core.settings.environment import VARIABLES
     from eagle3_assets.demo.environment import DEMO_VARIABLES
 
     return [
@@ -329,7 +329,7 @@ def render(data: dict | None = None) -> str:
 
     out += ["## Environment variables", ""]
     out += [
-        "Every variable of the project, as `eagle3_assets/core/environment.py` declares it; the code reads each through "
+        "Every variable of the project, as `eagle3_assets/core/settings/environment.py` declares it; the code reads each through "
         "that declaration (its default is written there only). Secrets are bound as Dagster `EnvVar`s, never read into config.",
         "",
     ]
@@ -341,7 +341,7 @@ def render(data: dict | None = None) -> str:
         out.append(f"| `{v['name']}` | {v['type']} | {v['default']} | {cell(meaning)} |")
     undeclared = undescribed_variables(data)
     if undeclared:
-        out += ["", "Spelled in the source but **not declared** in `eagle3_assets/core/environment.py`: " + ", ".join(f"`{n}`" for n in undeclared)]
+        out += ["", "Spelled in the source but **not declared** in `eagle3_assets/core/settings/environment.py`: " + ", ".join(f"`{n}`" for n in undeclared)]
     out += [""]
     return "\n".join(out)
 

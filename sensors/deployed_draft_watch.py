@@ -1,7 +1,7 @@
 """``deployed_draft_watch``: the production servers' acceptance, draft and liveness, every few minutes.
 
 Each tick scrapes every production server (``/metrics``, ``/v1/models``),
-closes one window per server (:mod:`eagle3_assets.core.production_watch` does
+closes one window per server (:mod:`eagle3_assets.core.serving.production_watch` does
 the arithmetic: restarts, quiet windows), records it as an observation of the
 ``deployed_draft`` asset, and alerts through the alert channel on a lasting
 drop in acceptance, a stale draft, or a server that stops answering.
@@ -19,9 +19,9 @@ import json
 
 from dagster import AssetKey, AssetObservation, DefaultSensorStatus, MetadataValue, SensorEvaluationContext, SensorResult, SkipReason, sensor
 
-from eagle3_assets.core.alerts import AlertDeliveryError
-from eagle3_assets.core.environment import PRODUCTION_SCRAPE_S
-from eagle3_assets.core.production_watch import Expectation, ServerMemory, Verdict, judge, undelivered
+from eagle3_assets.core.serving.alerts import AlertDeliveryError
+from eagle3_assets.core.settings.environment import PRODUCTION_SCRAPE_S
+from eagle3_assets.core.serving.production_watch import Expectation, ServerMemory, Verdict, judge, undelivered
 from resources.alerts import AlertChannel
 from resources.production_servers import URLS_ENV, ProductionServers
 

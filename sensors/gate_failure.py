@@ -16,7 +16,7 @@ from dagster import (
     sensor,
 )
 
-from eagle3_assets.core.alerts import Alert, AlertDeliveryError, figures_of
+from eagle3_assets.core.serving.alerts import Alert, AlertDeliveryError, figures_of
 from resources.alerts import WEBHOOK_ENV, AlertChannel
 
 BATCH = 200

@@ -15,7 +15,7 @@ import json
 
 from dagster import AssetSelection, DefaultSensorStatus, RunRequest, SensorEvaluationContext, SensorResult, SkipReason, sensor
 
-from eagle3_assets.core.environment import AUTO_GENERATE
+from eagle3_assets.core.settings.environment import AUTO_GENERATE
 from eagle3_assets.partitions import SAMPLE_SHARDS, sample_shards
 from resources.prompt_dataset import PromptDataset
 

@@ -2,7 +2,7 @@
 
 from dagster import DefaultSensorStatus, RunFailureSensorContext, run_failure_sensor
 
-from eagle3_assets.core.alerts import Alert, AlertDeliveryError
+from eagle3_assets.core.serving.alerts import Alert, AlertDeliveryError
 from resources.alerts import AlertChannel
 
 

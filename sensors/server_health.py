@@ -10,8 +10,8 @@ import json
 
 from dagster import DefaultSensorStatus, SensorEvaluationContext, SkipReason, sensor
 
-from eagle3_assets.core.alerts import Alert, AlertDeliveryError, probe_server
-from eagle3_assets.core.redaction import redact_url
+from eagle3_assets.core.serving.alerts import Alert, AlertDeliveryError, probe_server
+from eagle3_assets.core.generation.redaction import redact_url
 from resources.alerts import AlertChannel
 from resources.vllm_server import VLLMServerResource
 

@@ -54,7 +54,7 @@ def qwen3_target() -> Path:
 @pytest.fixture(scope="session")
 def vllm_server(tiny_target, tmp_path_factory):
     """One real vLLM server for the session, stopped (process group) when the session ends."""
-    from eagle3_assets.core.vllm_launcher import VLLMServer
+    from eagle3_assets.core.serving.vllm_launcher import VLLMServer
     from eagle3_assets.demo.targets import TINY_SERVING
 
     log = tmp_path_factory.mktemp("vllm") / "server.log"

@@ -20,7 +20,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from eagle3_assets.core.vllm_launcher import free_port, read_log_tail, start_logged
+from eagle3_assets.core.serving.vllm_launcher import free_port, read_log_tail, start_logged
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

@@ -20,7 +20,7 @@ import polars as pl
 import torch
 from safetensors.torch import save_file
 
-from eagle3_assets.core.storage import stable_hash
+from eagle3_assets.core.storage.files import stable_hash
 from eagle3_assets.demo.prompt_set import make_traces
 from eagle3_assets.demo.tiny_target import response_text
 

@@ -27,7 +27,7 @@ from collections.abc import Iterable, Mapping
 import aiohttp
 from aiohttp import web
 
-from eagle3_assets.core.completions import CANARY_ID, SAMPLE_ID_HEADER
+from eagle3_assets.core.generation.completions import CANARY_ID, SAMPLE_ID_HEADER
 
 FAULT_KINDS = ("5xx", "reset", "slow")
 HOP_BY_HOP = {"host", "content-length", "transfer-encoding", "connection", "keep-alive"}

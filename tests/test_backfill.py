@@ -16,7 +16,7 @@ import pytest
 from dagster import AssetKey, RunsFilter
 from dagster._core.execution.backfill import BulkActionStatus
 
-from eagle3_assets.core.backfill_client import UnknownShardsError, check_shards
+from eagle3_assets.core.orchestration.backfill_client import UnknownShardsError, check_shards
 from tests.dagster_dev import REPO, DagsterDev
 
 pytestmark = pytest.mark.timeout(1800)

@@ -24,15 +24,15 @@ import pytest
 import torch
 from dagster import DagsterInstance, RunConfig, materialize
 
-from eagle3_assets.core.extraction import TransformersBackend, read_traces
-from eagle3_assets.core.stage_jobs import BoundedModeError, TrainingJob
-from eagle3_assets.core.state_layout import FP8_DTYPE, bytes_per_token
-from eagle3_assets.core.storage import write_json_atomic
+from eagle3_assets.core.extraction.shard_extraction import TransformersBackend, read_traces
+from eagle3_assets.core.gpu_host.stage_jobs import BoundedModeError, TrainingJob
+from eagle3_assets.core.extraction.state_layout import FP8_DTYPE, bytes_per_token
+from eagle3_assets.core.storage.files import write_json_atomic
 from eagle3_assets.core.training.checkpoints import JOURNAL, read_journal
 from eagle3_assets.core.training.launch import EVENT_PREFIX
 from eagle3_assets.core.training.loop import train
 from eagle3_assets.core.training.streamed import StreamedGateError, StreamedWindow, directory_bytes
-from eagle3_assets.core.vocab import build_vocab_mapping, save_vocab_mapping
+from eagle3_assets.core.draft.vocab import build_vocab_mapping, save_vocab_mapping
 from tests.extraction_helpers import write_validated_traces
 
 REPO = Path(__file__).resolve().parents[1]
@@ -59,7 +59,7 @@ def streamed(tiny_target, tmp_path_factory) -> dict:
 
 def run_settings(tiny_target, streamed, work: Path, *, dtype="bfloat16", epochs=2, every=2) -> dict:
     """A TrainingJob with the streamed source, as the stage's --config takes it (which trains only)."""
-    from eagle3_assets.core.target_identity import target_identity
+    from eagle3_assets.core.target.identity import target_identity
 
     train = dict(
         hidden_state_dirs=[], vocab_mapping=str(streamed["mapping"]), target_path=str(tiny_target), training_dir=str(work / "training"),

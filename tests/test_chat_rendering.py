@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from eagle3_assets.core.chat_rendering import ChatRenderer, RenderingError, detect_end_of_turn, detect_think_markers
+from eagle3_assets.core.validation.chat_rendering import ChatRenderer, RenderingError, detect_end_of_turn, detect_think_markers
 
 # The tiny target's parser output for "What is 18+73?" (vLLM, deepseek_r1): the
 # reasoning keeps the newline before </think>, the answer the two after it.

@@ -22,13 +22,13 @@ from pathlib import Path
 import pytest
 from dagster import AssetMaterialization, DagsterInstance, build_sensor_context
 
-from eagle3_assets.core.deployment import alias_args, draft_weights_hash
-from eagle3_assets.core.evaluation import load_conversations, run_pass, speculative_args, untrained_twin
+from eagle3_assets.core.serving.deployment import alias_args, draft_weights_hash
+from eagle3_assets.core.evaluation.acceptance import load_conversations, run_pass, speculative_args, untrained_twin
 from eagle3_assets.core.training.checkpoints import export_trained_draft
 from eagle3_assets.core.training.launch import run_training
-from eagle3_assets.core.vllm_launcher import VLLMServer, free_port
+from eagle3_assets.core.serving.vllm_launcher import VLLMServer, free_port
 from eagle3_assets.demo.targets import TINY_SERVING
-from eagle3_assets.core.vllm_metrics import SpecDecodeCounters, fetch_metrics_text
+from eagle3_assets.core.serving.vllm_metrics import SpecDecodeCounters, fetch_metrics_text
 from eagle3_assets.demo.stack import demo_eval_prompts_path
 from resources.alerts import AlertChannel
 from resources.production_servers import ProductionServers

@@ -40,7 +40,7 @@ def test_configuration_page_is_current(generator, collected):
 
 
 def test_every_environment_variable_the_code_reads_is_described(generator, collected):
-    assert generator.undescribed_variables(collected) == [], "declare these in eagle3_assets/core/environment.py"
+    assert generator.undescribed_variables(collected) == [], "declare these in eagle3_assets/core/settings/environment.py"
 
 
 def test_environment_variables_name_fields_that_exist(generator, collected):
@@ -50,7 +50,7 @@ def test_environment_variables_name_fields_that_exist(generator, collected):
 
 
 def test_the_code_reads_project_variables_only_through_their_declaration():
-    """No ``os.environ`` / ``getenv`` read of a project variable outside core/environment.py: one default, one parser."""
+    """No ``os.environ`` / ``getenv`` read of a project variable outside core/settings/environment.py: one default, one parser."""
     reads = re.compile(r"(environ(?:\.get)?\(|environ\[|getenv\()\s*[\"'](EAGLE3_|VLLM_API_KEY|HF_TOKEN)")
     offenders = []
     for top in ("eagle3_assets", "resources", "sensors"):

@@ -21,18 +21,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3_assets.core.draft_forms import DEEPSEEK_MLA, LLAMA, draft_config_for_target, new_draft
-from eagle3_assets.core.draft_model import Eagle3Draft
-from eagle3_assets.core.export import ARCHITECTURES, export_draft
-from eagle3_assets.core.target_head import load_head_weights
+from eagle3_assets.core.draft.forms import DEEPSEEK_MLA, LLAMA, draft_config_for_target, new_draft
+from eagle3_assets.core.draft.model import Eagle3Draft
+from eagle3_assets.core.draft.export import ARCHITECTURES, export_draft
+from eagle3_assets.core.target.head import load_head_weights
 from eagle3_assets.core.training.loss import shift_left
-from eagle3_assets.core.vocab import (
-    build_vocab_mapping,
-    count_supervised_tokens,
-    coverage,
-    load_vocab_mapping,
-    save_vocab_mapping,
-)
+from eagle3_assets.core.draft.vocab import build_vocab_mapping, count_supervised_tokens, coverage, load_vocab_mapping, save_vocab_mapping
 
 REFERENCE = Path(__file__).with_name("vllm_eagle3_reference.py")
 

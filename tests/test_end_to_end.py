@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 from dagster import AssetCheckKey, AssetKey, DagsterInstance
 
-from eagle3_assets.core.evaluation import evaluate, load_conversations
-from eagle3_assets.core.export import config_problems
+from eagle3_assets.core.evaluation.acceptance import evaluate, load_conversations
+from eagle3_assets.core.draft.export import config_problems
 from eagle3_assets.draft_evaluation import DraftEvaluationConfig, resolve_eval_prompts
 from eagle3_assets.demo.pipeline import run_per_shard, run_whole_dataset
 from eagle3_assets.demo.plugin import DemoTargetModel

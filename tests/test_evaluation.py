@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from eagle3_assets.core.evaluation import load_conversations, render_positions
-from eagle3_assets.core.vllm_metrics import SpecDecodeCounters
+from eagle3_assets.core.evaluation.acceptance import load_conversations, render_positions
+from eagle3_assets.core.serving.vllm_metrics import SpecDecodeCounters
 from eagle3_assets.stages.evaluate_draft import judge
 
 PAGE = """# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
@@ -53,7 +53,7 @@ def test_per_position_table_lists_every_position():
 
 
 def test_curve_over_k_adds_the_per_position_rates_and_labels_what_was_measured():
-    from eagle3_assets.core.speculation_depth import derived_curve
+    from eagle3_assets.core.evaluation.speculation_depth import derived_curve
 
     curve = derived_curve([0.8, 0.5, 0.2, 0.1, 0.05], [1, 2, 3, 4, 5])
     assert [round(p.acceptance_length, 3) for p in curve] == [1.8, 2.3, 2.5, 2.6, 2.65]
@@ -64,7 +64,7 @@ def test_curve_over_k_adds_the_per_position_rates_and_labels_what_was_measured()
 
 
 def test_cost_model_recommends_the_k_whose_extra_draft_work_still_pays():
-    from eagle3_assets.core.speculation_depth import derived_curve, recommend, render_curve_table, with_estimated_speedup
+    from eagle3_assets.core.evaluation.speculation_depth import derived_curve, recommend, render_curve_table, with_estimated_speedup
 
     rates = [0.8, 0.5, 0.2, 0.1, 0.05]
     cheap = with_estimated_speedup(derived_curve(rates, [1, 2, 3, 4, 5]), draft_cost_ratio=0.05)
@@ -77,7 +77,7 @@ def test_cost_model_recommends_the_k_whose_extra_draft_work_still_pays():
 
 
 def test_measured_throughput_decides_k_where_it_is_measured():
-    from eagle3_assets.core.speculation_depth import CurvePoint, measured_ratio, recommend, with_measured_speedup
+    from eagle3_assets.core.evaluation.speculation_depth import CurvePoint, measured_ratio, recommend, with_measured_speedup
 
     curve = [CurvePoint(k, 1 + 0.6 * k, [], "measured") for k in (1, 2, 3)]
     measured = with_measured_speedup(curve, {1: 150.0, 2: 190.0, 3: 170.0}, reference_tokens_per_s=100.0)
@@ -87,7 +87,7 @@ def test_measured_throughput_decides_k_where_it_is_measured():
 
 
 def test_the_stage_derives_on_a_cpu_and_uses_each_measured_k_where_there_is_one():
-    from eagle3_assets.core.evaluation import PassResult
+    from eagle3_assets.core.evaluation.acceptance import PassResult
     from eagle3_assets.stages.evaluate_draft import choose_k
 
     def spec(label, rates, tokens_per_s):

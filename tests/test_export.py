@@ -17,13 +17,19 @@ import torch
 from dagster import AssetKey, RunConfig, materialize
 from safetensors.torch import load_file, save_file
 
-from eagle3_assets.core.draft_forms import DEEPSEEK_MLA
-from eagle3_assets.core.evaluation import untrained_twin
-from eagle3_assets.core.export import (
-    COMMON_FIELDS, FORM_FIELDS, REQUIRED_FIELDS, check_loads_in_vllm, config_problems, draft_config_from_hf, export_draft,
+from eagle3_assets.core.draft.forms import DEEPSEEK_MLA
+from eagle3_assets.core.evaluation.acceptance import untrained_twin
+from eagle3_assets.core.draft.export import (  # fmt: skip
+    COMMON_FIELDS,
+    FORM_FIELDS,
+    REQUIRED_FIELDS,
+    check_loads_in_vllm,
+    config_problems,
+    draft_config_from_hf,
+    export_draft,
     read_draft_dir,
-)  # fmt: skip
-from eagle3_assets.core.target_head import load_head_weights
+)
+from eagle3_assets.core.target.head import load_head_weights
 from eagle3_assets.core.training.curves import render_curve
 from eagle3_assets.draft_checkpoint import DraftTrainingConfig
 from eagle3_assets.vocab_mapping import VocabMappingConfig, vocab_mapping

@@ -22,7 +22,7 @@ import torch
 from dagster import AssetKey, DagsterInstance, RunConfig, asset, materialize
 from safetensors import safe_open
 
-from eagle3_assets.core.extraction import (
+from eagle3_assets.core.extraction.shard_extraction import (
     SIDECAR,
     ExtractionSettings,
     TargetFacts,
@@ -33,10 +33,10 @@ from eagle3_assets.core.extraction import (
     read_sidecar,
     read_traces,
 )
-from eagle3_assets.core.stage_jobs import ExtractionRecipe
-from eagle3_assets.core.storage import file_hash, stable_hash
-from eagle3_assets.core.target_head import TargetHead, rms_norm
-from eagle3_assets.core.hidden_state_checks import (
+from eagle3_assets.core.gpu_host.stage_jobs import ExtractionRecipe
+from eagle3_assets.core.storage.files import file_hash, stable_hash
+from eagle3_assets.core.target.head import TargetHead, rms_norm
+from eagle3_assets.core.extraction.hidden_state_checks import (
     rounding_margin,
     check_aux_states_match_layer_ids,
     check_final_state_reproduces_logits,
@@ -162,8 +162,8 @@ def test_batch_size_does_not_change_a_samples_states(tmp_path, tiny_target, trac
 KILLED_RUN = """
 import os, signal, sys, torch
 from pathlib import Path
-from eagle3_assets.core.extraction import ExtractionSettings, TransformersBackend, extract_shard, read_traces
-from eagle3_assets.core.stage_jobs import ExtractionRecipe
+from eagle3_assets.core.extraction.shard_extraction import ExtractionSettings, TransformersBackend, extract_shard, read_traces
+from eagle3_assets.core.gpu_host.stage_jobs import ExtractionRecipe
 
 torch.set_num_threads(1)
 target, traces_file, out, part_bytes = sys.argv[1], sys.argv[2], Path(sys.argv[3]), int(sys.argv[4])
@@ -292,7 +292,7 @@ def test_states_match_traces_catches_missing_and_altered_samples(tmp_path, tiny_
 def test_bad_traces_get_an_error_naming_the_file_and_the_sample(tmp_path):
     import polars as pl
 
-    from eagle3_assets.core.extraction import ExtractionInputError
+    from eagle3_assets.core.extraction.shard_extraction import ExtractionInputError
 
     path = tmp_path / "validated_traces" / f"{SHARD}.parquet"
     path.parent.mkdir()
@@ -312,7 +312,7 @@ def test_bad_traces_get_an_error_naming_the_file_and_the_sample(tmp_path):
 @pytest.fixture(scope="module")
 def vllm_backend(tiny_target, tmp_path_factory):
     """One vLLM engine for the module (extract_hidden_states + the CPU-safe connector), in this process."""
-    from eagle3_assets.core.vllm_extraction import VLLMBackend
+    from eagle3_assets.core.extraction.vllm_backend import VLLMBackend
 
     with in_process_vllm_environment():
         backend = VLLMBackend(
@@ -354,8 +354,8 @@ def test_vllm_backend_equals_an_independent_forward_and_feeds_training_the_same(
 @pytest.mark.vllm
 def test_vllm_backend_writes_8bit_states_through_the_shared_writer_that_pass_the_gates(tmp_path, tiny_target, traces, tf_backend, vllm_backend):
     """8-bit storage is the shared writer's: vLLM's states get the same codes and scales format, and the same gates pass."""
-    from eagle3_assets.core.hidden_state_checks import check_states_finite, storage_unit_roundoff
-    from eagle3_assets.core.state_layout import FP8_DTYPE
+    from eagle3_assets.core.extraction.hidden_state_checks import check_states_finite, storage_unit_roundoff
+    from eagle3_assets.core.extraction.state_layout import FP8_DTYPE
 
     fp8 = ExtractionSettings(str(tiny_target), "tiny-target", LAYER_IDS, dtype=FP8_DTYPE, part_bytes=60_000)
     report = extract_shard(traces, tmp_path / "vllm", fp8, vllm_backend)
@@ -450,7 +450,7 @@ def plant_nan(part) -> None:
 @pytest.mark.vllm
 def test_the_vllm_logits_gate_uses_the_pass_that_stored_the_states(tmp_path, tiny_target, traces, vllm_backend):
     """The gate's samples named before extraction get vLLM's prompt logprobs in their capture requests; others a pass of their own."""
-    from eagle3_assets.core.hidden_state_checks import keep_logits_references, sample_ids_for_checks
+    from eagle3_assets.core.extraction.hidden_state_checks import keep_logits_references, sample_ids_for_checks
 
     keep_logits_references(vllm_backend, traces, 4, 0)
     extract_shard(traces, tmp_path / "vllm", settings_for(tiny_target), vllm_backend)

@@ -15,8 +15,8 @@ import polars as pl
 import pytest
 from dagster import DagsterInstance, EnvVar, materialize
 
-from eagle3_assets.core.completions import CANARY_ID, parse_completion
-from eagle3_assets.core.response_rules import content_failures
+from eagle3_assets.core.generation.completions import CANARY_ID, parse_completion
+from eagle3_assets.core.generation.response_rules import content_failures
 from eagle3_assets.demo.plugin import DemoPromptDataset, DemoTargetModel
 from eagle3_assets.partitions import register_shards
 from eagle3_assets.prompts import prompts
@@ -74,9 +74,9 @@ def test_reasoning_is_read_from_either_field_and_the_field_recorded():
 
 
 def test_server_token_ids_are_kept_and_asking_for_them_changes_no_shard_identity():
-    from eagle3_assets.core.completions import Sample
-    from eagle3_assets.core.generation import generation_fingerprint
-    from eagle3_assets.core.generation_config import GenerationConfig
+    from eagle3_assets.core.generation.completions import Sample
+    from eagle3_assets.core.generation.shard_run import generation_fingerprint
+    from eagle3_assets.core.generation.config import GenerationConfig
 
     # vLLM with return_token_ids: the prompt's ids at the top level, the generated ids in the choice
     message = {"role": "assistant", "content": "42", "reasoning": "because"}
@@ -99,9 +99,9 @@ def test_server_token_ids_are_kept_and_asking_for_them_changes_no_shard_identity
 
 
 def test_credentials_in_server_urls_are_redacted_everywhere_they_could_be_shown(monkeypatch):
-    from eagle3_assets.core.completions import describe_error
-    from eagle3_assets.core.generation_config import GenerationConfig
-    from eagle3_assets.core.redaction import redact_credentials, redact_url
+    from eagle3_assets.core.generation.completions import describe_error
+    from eagle3_assets.core.generation.config import GenerationConfig
+    from eagle3_assets.core.generation.redaction import redact_credentials, redact_url
 
     assert redact_url("http://user:tok%40en@gpu-a:8000/v1") == "http://gpu-a:8000/v1"
     assert redact_url("https://gpu-b:8000") == "https://gpu-b:8000"
@@ -125,9 +125,9 @@ def test_credentials_in_server_urls_are_redacted_everywhere_they_could_be_shown(
 
 
 def test_a_rerun_sends_errors_and_fixable_responses_until_the_sample_used_its_attempts():
-    from eagle3_assets.core.completions import Sample
-    from eagle3_assets.core.generation import _plan_resend
-    from eagle3_assets.core.generation_config import GenerationConfig
+    from eagle3_assets.core.generation.completions import Sample
+    from eagle3_assets.core.generation.shard_run import _plan_resend
+    from eagle3_assets.core.generation.config import GenerationConfig
 
     def row(sample_id, attempts, **overrides):
         good = {"id": sample_id, "reasoning": "think", "content": "42", "finish_reason": "stop", "attempts": attempts, "error": None}

@@ -18,9 +18,9 @@ import polars as pl
 import pytest
 from dagster import DagsterInstance
 
-from eagle3_assets.core.completions import CANARY_ID
-from eagle3_assets.core.journal import parquet_fingerprint
-from eagle3_assets.core.response_rules import NO_REASONING_DIAGNOSIS, content_failures
+from eagle3_assets.core.generation.completions import CANARY_ID
+from eagle3_assets.core.storage.journal import parquet_fingerprint
+from eagle3_assets.core.generation.response_rules import NO_REASONING_DIAGNOSIS, content_failures
 from eagle3_assets.demo.prompt_set import demo_prompts as demo_prompt_rows
 from eagle3_assets.demo.prompt_set import write_jsonl
 from eagle3_assets.prompts import prompts

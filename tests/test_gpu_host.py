@@ -32,9 +32,9 @@ from dagster import (
     materialize,
 )
 
-from eagle3_assets.core.preflight import lock_holder, process_cmdline, stray_stage_processes
-from eagle3_assets.core.stage_requirements import StageRequirements
-from eagle3_assets.core.vllm_launcher import free_port
+from eagle3_assets.core.gpu_host.preflight import lock_holder, process_cmdline, stray_stage_processes
+from eagle3_assets.core.gpu_host.stage_requirements import StageRequirements
+from eagle3_assets.core.serving.vllm_launcher import free_port
 from eagle3_assets.gpu_host_ready import gpu_host_ready_job
 from eagle3_assets.hidden_states import HiddenStatesConfig, hidden_states
 from eagle3_assets.partitions import register_shards

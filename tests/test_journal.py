@@ -7,8 +7,8 @@ import json
 import polars as pl
 import pytest
 
-from eagle3_assets.core.completions import ROW_SCHEMA
-from eagle3_assets.core.journal import (
+from eagle3_assets.core.generation.completions import ROW_SCHEMA
+from eagle3_assets.core.storage.journal import (
     JournalCorruptError,
     ShardJournal,
     keep_superseded,

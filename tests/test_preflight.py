@@ -20,10 +20,17 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_assets.core.preflight import GPUMemory, evaluate_gpus, evaluate_unit, lock_holder, parse_nvidia_smi_csv, systemd_unit_state
-from eagle3_assets.core.stage_lock import StageLock
-from eagle3_assets.core.stage_requirements import StageRequirements
-from eagle3_assets.core.remote import SSHTarget, remote_shell_command
+from eagle3_assets.core.gpu_host.preflight import (
+    GPUMemory,
+    evaluate_gpus,
+    evaluate_unit,
+    lock_holder,
+    parse_nvidia_smi_csv,
+    systemd_unit_state,
+)
+from eagle3_assets.core.gpu_host.stage_lock import StageLock
+from eagle3_assets.core.gpu_host.stage_requirements import StageRequirements
+from eagle3_assets.core.gpu_host.remote import SSHTarget, remote_shell_command
 from resources.gpu_host import GPUHost
 
 REPO = Path(__file__).resolve().parents[1]
@@ -193,7 +200,7 @@ def test_partial_files_of_an_aborted_run_are_reported_and_removed_only_when_conf
     out = data_dir / STAGE
     # A real aborted write: a process killed inside storage.atomic_path leaves its temporary file.
     code = (
-        "import os, signal, sys; from pathlib import Path; from eagle3_assets.core.storage import atomic_path\n"
+        "import os, signal, sys; from pathlib import Path; from eagle3_assets.core.storage.files import atomic_path\n"
         "with atomic_path(Path(sys.argv[1])) as tmp:\n"
         "    tmp.write_bytes(b'half a file')\n"
         "    os.kill(os.getpid(), signal.SIGKILL)\n"
@@ -283,8 +290,8 @@ def test_a_lock_held_in_this_process_is_seen_and_released():
 
 LOCK_HOLDER_SOURCE = """
 import os, sys, time, pathlib
-from eagle3_assets.core.stage_lock import StageLock
-from eagle3_assets.core.preflight import process_cmdline
+from eagle3_assets.core.gpu_host.stage_lock import StageLock
+from eagle3_assets.core.gpu_host.preflight import process_cmdline
 lock = StageLock(sys.argv[1])
 assert lock.try_acquire({"pid": os.getpid(), "cmdline": process_cmdline(os.getpid())}) is None
 pathlib.Path(sys.argv[2]).touch()
@@ -294,9 +301,9 @@ time.sleep(120)
 
 def _preflight(host: GPUHost, requirements: StageRequirements, **spec_overrides) -> dict:
     """Run the host-side pre-flight with some spec fields replaced (e.g. a missing nvidia-smi)."""
-    from eagle3_assets.core.preflight import run_preflight
-    from eagle3_assets.core.stage_requirements import build_spec
-    from eagle3_assets.core.storage import PARTIAL_SUFFIX
+    from eagle3_assets.core.gpu_host.preflight import run_preflight
+    from eagle3_assets.core.gpu_host.stage_requirements import build_spec
+    from eagle3_assets.core.storage.files import PARTIAL_SUFFIX
 
     spec = build_spec(
         STAGE,
@@ -344,9 +351,9 @@ def with_own_vocabulary_tokenizer(tiny_target: Path, where: Path) -> Path:
 def test_a_remote_code_tokenizer_is_named_from_the_directory_not_from_the_error_text(tiny_target, tmp_path):
     from transformers import AutoTokenizer
 
-    from eagle3_assets.core.target import TargetError
-    from eagle3_assets.core.target_preflight import TargetSettings, preflight_problems
-    from eagle3_assets.core.tokenizer_loading import load_tokenizer, remote_code_tokenizer
+    from eagle3_assets.core.target.description import TargetError
+    from eagle3_assets.core.target.preflight import TargetSettings, preflight_problems
+    from eagle3_assets.core.target.tokenizer import load_tokenizer, remote_code_tokenizer
 
     remote = with_own_vocabulary_tokenizer(tiny_target, tmp_path / "own-vocabulary")
     # The case of the issue: transformers' own failure says nothing of remote code.
@@ -370,8 +377,8 @@ def test_a_remote_code_tokenizer_is_named_from_the_directory_not_from_the_error_
 
 
 def test_a_tokenizer_class_transformers_lacks_without_code_for_it_is_named(tiny_target, tmp_path):
-    from eagle3_assets.core.target import TargetError
-    from eagle3_assets.core.tokenizer_loading import load_tokenizer, remote_code_tokenizer
+    from eagle3_assets.core.target.description import TargetError
+    from eagle3_assets.core.target.tokenizer import load_tokenizer, remote_code_tokenizer
 
     where = shutil.copytree(tiny_target, tmp_path / "unknown-class")
     config = json.loads((where / "tokenizer_config.json").read_text())

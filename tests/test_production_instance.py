@@ -39,7 +39,7 @@ from dagster import AssetKey, DagsterEventType, DagsterInstance, DagsterRunStatu
 from dagster._core.execution.backfill import BulkActionStatus, PartitionBackfill
 from dagster._core.utils import make_new_backfill_id
 
-from eagle3_assets.core.vllm_launcher import read_log_tail, stop_process_group
+from eagle3_assets.core.serving.vllm_launcher import read_log_tail, stop_process_group
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED_INSTANCE_YAML = REPO / "deploy" / "dagster.yaml"

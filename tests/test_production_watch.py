@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_assets.core.production_watch import (
+from eagle3_assets.core.serving.production_watch import (
     Expectation,
     ServerMemory,
     display_url,
@@ -184,7 +184,7 @@ def test_urls_lose_their_credentials_before_anything_shows_them():
 def test_the_sensor_skips_without_servers_and_never_shows_url_credentials():
     from dagster import DagsterInstance, SkipReason, build_sensor_context
 
-    from eagle3_assets.core.vllm_launcher import free_port
+    from eagle3_assets.core.serving.vllm_launcher import free_port
     from resources.alerts import AlertChannel
     from resources.production_servers import ProductionServers
     from sensors.deployed_draft_watch import deployed_draft_watch

@@ -13,9 +13,9 @@ from contextlib import contextmanager
 import polars as pl
 import pytest
 
-from eagle3_assets.core.prompt_loading import count_rows, load_shard
-from eagle3_assets.core.prompt_sources import DatasetReadError
-from eagle3_assets.core.sharding import shard_keys_for
+from eagle3_assets.core.prompts.loading import count_rows, load_shard
+from eagle3_assets.core.prompts.sources import DatasetReadError
+from eagle3_assets.core.prompts.sharding import shard_keys_for
 
 
 def write_lines(path, lines):

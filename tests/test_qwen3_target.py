@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from eagle3_assets.core.chat_rendering import ChatRenderer
-from eagle3_assets.core.target import default_aux_layer_ids
+from eagle3_assets.core.validation.chat_rendering import ChatRenderer
+from eagle3_assets.core.target.description import default_aux_layer_ids
 from eagle3_assets.demo.prompt_set import training_traces
 from eagle3_assets.demo.qwen3_target import (
     IM_END,
@@ -83,7 +83,7 @@ def test_qwen3_model_writes_its_own_think_block(qwen3_target):
 
 @pytest.fixture(scope="module")
 def qwen3_vllm_server(qwen3_target, tmp_path_factory):
-    from eagle3_assets.core.vllm_launcher import VLLMServer
+    from eagle3_assets.core.serving.vllm_launcher import VLLMServer
 
     log = tmp_path_factory.mktemp("vllm-qwen3") / "server.log"
     with VLLMServer(qwen3_target, served_model_name="qwen3-tiny", log_path=log, reasoning_parser=QWEN3_REASONING_PARSER) as server:

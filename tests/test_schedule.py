@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from eagle3_assets.core.schedule import MIN_OPTIMIZER_STEPS, fit_schedule, fitted_batch_tokens, fitted_learning_rate
+from eagle3_assets.core.training.schedule import MIN_OPTIMIZER_STEPS, fit_schedule, fitted_batch_tokens, fitted_learning_rate
 
 
 def packed_steps(total_tokens: int):

@@ -7,7 +7,7 @@ import json
 import pytest
 from dagster import DagsterEventType, DagsterInstance, SkipReason, build_run_status_sensor_context, build_sensor_context, materialize
 
-from eagle3_assets.core.vllm_metrics import parse_prometheus
+from eagle3_assets.core.serving.vllm_metrics import parse_prometheus
 from eagle3_assets.partitions import SAMPLE_SHARDS, register_shards
 from eagle3_assets.prompts import prompts
 from resources.alerts import AlertChannel

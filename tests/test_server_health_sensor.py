@@ -7,7 +7,7 @@ import json
 import pytest
 from dagster import DagsterInstance, build_sensor_context
 
-from eagle3_assets.core.vllm_launcher import VLLMServer, free_port
+from eagle3_assets.core.serving.vllm_launcher import VLLMServer, free_port
 from eagle3_assets.demo.targets import TINY_SERVING
 from resources.alerts import AlertChannel
 from resources.vllm_server import VLLMServerResource

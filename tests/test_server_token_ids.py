@@ -18,16 +18,16 @@ import polars as pl
 import pytest
 from transformers import AutoTokenizer
 
-from eagle3_assets.core.chat_rendering import ChatRenderer
-from eagle3_assets.core.completions import Sample
-from eagle3_assets.core.generation import generate_shard, generation_fingerprint
-from eagle3_assets.core.generation_config import GenerationConfig
-from eagle3_assets.core.journal import ShardJournal
-from eagle3_assets.core.prompt_loading import PROMPTS_SCHEMA
-from eagle3_assets.core.response_rules import content_failures
-from eagle3_assets.core.mask_alignment import mask_alignment_problems
-from eagle3_assets.core.trace_gates import check_loss_mask_aligned
-from eagle3_assets.core.validation import ValidationRules, validate_shard
+from eagle3_assets.core.validation.chat_rendering import ChatRenderer
+from eagle3_assets.core.generation.completions import Sample
+from eagle3_assets.core.generation.shard_run import generate_shard, generation_fingerprint
+from eagle3_assets.core.generation.config import GenerationConfig
+from eagle3_assets.core.storage.journal import ShardJournal
+from eagle3_assets.core.prompts.loading import PROMPTS_SCHEMA
+from eagle3_assets.core.generation.response_rules import content_failures
+from eagle3_assets.core.validation.mask_alignment import mask_alignment_problems
+from eagle3_assets.core.validation.gates import check_loss_mask_aligned
+from eagle3_assets.core.validation.shard_validation import ValidationRules, validate_shard
 from eagle3_assets.demo.prompt_set import demo_prompts
 from eagle3_assets.demo.plugin import MAX_TOKENS as DEMO_MAX_TOKENS
 from eagle3_assets.demo.plugin import TEMPERATURE as DEMO_TEMPERATURE
@@ -241,7 +241,7 @@ def test_files_without_server_ids_still_load_and_keep_the_text_path(vllm_server,
 
 @pytest.fixture(scope="module")
 def kimi_server(kimi_target, tmp_path_factory):
-    from eagle3_assets.core.vllm_launcher import VLLMServer
+    from eagle3_assets.core.serving.vllm_launcher import VLLMServer
     from eagle3_assets.demo.kimi_target import kimi_serving
 
     log = tmp_path_factory.mktemp("vllm-kimi-ids") / "server.log"

@@ -6,9 +6,9 @@ from pathlib import Path
 
 from dagster import AssetExecutionContext, DagsterInstance, asset, materialize
 
-from eagle3_assets.core.shard_lease import ShardLease
-from eagle3_assets.core.shard_paths import LOCKS_DIR, DatasetPaths, ShardPaths, lock_dir
-from eagle3_assets.core.vllm_launcher import VLLMServer
+from eagle3_assets.core.storage.shard_lease import ShardLease
+from eagle3_assets.core.storage.shard_paths import LOCKS_DIR, DatasetPaths, ShardPaths, lock_dir
+from eagle3_assets.core.serving.vllm_launcher import VLLMServer
 from eagle3_assets.demo.targets import TINY_SERVING
 from resources.gpu_host import GPUHost
 
@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_shard_paths_imports_without_storage():
     """No cycle storage <-> shard_paths: the paths module (which the GPU host's pre-flight imports) stands alone."""
-    code = "import sys, eagle3_assets.core.shard_paths; print('eagle3_assets.core.storage' in sys.modules, 'polars' in sys.modules)"
+    code = "import sys, eagle3_assets.core.storage.shard_paths; print('eagle3_assets.core.storage.files' in sys.modules, 'polars' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True, env={"PYTHONPATH": str(REPO)})
     assert done.stdout.split() == ["False", "False"]
 

@@ -20,8 +20,8 @@ import polars as pl
 import pytest
 from dagster import DagsterEventType, DagsterInstance, RunConfig, materialize
 
-from eagle3_assets.core.extraction import SIDECAR, HiddenStateFileError, read_sidecar
-from eagle3_assets.core.shard_lease import ShardBusyError, ShardLease, lease_path
+from eagle3_assets.core.extraction.shard_extraction import SIDECAR, HiddenStateFileError, read_sidecar
+from eagle3_assets.core.storage.shard_lease import ShardBusyError, ShardLease, lease_path
 from eagle3_assets.core.training.data import index_hidden_states, load_batch
 from eagle3_assets.demo.plugin import DemoTargetModel
 from eagle3_assets.partitions import register_shards
@@ -72,7 +72,7 @@ def test_a_live_holder_is_named_and_a_dead_ones_lease_and_leftovers_are_taken_ov
     # A writer SIGKILLed inside an atomic write leaves its lease and a 0-byte .partial.
     code = (
         "import os, signal, sys; from pathlib import Path\n"
-        "from eagle3_assets.core.shard_lease import ShardLease; from eagle3_assets.core.storage import atomic_path\n"
+        "from eagle3_assets.core.storage.shard_lease import ShardLease; from eagle3_assets.core.storage.files import atomic_path\n"
         "ShardLease(Path(sys.argv[1]), 'shard-00000', asset='raw_responses', run_id='run-killed').acquire()\n"
         "with atomic_path(Path(sys.argv[1]) / 'shard-00000.parquet'):\n"
         "    os.kill(os.getpid(), signal.SIGKILL)\n"

@@ -1,7 +1,7 @@
 """Typed stage jobs: each setting's default and description are written once, and a bad job is refused naming the key.
 
 The Dagster ``Config`` classes and the vLLM server resource are the Dagster-free
-pydantic settings models (:mod:`eagle3_assets.core.stage_jobs`, ``TrainConfig``,
+pydantic settings models (:mod:`eagle3_assets.core.gpu_host.stage_jobs`, ``TrainConfig``,
 ``GenerationSettings``) or take their fields from them; these tests hold them
 to it, and send a bad job to a real stage through the GPU host resource (local
 mode).
@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from dagster import AssetExecutionContext, DagsterEventType, DagsterInstance, asset, materialize
 
-from eagle3_assets.core.generation_config import GenerationConfig, GenerationSettings, Sampling
-from eagle3_assets.core.job_schema import setting_names
-from eagle3_assets.core.stage_requirements import StageRequirements
-from eagle3_assets.core.stage_jobs import (
+from eagle3_assets.core.generation.config import GenerationConfig, GenerationSettings, Sampling
+from eagle3_assets.core.settings.job_schema import setting_names
+from eagle3_assets.core.gpu_host.stage_requirements import StageRequirements
+from eagle3_assets.core.gpu_host.stage_jobs import (
     BoundedRun,
     EvaluationJob,
     ExportGates,

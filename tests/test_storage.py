@@ -9,7 +9,7 @@ import stat
 import pytest
 from dagster import DagsterInstance, materialize
 
-from eagle3_assets.core.storage import PARTIAL_SUFFIX, staging_dir, write_json_atomic
+from eagle3_assets.core.storage.files import PARTIAL_SUFFIX, staging_dir, write_json_atomic
 from eagle3_assets.partitions import register_shards
 from eagle3_assets.prompts import prompts
 from resources.prompt_dataset import PromptDataset
@@ -57,7 +57,7 @@ def test_staging_directories_and_json_files_follow_the_umask(tmp_path, umask):
 def test_a_shards_files_are_named_in_one_place(tmp_path):
     from pathlib import Path
 
-    from eagle3_assets.core.shard_paths import ShardPaths, superseded_path
+    from eagle3_assets.core.storage.shard_paths import ShardPaths, superseded_path
 
     paths = ShardPaths("raw_responses", "shard-00003", tmp_path)
     where = tmp_path / "raw_responses"

@@ -18,8 +18,8 @@ import torch
 from dagster import DagsterInstance, RunConfig, materialize
 from safetensors import safe_open
 
-from eagle3_assets.core.export import read_draft_dir
-from eagle3_assets.core.extraction import (
+from eagle3_assets.core.draft.export import read_draft_dir
+from eagle3_assets.core.extraction.shard_extraction import (
     SIDECAR,
     ExtractionSettings,
     HiddenStateFileError,
@@ -33,7 +33,7 @@ from eagle3_assets.core.extraction import (
     read_traces,
     verify_part,
 )
-from eagle3_assets.core.hidden_state_checks import (
+from eagle3_assets.core.extraction.hidden_state_checks import (
     rounding_margin,
     check_aux_states_match_layer_ids,
     check_final_state_reproduces_logits,
@@ -41,9 +41,9 @@ from eagle3_assets.core.hidden_state_checks import (
     check_states_match_traces,
     storage_unit_roundoff,
 )
-from eagle3_assets.core.stage_jobs import ExtractionRecipe
-from eagle3_assets.core.state_layout import FP8_DTYPE, bytes_per_token, state_bytes_per_token
-from eagle3_assets.core.target_head import TargetHead
+from eagle3_assets.core.gpu_host.stage_jobs import ExtractionRecipe
+from eagle3_assets.core.extraction.state_layout import FP8_DTYPE, bytes_per_token, state_bytes_per_token
+from eagle3_assets.core.target.head import TargetHead
 from eagle3_assets.core.training.checkpoints import export_trained_draft
 from eagle3_assets.core.training.config import TrainConfig
 from eagle3_assets.core.training.data import index_hidden_states

@@ -19,12 +19,12 @@ import polars as pl
 import pytest
 from dagster import DagsterInstance, RunConfig, materialize
 
-from eagle3_assets.core.target_head import HeadWeightNames
-from eagle3_assets.core.target_identity import config_hash
-from eagle3_assets.core.tokenizer_loading import load_tokenizer
-from eagle3_assets.core.target import TargetDescription, TargetError, default_aux_layer_ids
-from eagle3_assets.core.target_preflight import TargetSettings, preflight_problems
-from eagle3_assets.core.target_serving import vllm_serving
+from eagle3_assets.core.target.head import HeadWeightNames
+from eagle3_assets.core.target.identity import config_hash
+from eagle3_assets.core.target.tokenizer import load_tokenizer
+from eagle3_assets.core.target.description import TargetDescription, TargetError, default_aux_layer_ids
+from eagle3_assets.core.target.preflight import TargetSettings, preflight_problems
+from eagle3_assets.core.target.serving import vllm_serving
 from eagle3_assets.partitions import register_shards
 from resources.target_model import TargetModel
 
@@ -88,7 +88,7 @@ def test_default_layer_ids_are_vllms_when_distinct_and_never_repeat():
 
 def test_the_layer_ids_are_checked_in_one_place_whoever_is_handed_them(tmp_path):
     """The resource, the pre-flight and the extraction backends all refuse bad ids with the one check's words."""
-    from eagle3_assets.core.extraction import ExtractionInputError, validate_layer_ids
+    from eagle3_assets.core.extraction.shard_extraction import ExtractionInputError, validate_layer_ids
 
     config = {"num_hidden_layers": 6, "hidden_size": 64, "vocab_size": 320, "max_position_embeddings": 2048}
     (tmp_path / "config.json").write_text(json.dumps({"text_config": config}))  # a multimodal wrapper's nesting
@@ -218,7 +218,7 @@ def test_held_out_prompts_come_from_the_users_dataset_and_never_reach_training(t
 @pytest.mark.vllm
 def test_evaluation_runs_on_a_target_with_a_2048_token_context(tiny_target, tmp_path):
     """The launcher's old 4,096 default made vLLM refuse such a target; the context now comes from the target."""
-    from eagle3_assets.core.evaluation import evaluate
+    from eagle3_assets.core.evaluation.acceptance import evaluate
     from tests.test_export import exported_random_draft
 
     short = variant(tiny_target, tmp_path / "short", max_position_embeddings=2048)
@@ -234,7 +234,7 @@ def test_the_target_head_gives_the_targets_own_logits_from_pre_and_post_norm_sta
     import torch
     from transformers import AutoModelForCausalLM
 
-    from eagle3_assets.core.target_head import TargetHead, head_weight_names
+    from eagle3_assets.core.target.head import TargetHead, head_weight_names
 
     path = request.getfixturevalue(fixture)
     assert head_weight_names(path) == HeadWeightNames("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
@@ -258,7 +258,7 @@ def test_the_target_head_gives_the_targets_own_logits_from_pre_and_post_norm_sta
 
 def test_the_head_weights_are_found_by_name_in_a_wrapped_checkpoint(tmp_path):
     """Kimi-K2.5 prefixes the language model's names, and a vision tower brings norms of its own."""
-    from eagle3_assets.core.target_head import HeadWeightNames, head_weight_names
+    from eagle3_assets.core.target.head import HeadWeightNames, head_weight_names
 
     wrapped = [
         "vision_tower.norm.weight",

@@ -21,16 +21,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle3_assets.core.draft_model import DraftConfig, Eagle3Draft
-from eagle3_assets.core.export import export_draft, read_draft_dir
-from eagle3_assets.core.storage import write_json_atomic
-from eagle3_assets.core.target_head import TargetHead, load_head_weights
+from eagle3_assets.core.draft.model import DraftConfig, Eagle3Draft
+from eagle3_assets.core.draft.export import export_draft, read_draft_dir
+from eagle3_assets.core.storage.files import write_json_atomic
+from eagle3_assets.core.target.head import TargetHead, load_head_weights
 from eagle3_assets.core.training.checkpoints import JOURNAL, checkpoint_name, latest_checkpoint, read_journal, run_fingerprint
 from eagle3_assets.core.training.config import TrainConfig
 from eagle3_assets.core.training.data import HiddenStateIndex, index_hidden_states, load_batch
 from eagle3_assets.core.training.initial_weights import initial_draft
 from eagle3_assets.core.training.launch import run_training
-from eagle3_assets.core.vocab import VocabMapping, build_vocab_mapping, save_vocab_mapping
+from eagle3_assets.core.draft.vocab import VocabMapping, build_vocab_mapping, save_vocab_mapping
 from tests.demo_hidden_states import cached_demo_hidden_states
 
 REPO = Path(__file__).resolve().parents[1]

@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle3_assets.core.draft_model import DraftConfig, Eagle3Draft
-from eagle3_assets.core.target_head import TargetHead
+from eagle3_assets.core.draft.model import DraftConfig, Eagle3Draft
+from eagle3_assets.core.target.head import TargetHead
 from eagle3_assets.core.training.loss import TrainingTimeTest
 from eagle3_assets.core.training.memory import (
     MemoryPlanError,
@@ -24,7 +24,7 @@ from eagle3_assets.core.training.memory import (
     estimate_step_bytes,
     plan_micro_batch,
 )
-from eagle3_assets.core.vocab import build_vocab_mapping
+from eagle3_assets.core.draft.vocab import build_vocab_mapping
 
 # Float32 on one thread: the settings change the order of some sums (chunks, recomputation), not the maths.
 GRAD_RTOL, GRAD_ATOL = 1e-5, 1e-7

@@ -20,9 +20,9 @@ import polars as pl
 import pytest
 from dagster import DagsterInstance
 
-from eagle3_assets.core.generation_client import SERVER_DOWN_COOLDOWN_S
-from eagle3_assets.core.openai_client import openai_client
-from eagle3_assets.core.vllm_launcher import VLLMServer
+from eagle3_assets.core.generation.client import SERVER_DOWN_COOLDOWN_S
+from eagle3_assets.core.generation.openai_client import openai_client
+from eagle3_assets.core.serving.vllm_launcher import VLLMServer
 from eagle3_assets.demo.targets import TINY_SERVING
 from eagle3_assets.prompts import prompts
 from eagle3_assets.raw_responses import raw_responses

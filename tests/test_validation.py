@@ -14,19 +14,19 @@ import pytest
 from dagster import AssetExecutionContext, AssetKey, DagsterInstance, MaterializeResult, asset, materialize
 from transformers import AutoTokenizer
 
-from eagle3_assets.core.chat_rendering import ChatRenderer
-from eagle3_assets.core.prompt_loading import PROMPTS_SCHEMA
-from eagle3_assets.core.storage import asset_dir, write_parquet_atomic
-from eagle3_assets.core.mask_alignment import mask_alignment_problems
-from eagle3_assets.core.trace_files import KEPT_SCHEMA, RAW_RESPONSES_SCHEMA, REJECTED_SCHEMA, ValidationInputError
-from eagle3_assets.core.trace_gates import (
+from eagle3_assets.core.validation.chat_rendering import ChatRenderer
+from eagle3_assets.core.prompts.loading import PROMPTS_SCHEMA
+from eagle3_assets.core.storage.files import asset_dir, write_parquet_atomic
+from eagle3_assets.core.validation.mask_alignment import mask_alignment_problems
+from eagle3_assets.core.validation.trace_files import KEPT_SCHEMA, RAW_RESPONSES_SCHEMA, REJECTED_SCHEMA, ValidationInputError
+from eagle3_assets.core.validation.gates import (
     check_reasoning_present,
     check_responses_accounted,
     check_truncation_rate_low,
     token_length_histogram_markdown,
     token_length_stats,
 )
-from eagle3_assets.core.validation import ValidationRules, validate_shard
+from eagle3_assets.core.validation.shard_validation import ValidationRules, validate_shard
 from eagle3_assets.partitions import register_shards, sample_shards
 from eagle3_assets.validated_traces import validated_traces
 from resources.target_model import TargetModel
@@ -363,7 +363,7 @@ def test_token_length_statistics_and_histogram():
 
 
 def test_generation_and_validation_share_one_content_failure_rule(tmp_path, renderer):
-    from eagle3_assets.core.response_rules import RETRYABLE_CONTENT_REASONS, content_failures
+    from eagle3_assets.core.generation.response_rules import RETRYABLE_CONTENT_REASONS, content_failures
 
     rows = [
         response("ok", 0),
@@ -482,8 +482,8 @@ def test_rows_are_checked_against_the_servers_ids_where_the_raw_rows_carry_them(
 def test_a_gates_outcome_reaches_dagster_through_the_one_adapter_and_over_pipes():
     from dagster import AssetCheckSeverity
 
-    from eagle3_assets.core.checks import CheckOutcome
-    from eagle3_assets.core.trace_gates import check_truncation_rate_low
+    from eagle3_assets.core.reporting.checks import CheckOutcome
+    from eagle3_assets.core.validation.gates import check_truncation_rate_low
     from eagle3_assets.validated_traces import GATES
 
     outcome = check_truncation_rate_low(10, ["q1", "q2"], 0.05)

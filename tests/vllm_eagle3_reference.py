@@ -91,7 +91,7 @@ def main(target_dir: str, draft_dir: str, inputs_file: str, steps: int, out_file
 
     mla = "Eagle3DeepseekV2ForCausalLM" in json.loads(open(os.path.join(draft_dir, "config.json")).read())["architectures"]
     # An MLA target's tokenizer may be remote code (Kimi's); vLLM's CPU rotary kernel rotates MLA's strided
-    # slices wrongly, so MLA runs with vLLM's PyTorch rotary, as the project serves it (core/target.py).
+    # slices wrongly, so MLA runs with vLLM's PyTorch rotary, as the project serves it (core/target/description.py).
     model_config = ModelConfig(model=target_dir, dtype="float32", max_model_len=512, seed=0, trust_remote_code=mla)
     parallel = ParallelConfig()
     speculative = SpeculativeConfig(

@@ -18,9 +18,9 @@ import time
 
 from dagster import DagsterInstance
 
-from eagle3_assets.core.shard_paths import DatasetPaths
-from eagle3_assets.core.storage import data_dir
-from eagle3_assets.core.vllm_launcher import VLLMServer
+from eagle3_assets.core.storage.shard_paths import DatasetPaths
+from eagle3_assets.core.storage.files import data_dir
+from eagle3_assets.core.serving.vllm_launcher import VLLMServer
 from eagle3_assets.demo.pipeline import run_per_shard, run_whole_dataset
 from eagle3_assets.demo.stack import demo_prompts_path
 from eagle3_assets.demo.targets import DEMO_TARGET_ENV, selected_demo_target

@@ -1,11 +1,11 @@
 """The environment variables of the embedded default (the built-in targets), declared as the platform's are.
 
-:mod:`eagle3_assets.core.environment` declares the platform's; these are the
-demo's own, read through the same :class:`~eagle3_assets.core.environment.Variable`
+:mod:`eagle3_assets.core.settings.environment` declares the platform's; these are the
+demo's own, read through the same :class:`~eagle3_assets.core.settings.environment.Variable`
 and listed with them in docs/configuration.md.
 """
 
-from eagle3_assets.core.environment import Variable
+from eagle3_assets.core.settings.environment import Variable
 
 DEMO_TARGET = Variable("EAGLE3_DEMO_TARGET", "str", "tiny", "the built-in target `make demo` uses (`make demo DEMO_TARGET=kimi`)")
 TINY_TARGET_DIR = Variable(

@@ -38,7 +38,7 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from eagle3_assets.core.environment import ALLOW_CPU, TARGET_MODEL
+from eagle3_assets.core.settings.environment import ALLOW_CPU, TARGET_MODEL
 from eagle3_assets.demo.environment import GPU_CHECK_FAULT, TINY_TARGET_DIR
 
 FAULT_ENV = GPU_CHECK_FAULT.name
@@ -111,8 +111,8 @@ def _reset_peak(device: str) -> None:
 
 
 def extraction(ctx: Context, backend: str) -> Row:
-    from eagle3_assets.core.stage_jobs import ExtractionJob, StageTarget
-    from eagle3_assets.core.target_identity import target_identity
+    from eagle3_assets.core.gpu_host.stage_jobs import ExtractionJob, StageTarget
+    from eagle3_assets.core.target.identity import target_identity
     from eagle3_assets.demo.tiny_target import ensure_tiny_target
     from eagle3_assets.demo.validated_traces import write_validated_traces
     from eagle3_assets.stages.extract_hidden_states import run
@@ -150,7 +150,7 @@ def training(ctx: Context) -> Row:
     from eagle3_assets.core.training.config import TrainConfig
     from eagle3_assets.core.training.loop import train
     from eagle3_assets.core.training.sources import StoredShards
-    from eagle3_assets.core.vocab import build_vocab_mapping, save_vocab_mapping
+    from eagle3_assets.core.draft.vocab import build_vocab_mapping, save_vocab_mapping
 
     row = Row("training")
     states = ctx.state["states"]
@@ -184,7 +184,7 @@ def training(ctx: Context) -> Row:
 
 
 def export(ctx: Context) -> Row:
-    from eagle3_assets.core.export import config_problems
+    from eagle3_assets.core.draft.export import config_problems
     from eagle3_assets.core.training.checkpoints import export_trained_draft
 
     out = export_trained_draft(ctx.state["checkpoint"], ctx.state["target"], ctx.work / "model", dtype="bfloat16")
@@ -194,7 +194,7 @@ def export(ctx: Context) -> Row:
 
 
 def loads_in_vllm(ctx: Context) -> Row:
-    from eagle3_assets.core.export import check_loads_in_vllm
+    from eagle3_assets.core.draft.export import check_loads_in_vllm
 
     report = check_loads_in_vllm(Path(ctx.state["target"]), ctx.state["draft"], num_speculative_tokens=3, log_path=ctx.work / "vllm.log")
     return Row("loads_in_vllm", "passed" if report.passed else "failed", report.detail)

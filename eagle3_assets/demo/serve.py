@@ -4,7 +4,7 @@ For materialising from the UI (``make dev``) against the embedded default:
 the generation server the demo's resources point at, on port 8000, under the
 built-in target's own served name and reasoning parser. Prints one JSON line
 with the server's URL, served model name and log file. A model directory of
-your own: ``eagle3-vllm-serve`` (:func:`eagle3_assets.core.vllm_launcher.main`).
+your own: ``eagle3-vllm-serve`` (:func:`eagle3_assets.core.serving.vllm_launcher.main`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from eagle3_assets.core.vllm_launcher import VLLMServer, serve_until_stopped
+from eagle3_assets.core.serving.vllm_launcher import VLLMServer, serve_until_stopped
 from eagle3_assets.demo.plugin import BUILT_IN
 from eagle3_assets.demo.targets import DEMO_TARGETS
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from eagle3_assets.core.storage import data_dir
+from eagle3_assets.core.storage.files import data_dir
 from eagle3_assets.demo.environment import KIMI_TARGET_DIR, QWEN3_TARGET_DIR, TINY_TARGET_DIR
 from eagle3_assets.demo.kimi_target import KimiTargetSpec, ensure_kimi_target
 from eagle3_assets.demo.prompt_set import demo_prompts, eval_prompts, write_jsonl

@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
-from eagle3_assets.core.storage import staging_dir, write_json_atomic
+from eagle3_assets.core.storage.files import staging_dir, write_json_atomic
 from eagle3_assets.demo.prompt_set import demo_prompts, eval_prompts, training_traces
 from eagle3_assets.demo.environment import ACCEPT_TARGET_FINGERPRINT
 

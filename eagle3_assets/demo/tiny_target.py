@@ -18,7 +18,7 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagle3_assets.core.storage import stable_hash
+from eagle3_assets.core.storage.files import stable_hash
 from eagle3_assets.demo.prompt_set import training_traces
 from eagle3_assets.demo.target_building import (
     checked_build,

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import polars as pl
 
-from eagle3_assets.core.storage import atomic_path
-from eagle3_assets.core.target_identity import parquet_metadata, target_identity
+from eagle3_assets.core.storage.files import atomic_path
+from eagle3_assets.core.target.identity import parquet_metadata, target_identity
 from eagle3_assets.demo.prompt_set import make_traces
 
 TRACES_SCHEMA = {

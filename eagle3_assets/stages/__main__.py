@@ -6,7 +6,7 @@ connection) and the stage process ``python -m eagle3_assets.stages.<stage>``:
 - reads one JSON line ``{"env": {...}}`` from stdin and adds it to the stage's
   environment (secrets and the Dagster Pipes bootstrap arrive this way, never
   on a command line);
-- takes the stage lock (see :class:`eagle3_assets.core.stage_lock.StageLock`)
+- takes the stage lock (see :class:`eagle3_assets.core.gpu_host.stage_lock.StageLock`)
   and passes it to the stage, so the lock is held as long as the stage or
   anything it started runs; a lock held by a live process is an error naming
   its PID and command line;
@@ -35,9 +35,9 @@ import sys
 import threading
 import time
 
-from eagle3_assets.core.preflight import STAGE_PACKAGE, holder_line
-from eagle3_assets.core.stage_lock import StageLock
-from eagle3_assets.core.stage_requirements import validate_stage_name
+from eagle3_assets.core.gpu_host.preflight import STAGE_PACKAGE, holder_line
+from eagle3_assets.core.gpu_host.stage_lock import StageLock
+from eagle3_assets.core.gpu_host.stage_requirements import validate_stage_name
 
 RUNNER_KEY = "eagle3_runner"
 LOCK_HELD_EXIT = 75  # EX_TEMPFAIL: someone else is running this stage

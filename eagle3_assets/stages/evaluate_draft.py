@@ -1,7 +1,7 @@
 """``evaluate_draft``: acceptance length of the trained draft and of a baseline, through vLLM (Dagster Pipes).
 
 Runs on the GPU host, where the target can be served. Its Pipes extras are an
-:class:`eagle3_assets.core.stage_jobs.EvaluationJob`: the target and the
+:class:`eagle3_assets.core.gpu_host.stage_jobs.EvaluationJob`: the target and the
 exported draft, how vLLM serves the target, the baseline (``"untrained"``, a
 random draft of the same shape built here, or the directory of the draft
 training started from), the held-out prompt set, the k values (the drafts are
@@ -16,8 +16,8 @@ rewrites the draft's serving notes (``SERVING.md``) with the recommended k.
 
 from __future__ import annotations
 
-from eagle3_assets.core.shard_paths import SERVING_NOTES
-from eagle3_assets.core.stage_jobs import EvaluationJob
+from eagle3_assets.core.storage.shard_paths import SERVING_NOTES
+from eagle3_assets.core.gpu_host.stage_jobs import EvaluationJob
 
 STAGE = "evaluate_draft"
 CPU_NOTE = (
@@ -45,7 +45,7 @@ def gpu_available() -> bool:
 
 def choose_k(results: dict, k_values: list[int], measured_each: bool, draft_cost_ratio: float) -> tuple[list, list, float | None]:
     """(trained curve, baseline curve, the draft cost ratio measured on this host) with speedups filled in."""
-    from eagle3_assets.core import speculation_depth as depth
+    from eagle3_assets.core.evaluation import speculation_depth as depth
 
     served = max(k_values)
     trained, baseline, reference = results["trained"], results["baseline"], results["reference"]
@@ -69,11 +69,11 @@ def main() -> None:
 
     from dagster_pipes import open_dagster_pipes
 
-    from eagle3_assets.core import speculation_depth as depth
-    from eagle3_assets.core.deployment import draft_weights_hash, write_serving_notes
-    from eagle3_assets.core.evaluation import evaluate, load_conversations, render_positions, untrained_twin
-    from eagle3_assets.core.storage import stable_hash, write_json_atomic
-    from eagle3_assets.core.target_serving import vllm_serving
+    from eagle3_assets.core.evaluation import speculation_depth as depth
+    from eagle3_assets.core.serving.deployment import draft_weights_hash, write_serving_notes
+    from eagle3_assets.core.evaluation.acceptance import evaluate, load_conversations, render_positions, untrained_twin
+    from eagle3_assets.core.storage.files import stable_hash, write_json_atomic
+    from eagle3_assets.core.target.serving import vllm_serving
 
     with open_dagster_pipes() as pipes:
         job = EvaluationJob.from_dict(dict(pipes.extras or {}))

@@ -2,7 +2,7 @@
 
 Run by the GPU host resource (``python -m eagle3_assets.stages extract_hidden_states``
 after its pre-flight). Its Pipes extras are an
-:class:`eagle3_assets.core.stage_jobs.ExtractionJob` (paths relative to
+:class:`eagle3_assets.core.gpu_host.stage_jobs.ExtractionJob` (paths relative to
 ``$EAGLE3_DATA_DIR`` on the host, or absolute), refused with the key's name
 when a key is unknown, missing or of the wrong type.
 
@@ -19,15 +19,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from eagle3_assets.core.environment import ALLOW_CPU
-from eagle3_assets.core.stage_jobs import ExtractionJob, ExtractionRecipe, StageTarget
+from eagle3_assets.core.settings.environment import ALLOW_CPU
+from eagle3_assets.core.gpu_host.stage_jobs import ExtractionJob, ExtractionRecipe, StageTarget
 
 STAGE = "extract_hidden_states"
 PROGRESS_EVERY_S = 5.0
 
 
 def _resolve(path: str) -> Path:
-    from eagle3_assets.core.storage import data_dir
+    from eagle3_assets.core.storage.files import data_dir
 
     candidate = Path(path).expanduser()
     return candidate if candidate.is_absolute() else data_dir() / candidate
@@ -70,7 +70,7 @@ class Progress:
 def make_backend(job: ExtractionRecipe, target: StageTarget, traces):
     """The recipe's extraction backend for ``target``; vLLM's context sized from the longest of ``traces``."""
     if job.backend == "transformers":
-        from eagle3_assets.core.extraction import TransformersBackend
+        from eagle3_assets.core.extraction.shard_extraction import TransformersBackend
 
         return TransformersBackend(
             target.path,
@@ -79,8 +79,8 @@ def make_backend(job: ExtractionRecipe, target: StageTarget, traces):
             trust_remote_code=target.trust_remote_code,
         )
     if job.backend == "vllm":
-        from eagle3_assets.core.target_serving import vllm_engine_overrides
-        from eagle3_assets.core.vllm_extraction import VLLMBackend
+        from eagle3_assets.core.target.serving import vllm_engine_overrides
+        from eagle3_assets.core.extraction.vllm_backend import VLLMBackend
 
         longest = max(t.num_tokens for t in traces)
         max_model_len = job.vllm_max_model_len or -(-(longest + 1) // 16) * 16
@@ -97,7 +97,7 @@ def make_backend(job: ExtractionRecipe, target: StageTarget, traces):
 
 def aux_reference(job: ExtractionRecipe, target: StageTarget, backend) -> tuple[Any, list]:
     """The aux gate's reference forward (or None) per ``aux_check_reference``, and any backend opened for it (to close)."""
-    from eagle3_assets.core.extraction import TransformersBackend
+    from eagle3_assets.core.extraction.shard_extraction import TransformersBackend
 
     reference = job.aux_check_reference
     if reference == "auto":
@@ -114,11 +114,11 @@ def run(job: ExtractionJob, log=print, run_id: str | None = None) -> tuple[dict[
     """Extract the shard and compute its gates; (materialisation metadata, check outcomes)."""
     import torch
 
-    from eagle3_assets.core.extraction import TargetFacts, read_traces
-    from eagle3_assets.core.checks import CheckOutcome
-    from eagle3_assets.core.hidden_state_checks import GATES, check_target_matches_traces
-    from eagle3_assets.core.shard_lease import ShardLease
-    from eagle3_assets.core.target_identity import identity_in_parquet, target_identity
+    from eagle3_assets.core.extraction.shard_extraction import TargetFacts, read_traces
+    from eagle3_assets.core.reporting.checks import CheckOutcome
+    from eagle3_assets.core.extraction.hidden_state_checks import GATES, check_target_matches_traces
+    from eagle3_assets.core.storage.shard_lease import ShardLease
+    from eagle3_assets.core.target.identity import identity_in_parquet, target_identity
 
     if not torch.cuda.is_available() and not ALLOW_CPU.get():
         raise RuntimeError(f"{STAGE}: no CUDA device on this host and EAGLE3_ALLOW_CPU is not 1: refusing to run on CPU")
@@ -144,10 +144,10 @@ def run(job: ExtractionJob, log=print, run_id: str | None = None) -> tuple[dict[
 def _extract_and_check(job: ExtractionJob, log, facts, traces, shard_dir: Path, target_check) -> tuple[dict[str, Any], list]:
     import torch
 
-    from eagle3_assets.core.extraction import ExtractionSettings, extract_shard
-    from eagle3_assets.core.hidden_state_checks import gate_extracted_shard, keep_logits_references
-    from eagle3_assets.core.state_layout import state_bytes_per_token
-    from eagle3_assets.core.target_head import TargetHead
+    from eagle3_assets.core.extraction.shard_extraction import ExtractionSettings, extract_shard
+    from eagle3_assets.core.extraction.hidden_state_checks import gate_extracted_shard, keep_logits_references
+    from eagle3_assets.core.extraction.state_layout import state_bytes_per_token
+    from eagle3_assets.core.target.head import TargetHead
 
     target = job.target
     identity = target_check.metadata["extracting_target"]

@@ -25,8 +25,8 @@ STAGE = "host_probe"
 
 
 def probe(modules: list[str]) -> dict:
-    from eagle3_assets.core.preflight import import_module_version, query_gpus
-    from eagle3_assets.core.shard_paths import lock_dir
+    from eagle3_assets.core.gpu_host.preflight import import_module_version, query_gpus
+    from eagle3_assets.core.storage.shard_paths import lock_dir
 
     versions, errors = {}, {}
     for name in modules:
@@ -60,7 +60,7 @@ def probe(modules: list[str]) -> dict:
 def main() -> None:
     from dagster_pipes import open_dagster_pipes
 
-    from eagle3_assets.core.storage import asset_dir, stable_hash, write_json_atomic
+    from eagle3_assets.core.storage.files import asset_dir, stable_hash, write_json_atomic
 
     with open_dagster_pipes() as context:
         extras = context.extras or {}

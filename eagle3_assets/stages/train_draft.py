@@ -1,7 +1,7 @@
 """``train_draft``: train the EAGLE-3 draft on the GPU host and export it in vLLM's form (Dagster Pipes).
 
 One stage for both hidden-state modes; its Pipes extras are an
-:class:`eagle3_assets.core.stage_jobs.TrainingJob`:
+:class:`eagle3_assets.core.gpu_host.stage_jobs.TrainingJob`:
 
 - ``train``: the :class:`eagle3_assets.core.training.config.TrainConfig`
   (hidden-state shard directories, vocabulary map, target, training directory,
@@ -31,7 +31,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from eagle3_assets.core.stage_jobs import ExportGates, TrainingJob
+from eagle3_assets.core.gpu_host.stage_jobs import ExportGates, TrainingJob
 
 STAGE = "train_draft"
 
@@ -97,7 +97,7 @@ def _train_streamed(job: TrainingJob, on_event) -> dict:
     import polars as pl
     import torch
 
-    from eagle3_assets.core.stage_jobs import mode_problems
+    from eagle3_assets.core.gpu_host.stage_jobs import mode_problems
     from eagle3_assets.core.training.loop import train as train_loop
     from eagle3_assets.core.training.streamed import StreamedWindow
     from eagle3_assets.stages.extract_hidden_states import aux_reference, make_backend
@@ -126,8 +126,8 @@ def _train_streamed(job: TrainingJob, on_event) -> dict:
 
 def run_gates(export_dir: Path, target_path: str, gates: ExportGates, num_speculative_tokens: int, log) -> dict:
     """``config_complete``'s problems, then (only when there are none) ``loads_in_vllm``: vLLM on this host."""
-    from eagle3_assets.core.export import LOAD_CHECK_CONTEXT, check_loads_in_vllm, config_problems
-    from eagle3_assets.core.target_serving import vllm_serving
+    from eagle3_assets.core.draft.export import LOAD_CHECK_CONTEXT, check_loads_in_vllm, config_problems
+    from eagle3_assets.core.target.serving import vllm_serving
 
     problems = config_problems(export_dir, gates.aux_layer_ids, target_vocab_size=gates.target_vocab_size)
     report = None
@@ -151,7 +151,7 @@ def run_gates(export_dir: Path, target_path: str, gates: ExportGates, num_specul
 
 def export_and_gate(job: TrainingJob, result: dict, log) -> dict:
     """Export the trained draft, write its serving notes, run its gates; the materialisation's metadata."""
-    from eagle3_assets.core.deployment import write_serving_notes
+    from eagle3_assets.core.serving.deployment import write_serving_notes
     from eagle3_assets.core.training.checkpoints import export_trained_draft
 
     config = job.train
@@ -184,7 +184,7 @@ def with_chosen_form(job: TrainingJob, log) -> tuple[TrainingJob, dict]:
     """The job with its draft form decided on this host (``auto`` resolved, an unservable form refused before training),
     and the choice as metadata: the form, why, and the vLLM facts it was decided from."""
 
-    from eagle3_assets.core.draft_forms import choose_training_form
+    from eagle3_assets.core.draft.forms import choose_training_form
 
     choice = choose_training_form(job.train)
     log(f"{STAGE}: draft form {choice.form!r} ({choice.requested!r} requested): {choice.reason}")

@@ -11,5 +11,5 @@ fine-tuning), ``checkpoints`` (atomic, resumable, the journal, the export),
 process or ``torchrun``), ``curves`` (what the asset shows of a run) and
 ``throughput`` (the step's tokens/s and TFLOP/s, for the bench and the GPU
 self-test). The target's head (final norm and ``lm_head``) is
-:class:`eagle3_assets.core.target_head.TargetHead`.
+:class:`eagle3_assets.core.target.head.TargetHead`.
 """

@@ -12,13 +12,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3_assets.core.draft_forms import draft_config_from_dict, new_draft
-from eagle3_assets.core.draft_model import Eagle3Draft
-from eagle3_assets.core.export import export_draft, read_draft_dir
-from eagle3_assets.core.storage import file_hash, fsync_dir, stable_hash, staging_dir
-from eagle3_assets.core.shard_paths import VOCAB_MAPPING_FILE
-from eagle3_assets.core.target import text_config
-from eagle3_assets.core.target_head import load_head_weights
+from eagle3_assets.core.draft.forms import draft_config_from_dict, new_draft
+from eagle3_assets.core.draft.model import Eagle3Draft
+from eagle3_assets.core.draft.export import export_draft, read_draft_dir
+from eagle3_assets.core.storage.files import file_hash, fsync_dir, stable_hash, staging_dir
+from eagle3_assets.core.storage.shard_paths import VOCAB_MAPPING_FILE
+from eagle3_assets.core.target.description import text_config
+from eagle3_assets.core.target.head import load_head_weights
 from eagle3_assets.core.training.config import TrainConfig
 from eagle3_assets.core.training.data import HiddenStateIndex
 

@@ -2,14 +2,14 @@
 
 ``draft_checkpoint``'s Dagster config takes the user-facing fields' defaults and
 descriptions from these fields; the ``train_draft`` stage gets a
-:class:`TrainConfig` inside its job (:mod:`eagle3_assets.core.stage_jobs`).
+:class:`TrainConfig` inside its job (:mod:`eagle3_assets.core.gpu_host.stage_jobs`).
 """
 
 from __future__ import annotations
 
 from typing import ClassVar
 
-from eagle3_assets.core.job_schema import JobSchema, given, setting
+from eagle3_assets.core.settings.job_schema import JobSchema, given, setting
 
 
 class TrainConfig(JobSchema):
@@ -18,7 +18,7 @@ class TrainConfig(JobSchema):
     target_path: str = given("the target's HF directory: its lm_head, final norm and embedding")
     training_dir: str = given("where checkpoints, history.json and result.json go")
     init_from: str | None = setting(None, "an existing EAGLE-3 directory (on the GPU host) to fine-tune")
-    # Unset: fitted to the data before training (core/schedule.py); the run then records what was used.
+    # Unset: fitted to the data before training (core/training/schedule.py); the run then records what was used.
     epochs: int | None = setting(None, "passes over all samples; default: 10, more when that is under 400 optimizer steps")
     learning_rate: float | None = setting(
         None, "peak AdamW learning rate; default: 1e-4 for a published-size draft, scaled to the draft's width and batch"

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import torch
 
-from eagle3_assets.core.draft_forms import AUTO, DEEPSEEK_MLA, choose_draft_form, draft_config_for_target, new_draft
-from eagle3_assets.core.draft_model import Eagle3Draft
-from eagle3_assets.core.export import draft_config_from_hf, read_draft_dir
-from eagle3_assets.core.target import vllm_default_aux_layer_ids
+from eagle3_assets.core.draft.forms import AUTO, DEEPSEEK_MLA, choose_draft_form, draft_config_for_target, new_draft
+from eagle3_assets.core.draft.model import Eagle3Draft
+from eagle3_assets.core.draft.export import draft_config_from_hf, read_draft_dir
+from eagle3_assets.core.target.description import vllm_default_aux_layer_ids
 from eagle3_assets.core.training.config import TrainConfig
 from eagle3_assets.core.training.data import HiddenStateIndex
-from eagle3_assets.core.vocab import VocabMapping
+from eagle3_assets.core.draft.vocab import VocabMapping
 
 
 @dataclass

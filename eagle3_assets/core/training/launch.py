@@ -14,8 +14,8 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from eagle3_assets.core.shard_paths import RESULT_FILE
-from eagle3_assets.core.storage import write_json_atomic
+from eagle3_assets.core.storage.shard_paths import RESULT_FILE
+from eagle3_assets.core.storage.files import write_json_atomic
 from eagle3_assets.core.training.config import TrainConfig
 from eagle3_assets.core.training.loop import Event, OnEvent, train
 

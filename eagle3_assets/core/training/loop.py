@@ -31,12 +31,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from eagle3_assets.core.draft_model import Eagle3Draft
-from eagle3_assets.core.environment import ALLOW_CPU
-from eagle3_assets.core.schedule import Schedule, fit_schedule, lr_lambda
-from eagle3_assets.core.shard_paths import HISTORY_FILE, RESULT_FILE
-from eagle3_assets.core.storage import write_bytes_atomic, write_json_atomic
-from eagle3_assets.core.target_head import TargetHead, load_head_weights
+from eagle3_assets.core.draft.model import Eagle3Draft
+from eagle3_assets.core.settings.environment import ALLOW_CPU
+from eagle3_assets.core.training.schedule import Schedule, fit_schedule, lr_lambda
+from eagle3_assets.core.storage.shard_paths import HISTORY_FILE, RESULT_FILE
+from eagle3_assets.core.storage.files import write_bytes_atomic, write_json_atomic
+from eagle3_assets.core.target.head import TargetHead, load_head_weights
 from eagle3_assets.core.training.checkpoints import (
     JOURNAL,
     append_journal,
@@ -52,7 +52,7 @@ from eagle3_assets.core.training.initial_weights import initial_draft
 from eagle3_assets.core.training.loss import TrainingTimeTest
 from eagle3_assets.core.training.memory import free_memory_bytes, plan_micro_batch
 from eagle3_assets.core.training.sources import BatchSource, DataSize, PlannedStep, StoredShards
-from eagle3_assets.core.vocab import load_vocab_mapping
+from eagle3_assets.core.draft.vocab import load_vocab_mapping
 
 Event = dict
 OnEvent = Callable[[Event], None]

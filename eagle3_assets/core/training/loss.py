@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from eagle3_assets.core.draft_model import Eagle3Draft
+from eagle3_assets.core.draft.model import Eagle3Draft
 
 
 def shift_left(x: torch.Tensor, by: int, fill=0) -> torch.Tensor:

@@ -12,7 +12,7 @@ already there):
   step), its distribution over them (kept unless the loss runs in chunks),
   and one chunk of its full-vocabulary logits while they are computed;
 - per unrolled step and token, the activations autograd keeps, counted from
-  :mod:`eagle3_assets.core.draft_model` and :mod:`.loss` (norms, the 2·H
+  :mod:`eagle3_assets.core.draft.model` and :mod:`.loss` (norms, the 2·H
   attention input, q/k/v and their rotations, the keys and values of every
   earlier step copied for the grouped heads, the attention probabilities over
   T + k keys, the MLP's four I-wide tensors, the logits' log-softmax and the
@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from eagle3_assets.core.draft_model import DraftConfig
+from eagle3_assets.core.draft.model import DraftConfig
 
 FLOAT32 = 4
 

@@ -40,12 +40,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagle3_assets.core.extraction import ExtractionSettings, TargetFacts, extract_shard, read_traces
-from eagle3_assets.core.hidden_state_checks import check_target_matches_traces, gate_extracted_shard, keep_logits_references
-from eagle3_assets.core.stage_jobs import BoundedRun, StreamedShard, shard_check_seed
-from eagle3_assets.core.storage import fsync_dir, stable_hash
-from eagle3_assets.core.target_head import TargetHead
-from eagle3_assets.core.target_identity import identity_in_parquet, target_identity
+from eagle3_assets.core.extraction.shard_extraction import ExtractionSettings, TargetFacts, extract_shard, read_traces
+from eagle3_assets.core.extraction.hidden_state_checks import check_target_matches_traces, gate_extracted_shard, keep_logits_references
+from eagle3_assets.core.gpu_host.stage_jobs import BoundedRun, StreamedShard, shard_check_seed
+from eagle3_assets.core.storage.files import fsync_dir, stable_hash
+from eagle3_assets.core.target.head import TargetHead
+from eagle3_assets.core.target.identity import identity_in_parquet, target_identity
 from eagle3_assets.core.training.config import TrainConfig
 from eagle3_assets.core.training.data import Batch, HiddenStateIndex, epoch_micro_batches, index_hidden_states, load_batch
 from eagle3_assets.core.training.sources import DataSize, OnEvent, PlannedStep

@@ -53,7 +53,7 @@ PRESETS = {
 
 def shape_of_target(path: str, draft_vocab: int = 32000, seq_len: int = 2048, batch_tokens: int = 8192) -> dict:
     """A preset at a target's width: the draft layer shaped like one of its layers (as training makes it)."""
-    from eagle3_assets.core.draft_model import DraftConfig
+    from eagle3_assets.core.draft.model import DraftConfig
 
     config = json.loads((Path(path) / "config.json").read_text())
     draft = DraftConfig.for_target(config, min(draft_vocab, int(config.get("vocab_size", draft_vocab))), [1, 2, 3])
@@ -74,7 +74,7 @@ def step_flops(p: dict, ttt: int) -> float:
 
 
 def draft_config_of(p: dict):
-    from eagle3_assets.core.draft_model import DraftConfig
+    from eagle3_assets.core.draft.model import DraftConfig
 
     return DraftConfig(
         hidden_size=p["hidden"], intermediate_size=p["intermediate"], num_attention_heads=p["heads"],
@@ -104,10 +104,10 @@ def matmul_rate(device: str, size: int, repeats: int) -> float:
 def child(spec: dict) -> dict:
     import torch
 
-    from eagle3_assets.core.draft_model import Eagle3Draft
-    from eagle3_assets.core.target_head import TargetHead
+    from eagle3_assets.core.draft.model import Eagle3Draft
+    from eagle3_assets.core.target.head import TargetHead
     from eagle3_assets.core.training.loss import TrainingTimeTest
-    from eagle3_assets.core.vocab import build_vocab_mapping
+    from eagle3_assets.core.draft.vocab import build_vocab_mapping
 
     device = torch.device(spec["device"])
     torch.set_num_threads(spec["threads"])

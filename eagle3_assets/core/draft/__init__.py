@@ -1,0 +1,1 @@
+"""The EAGLE-3 draft model in vLLM's native form, its vocabulary, and its export."""

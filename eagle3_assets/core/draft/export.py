@@ -1,0 +1,418 @@
+"""Export a trained draft as vLLM's native EAGLE-3 directory, read one back, and check it.
+
+Either form (:mod:`eagle3_assets.core.draft.forms`): vLLM's
+``LlamaForCausalLMEagle3`` or its MLA form ``Eagle3DeepseekV2ForCausalLM``,
+whose weights have the Llama form's names except for the attention (DeepSeek's
+``q_a_proj`` ... ``kv_b_proj``). The directory holds ``config.json`` and ``model.safetensors``. vLLM reads the
+draft's architecture and shapes from the config (missing shape fields fall back
+to transformers' Llama defaults, which do not fit a draft), the draft
+vocabulary from ``draft_vocab_size`` and ``d2t``, and the target layers it must
+capture from ``eagle_config.eagle_aux_hidden_state_layer_ids``. That last field
+is the dangerous one: without it vLLM silently uses its default layers, and a
+draft trained on other layers then proposes garbage (acceptance from ~59 % to
+~1 % has been seen). :func:`config_problems` therefore checks every field and
+that the ids equal the ones the hidden states were extracted at.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from eagle3_assets.core.draft.forms import DEEPSEEK_MLA, LLAMA, AnyDraftConfig, form_of
+from eagle3_assets.core.draft.model import DraftConfig, Eagle3Draft, rope_theta_of
+from eagle3_assets.core.draft.model_mla import MLADraftConfig
+from eagle3_assets.core.storage.files import staging_dir
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+# Each form as vLLM names it. The MLA form's model_type must be deepseek_v2: vLLM rewrites a deepseek_v3
+# draft into its multi-token-prediction model, whatever the architecture says.
+ARCHITECTURES = {LLAMA: "LlamaForCausalLMEagle3", DEEPSEEK_MLA: "Eagle3DeepseekV2ForCausalLM"}
+MODEL_TYPES = {LLAMA: "llama", DEEPSEEK_MLA: "deepseek_v2"}
+
+# Every config field vLLM's EAGLE-3 classes (and the layers they reuse) read, with the type it must have:
+# the fields both forms share, then each form's attention fields.
+COMMON_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "architectures": list,
+    "model_type": str,
+    "num_hidden_layers": int,
+    "hidden_size": int,
+    "intermediate_size": int,
+    "num_attention_heads": int,
+    "hidden_act": str,
+    "rms_norm_eps": (int, float),
+    "rope_theta": (int, float),
+    "max_position_embeddings": int,
+    "tie_word_embeddings": bool,
+    "vocab_size": int,
+    "draft_vocab_size": int,
+    "target_hidden_size": int,
+    "eagle_config": dict,
+}
+FORM_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
+    LLAMA: {"num_key_value_heads": int, "head_dim": int},
+    DEEPSEEK_MLA: {"q_lora_rank": int, "kv_lora_rank": int, "qk_nope_head_dim": int, "qk_rope_head_dim": int, "v_head_dim": int},
+}
+REQUIRED_FIELDS = {**COMMON_FIELDS, **FORM_FIELDS[LLAMA]}  # the Llama form's, the default form
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def draft_hf_config(config: AnyDraftConfig, dtype: str) -> dict:
+    """The ``config.json`` of a native EAGLE-3 draft of either form."""
+    form = form_of(config)
+    common = {
+        "architectures": [ARCHITECTURES[form]],
+        "model_type": MODEL_TYPES[form],
+        "num_hidden_layers": 1,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_attention_heads": config.num_attention_heads,
+        "hidden_act": "silu",
+        "rms_norm_eps": config.rms_norm_eps,
+        # rope_theta for transformers 4 readers, rope_parameters for transformers 5.
+        "rope_theta": config.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+        "max_position_embeddings": config.max_position_embeddings,
+        "tie_word_embeddings": False,
+        "vocab_size": config.vocab_size,
+        "draft_vocab_size": config.draft_vocab_size,
+        "target_hidden_size": config.target_hidden_size,
+        "dtype": dtype,
+        "torch_dtype": dtype,
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": list(config.aux_layer_ids),
+            "use_aux_hidden_state": True,
+        },
+    }
+    if form == LLAMA:
+        return {
+            **common,
+            "num_key_value_heads": config.num_key_value_heads,
+            "head_dim": config.head_dim,
+            "attention_bias": False,
+            "mlp_bias": False,
+        }
+    return {
+        **common,
+        "num_key_value_heads": config.num_attention_heads,
+        "q_lora_rank": config.q_lora_rank,
+        "kv_lora_rank": config.kv_lora_rank,
+        "qk_nope_head_dim": config.qk_nope_head_dim,
+        "qk_rope_head_dim": config.qk_rope_head_dim,
+        "v_head_dim": config.v_head_dim,
+        # No expert fields: vLLM's EAGLE-3 DeepSeek layer always builds a dense MLP of intermediate_size.
+    }
+
+
+def form_of_hf(hf: dict) -> str:
+    """Which form an EAGLE-3 ``config.json`` describes: by architecture, else by model type."""
+    names = hf.get("architectures") or []
+    for form, architecture in ARCHITECTURES.items():
+        if architecture in names:
+            return form
+    return DEEPSEEK_MLA if hf.get("kv_lora_rank") or any("Deepseek" in n for n in names) else LLAMA
+
+
+def draft_config_from_hf(hf: dict, source: str) -> tuple[AnyDraftConfig, list[int] | None]:
+    """A draft config (of its form) from an existing draft's ``config.json``; layer ids ``None`` if it names none."""
+    form = form_of_hf(hf)
+    required = ["hidden_size", "intermediate_size", "num_attention_heads", "vocab_size"]
+    if form == DEEPSEEK_MLA:
+        required += list(FORM_FIELDS[DEEPSEEK_MLA])
+    missing = [f for f in required if hf.get(f) is None]
+    if missing:
+        raise ValueError(f"draft config {source} lacks {missing}")
+    if int(hf.get("num_hidden_layers", 1)) != 1:
+        raise ValueError(f"draft config {source}: num_hidden_layers {hf['num_hidden_layers']}, only 1-layer drafts are supported")
+    eagle = hf.get("eagle_config") or {}
+    layer_ids = eagle.get("eagle_aux_hidden_state_layer_ids") or hf.get("eagle_aux_hidden_state_layer_ids")
+    heads = int(hf["num_attention_heads"])
+    shared = dict(
+        hidden_size=int(hf["hidden_size"]),
+        intermediate_size=int(hf["intermediate_size"]),
+        num_attention_heads=heads,
+        vocab_size=int(hf["vocab_size"]),
+        draft_vocab_size=int(hf.get("draft_vocab_size") or hf["vocab_size"]),
+        target_hidden_size=int(hf.get("target_hidden_size") or hf["hidden_size"]),
+        aux_layer_ids=tuple(int(i) for i in (layer_ids or ())),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
+        rope_theta=rope_theta_of(hf),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+    )
+    if form == DEEPSEEK_MLA:
+        config: AnyDraftConfig = MLADraftConfig(**shared, **{f: int(hf[f]) for f in FORM_FIELDS[DEEPSEEK_MLA]})
+    else:
+        config = DraftConfig(
+            **shared,
+            num_key_value_heads=int(hf.get("num_key_value_heads") or heads),
+            head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
+        )
+    return config, ([int(i) for i in layer_ids] if layer_ids else None)
+
+
+def export_draft(model: Eagle3Draft, out_dir: Path, *, dtype: str = "bfloat16", target_embedding: torch.Tensor | None = None) -> Path:
+    """Write ``config.json`` + ``model.safetensors`` into ``out_dir``, replacing it as a whole.
+
+    The embedding is left out when it is the target's (vLLM then shares the
+    target's, no second copy of a 160k x 7168 table). ``d2t`` is left out only
+    when the draft vocabulary is the whole target vocabulary, where vLLM has
+    no map to load it into.
+    """
+    if dtype not in TORCH_DTYPES:
+        raise ValueError(f"export dtype {dtype!r}: expected one of {sorted(TORCH_DTYPES)}")
+    config = model.config
+    tensors = {}
+    for name, value in model.state_dict().items():
+        if name == "embed_tokens.weight" and target_embedding is not None and torch.equal(
+            value.detach().cpu().float(), target_embedding.detach().cpu().float()
+        ):
+            continue
+        if name == "d2t" and config.draft_vocab_size == config.vocab_size:
+            continue
+        value = value.detach().cpu()
+        tensors[name] = (value.to(TORCH_DTYPES[dtype]) if value.is_floating_point() else value).contiguous()
+
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = staging_dir(out_dir)
+    try:
+        save_file(tensors, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
+        (staging / CONFIG_FILE).write_text(json.dumps(draft_hf_config(config, dtype), indent=2) + "\n")
+        for path in staging.iterdir():
+            with open(path, "rb") as fh:
+                os.fsync(fh.fileno())
+        # Swap whole directories so that a reader never sees new weights beside an old config.
+        retired = out_dir.with_name(f".{out_dir.name}.old")
+        shutil.rmtree(retired, ignore_errors=True)
+        if out_dir.exists():
+            os.replace(out_dir, retired)
+        os.replace(staging, out_dir)
+        shutil.rmtree(retired, ignore_errors=True)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out_dir
+
+
+def read_draft_dir(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """``config.json`` and every tensor of an EAGLE-3 directory (one or several safetensors files)."""
+    path = Path(path)
+    config_file = path / CONFIG_FILE
+    if not config_file.is_file():
+        raise FileNotFoundError(f"draft checkpoint {path}: no {CONFIG_FILE}")
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"draft checkpoint {path}: no *.safetensors weights")
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as fh:
+            for name in fh.keys():
+                tensors[name] = fh.get_tensor(name)
+    return json.loads(config_file.read_text()), tensors
+
+
+def expected_weight_shapes(config: AnyDraftConfig) -> dict[str, tuple[int, ...]]:
+    h = config.hidden_size
+    shapes = {
+        "fc.weight": (h, len(config.aux_layer_ids or (0, 0, 0)) * config.target_hidden_size),
+        "midlayer.input_layernorm.weight": (h,),
+        "midlayer.hidden_norm.weight": (h,),
+        **_attention_shapes(config),
+        "midlayer.post_attention_layernorm.weight": (h,),
+        "midlayer.mlp.gate_proj.weight": (config.intermediate_size, h),
+        "midlayer.mlp.up_proj.weight": (config.intermediate_size, h),
+        "midlayer.mlp.down_proj.weight": (h, config.intermediate_size),
+        "norm.weight": (h,),
+        "lm_head.weight": (config.draft_vocab_size, h),
+    }
+    if config.draft_vocab_size != config.vocab_size:
+        shapes["d2t"] = (config.draft_vocab_size,)
+    return shapes
+
+
+def _attention_shapes(config: AnyDraftConfig) -> dict[str, tuple[int, ...]]:
+    """The first layer's attention weights: its input projections take the embedding and the fused state (2H)."""
+    h, attn = config.hidden_size, "midlayer.self_attn."
+    if isinstance(config, MLADraftConfig):
+        heads, rank, rope = config.num_attention_heads, config.kv_lora_rank, config.qk_rope_head_dim
+        return {
+            attn + "q_a_proj.weight": (config.q_lora_rank, 2 * h),
+            attn + "q_a_layernorm.weight": (config.q_lora_rank,),
+            attn + "q_b_proj.weight": (heads * (config.qk_nope_head_dim + rope), config.q_lora_rank),
+            attn + "kv_a_proj_with_mqa.weight": (rank + rope, 2 * h),
+            attn + "kv_a_layernorm.weight": (rank,),
+            attn + "kv_b_proj.weight": (heads * (config.qk_nope_head_dim + config.v_head_dim), rank),
+            attn + "o_proj.weight": (h, heads * config.v_head_dim),
+        }
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    return {
+        attn + "q_proj.weight": (q, 2 * h),
+        attn + "k_proj.weight": (kv, 2 * h),
+        attn + "v_proj.weight": (kv, 2 * h),
+        attn + "o_proj.weight": (h, q),
+    }
+
+
+def config_problems(draft_dir: Path, expected_layer_ids: list[int], target_vocab_size: int | None = None) -> list[str]:
+    """Everything that would make vLLM reject this draft or run it on the wrong layers; empty when complete."""
+    try:
+        hf, tensors = read_draft_dir(draft_dir)
+    except (OSError, ValueError) as exc:
+        return [str(exc)]
+    form = form_of_hf(hf)
+    problems = []
+    for name, kind in {**COMMON_FIELDS, **FORM_FIELDS[form]}.items():
+        if name not in hf:
+            problems.append(f"config.json lacks {name}")
+        elif not isinstance(hf[name], kind) or (kind is int and isinstance(hf[name], bool)):
+            problems.append(f"config.json {name}={hf[name]!r} is not {getattr(kind, '__name__', kind)}")
+    if problems:
+        return problems
+    if ARCHITECTURES[form] not in hf["architectures"]:
+        problems.append(f"architectures {hf['architectures']} does not name {ARCHITECTURES[form]}")
+    if hf["model_type"] != MODEL_TYPES[form] or hf["num_hidden_layers"] != 1:
+        problems.append(
+            f"model_type {hf['model_type']!r} / num_hidden_layers {hf['num_hidden_layers']}: expected {MODEL_TYPES[form]!r} / 1"
+        )
+    eagle = hf["eagle_config"]
+    layer_ids = eagle.get("eagle_aux_hidden_state_layer_ids")
+    if not layer_ids:
+        problems.append("eagle_config lacks eagle_aux_hidden_state_layer_ids: vLLM would silently use its default layers")
+    elif list(layer_ids) != list(expected_layer_ids):
+        problems.append(f"eagle_aux_hidden_state_layer_ids {layer_ids} differ from the hidden states' {list(expected_layer_ids)}")
+    if eagle.get("use_aux_hidden_state") is not True:
+        problems.append("eagle_config.use_aux_hidden_state is not true")
+    if target_vocab_size is not None and hf["vocab_size"] != target_vocab_size:
+        problems.append(f"vocab_size {hf['vocab_size']} differs from the target's {target_vocab_size}")
+    try:
+        config, _ = draft_config_from_hf(hf, str(draft_dir))
+    except (ValueError, NotImplementedError) as exc:
+        return problems + [str(exc)]
+    for name, shape in expected_weight_shapes(config).items():
+        if name not in tensors:
+            problems.append(f"{WEIGHTS_FILE} lacks {name}")
+        elif tuple(tensors[name].shape) != shape:
+            problems.append(f"{name} has shape {tuple(tensors[name].shape)}, config implies {shape}")
+    if "d2t" in tensors and tensors["d2t"].dtype != torch.int64:
+        problems.append(f"d2t is {tensors['d2t'].dtype}, vLLM expects int64 offsets")
+    elif "d2t" in tensors:
+        targets = torch.arange(config.draft_vocab_size) + tensors["d2t"]
+        if targets.min() < 0 or targets.max() >= config.vocab_size:
+            problems.append("d2t maps draft ids outside the target vocabulary")
+    if "embed_tokens.weight" in tensors and tuple(tensors["embed_tokens.weight"].shape) != (config.vocab_size, config.hidden_size):
+        problems.append(f"embed_tokens.weight has shape {tuple(tensors['embed_tokens.weight'].shape)}")
+    return problems
+
+
+@dataclass
+class VLLMLoadReport:
+    passed: bool
+    detail: str
+    metadata: dict = field(default_factory=dict)
+
+
+LOAD_CHECK_CONTEXT = 2048  # one short chat completion: a longer context only costs start-up memory
+SPEC_COUNTER = re.compile(r"^(vllm:spec_decode_num_(?:drafts|accepted_tokens|draft_tokens)_total)\{[^}]*\}\s+([0-9.eE+-]+)$", re.M)
+
+
+def check_loads_in_vllm(
+    target_dir: Path,
+    draft_dir: Path,
+    *,
+    num_speculative_tokens: int = 3,
+    python: str | None = None,
+    log_path: Path | None = None,
+    serving: dict | None = None,
+    startup_timeout_s: float = 900.0,
+    prompt: str = "What is 12 plus 30?",
+) -> VLLMLoadReport:
+    """Serve the target with this draft as vLLM's speculative model and ask one chat completion.
+
+    Passes when the server comes up, answers, and its ``/metrics`` show that
+    the draft proposed tokens (a draft that loads but is never run would not
+    prove anything). ``serving``: the target's ``VLLMServer`` options
+    (:func:`eagle3_assets.core.target.serving.vllm_serving`); by default from its config.
+    """
+    import sys
+
+    from eagle3_assets.core.target.serving import vllm_serving
+    from eagle3_assets.core.serving.vllm_launcher import VLLMServer
+
+    spec = {"method": "eagle3", "model": str(Path(draft_dir).resolve()), "num_speculative_tokens": num_speculative_tokens}
+    serving = dict(serving or vllm_serving(target_dir, cap=LOAD_CHECK_CONTEXT))
+    target_args = serving.pop("extra_args", [])
+    server = VLLMServer(
+        target_dir,
+        reasoning_parser=None,
+        **serving,
+        extra_args=[*target_args, "--speculative-config", json.dumps(spec)],
+        python=python or sys.executable,
+        log_path=log_path,
+        startup_timeout_s=startup_timeout_s,
+    )
+    try:
+        server.start()
+    except (RuntimeError, TimeoutError) as exc:
+        log = server.log_path.read_text(errors="replace") if server.log_path.is_file() else str(exc)
+        return VLLMLoadReport(False, f"vLLM did not start with this draft: {root_cause(log)}", {"log": str(server.log_path)})
+    try:
+        body = json.dumps(
+            {
+                "model": server.served_model_name,
+                "messages": [{"role": "user", "content": prompt}],
+                "max_tokens": 24,
+                "min_tokens": 8,  # some decode steps, so that the draft is run at all
+                "temperature": 0.0,
+            }
+        ).encode()
+        request = urllib.request.Request(
+            f"{server.base_url}/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=300) as response:
+                answer = json.loads(response.read())
+            with urllib.request.urlopen(f"{server.base_url}/metrics", timeout=30) as response:
+                metrics = response.read().decode()
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            return VLLMLoadReport(False, f"vLLM started but the chat completion failed: {exc}", {"log": str(server.log_path)})
+    finally:
+        server.stop()
+    counters: dict[str, float] = {}
+    for name, value in SPEC_COUNTER.findall(metrics):
+        counters[name] = counters.get(name, 0.0) + float(value)
+    drafts = counters.get("vllm:spec_decode_num_drafts_total", 0.0)
+    accepted = counters.get("vllm:spec_decode_num_accepted_tokens_total", 0.0)
+    message = (answer.get("choices") or [{}])[0].get("message") or {}
+    text = (message.get("content") or "") + (message.get("reasoning") or "")
+    metadata = {
+        "completion_tokens": int((answer.get("usage") or {}).get("completion_tokens") or 0),
+        "num_drafts": int(drafts),
+        "num_accepted_tokens": int(accepted),
+        "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else None,
+        "answer_preview": text[:200],
+    }
+    if not drafts:
+        return VLLMLoadReport(False, "vLLM answered but never ran the draft (no spec_decode drafts in /metrics)", metadata)
+    return VLLMLoadReport(True, f"vLLM served the target with this draft ({int(drafts)} drafts)", metadata)
+
+
+ERROR_LINE = re.compile(r"\b(\w+(?:Error|Exception)): (.+)$")
+
+
+def root_cause(log: str) -> str:
+    """The first exception raised in a vLLM start-up log, not the "engine failed" wrappers after it."""
+    wrappers = ("Engine core initialization failed", "EngineCore failed to start")
+    causes = [m.group(1) + ": " + m.group(2) for line in log.splitlines() if " WARNING " not in line and (m := ERROR_LINE.search(line))]
+    real = [c for c in causes if not any(w in c for w in wrappers)]
+    lines = [line for line in log.strip().splitlines() if line.strip()]
+    return ((real or causes or lines or ["(empty log)"])[0])[:500]

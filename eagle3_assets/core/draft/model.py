@@ -1,0 +1,260 @@
+"""The EAGLE-3 draft model, in vLLM's native form (``llama_eagle3.py`` is the ground truth).
+
+One draft step, as vLLM runs it::
+
+    fused    = fc(cat(aux_1, aux_2, aux_3))      # step 0 only: target states -> draft width
+    x        = cat(input_layernorm(embed(token)), hidden_norm(fused))   # [.., 2H]
+    residual = fused
+    a        = o_proj(attention(q/k/v_proj(x)))  # q/k/v take 2H inputs
+    residual = a + residual
+    m        = mlp(post_attention_layernorm(residual))
+    prenorm  = m + residual                      # fed back as `fused` of the next step
+    logits   = lm_head(norm(prenorm))            # over the draft vocabulary
+
+The token embedding is the target's (vLLM shares it when the checkpoint has
+none). Draft id ``i`` is target id ``i + d2t[i]``. Parameter names are the
+checkpoint's names (``fc.weight``, ``midlayer.self_attn.q_proj.weight``, ...),
+so ``state_dict()`` is what the exporter writes.
+
+Attention during training runs the whole sequence at once for every unrolled
+step ("training-time test"): the query of step k for the chain that starts at
+position t sits at position t + k and sees the step-0 keys of positions <= t
+(what the target's states gave the draft's KV cache) plus the chain's own keys
+of steps 1..k, exactly what vLLM's KV cache holds when it drafts token k.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eagle3_assets.core.target.description import rms_norm_eps, text_config
+from eagle3_assets.core.target.head import rms_norm
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int  # the target's vocabulary (the embedding)
+    draft_vocab_size: int  # the lm_head's
+    target_hidden_size: int  # width of each auxiliary state
+    aux_layer_ids: tuple[int, ...]  # vLLM's convention: hidden_states[k] enters layer k
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 4096
+
+    def __post_init__(self):
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_key_value_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim {self.head_dim} must be even (rotary embedding)")
+
+    @classmethod
+    def for_target(
+        cls,
+        target_config: dict,
+        draft_vocab_size: int,
+        aux_layer_ids: list[int],
+        *,
+        intermediate_size: int | None = None,
+        num_attention_heads: int | None = None,
+        num_key_value_heads: int | None = None,
+        head_dim: int | None = None,
+    ) -> DraftConfig:
+        """A one-layer draft as wide as the target, shaped like one of its (dense) layers unless told otherwise."""
+        text = text_config(target_config)  # multimodal wrappers nest the LM config
+        hidden = int(text["hidden_size"])
+        heads = int(num_attention_heads or text["num_attention_heads"])
+        return cls(
+            hidden_size=hidden,
+            intermediate_size=int(intermediate_size or text["intermediate_size"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(num_key_value_heads or text.get("num_key_value_heads") or heads),
+            head_dim=int(head_dim or text.get("head_dim") or hidden // heads),
+            vocab_size=int(text["vocab_size"]),
+            draft_vocab_size=int(draft_vocab_size),
+            target_hidden_size=hidden,
+            aux_layer_ids=tuple(int(i) for i in aux_layer_ids),
+            rms_norm_eps=rms_norm_eps(text),
+            rope_theta=rope_theta_of(text),
+            max_position_embeddings=int(text.get("max_position_embeddings", 4096)),
+        )
+
+
+def rope_theta_of(config: dict) -> float:
+    """``rope_theta`` from a Llama-style config (transformers 5 moved it into ``rope_parameters``)."""
+    params = config.get("rope_parameters") or {}
+    scaling = config.get("rope_scaling") or {}
+    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if kind != "default":
+        raise NotImplementedError(f"rope type {kind!r}: only the default rotary embedding is implemented for drafts")
+    return float(config.get("rope_theta") or params.get("rope_theta") or 10000.0)
+
+
+class RMSNorm(nn.Module):
+    """Normalise in float32, scale in the input dtype (as vLLM's and transformers' RMSNorm)."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding, "neox" layout (halves), of ``x`` [B, heads, T, d] at ``positions`` [B, T]."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
+    angles = positions.to(torch.float32)[:, None, :, None] * inv_freq  # [B, 1, T, d/2]
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    first, second = x.float().chunk(2, dim=-1)
+    rotated = torch.cat([-second, first], dim=-1)
+    return (x.float() * cos + rotated * sin).to(x.dtype)
+
+
+KVCache = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def chain_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], scale: float) -> torch.Tensor:
+    """Training-time-test attention of step ``len(keys) - 1``: ``q`` [B, heads, T, d], one key/value per head and step.
+
+    Step 0's keys causally; then each later step's key of the same chain (the diagonal).
+    """
+    length = q.shape[2]
+    causal = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
+    scores = [(q @ keys[0].transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))]
+    scores += [(q * key).sum(-1, keepdim=True) * scale for key in keys[1:]]
+    probs = torch.softmax(torch.cat(scores, dim=-1).float(), dim=-1).to(q.dtype)
+    out = probs[..., :length] @ values[0]
+    for j, value in enumerate(values[1:]):
+        out = out + probs[..., length + j : length + j + 1] * value
+    return out
+
+
+class Attention(nn.Module):
+    def __init__(self, config: DraftConfig):
+        super().__init__()
+        c = config
+        self.heads, self.kv_heads, self.head_dim, self.theta = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rope_theta
+        self.q_proj = nn.Linear(2 * c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """``x`` [B, T, 2H] at ``positions`` [B, T]; appends this step's keys/values to ``cache``."""
+        batch, length, _ = x.shape
+
+        def heads(t: torch.Tensor, n: int) -> torch.Tensor:
+            return t.view(batch, length, n, self.head_dim).transpose(1, 2)
+
+        q = rotate(heads(self.q_proj(x), self.heads), positions, self.theta)
+        k = rotate(heads(self.k_proj(x), self.kv_heads), positions, self.theta)
+        v = heads(self.v_proj(x), self.kv_heads)
+        cache.append((k, v))
+        groups = self.heads // self.kv_heads
+        keys = [kv[0].repeat_interleave(groups, dim=1) for kv in cache]
+        values = [kv[1].repeat_interleave(groups, dim=1) for kv in cache]
+        out = chain_attention(q, keys, values, self.head_dim**-0.5)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, length, self.heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: DraftConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """vLLM's first (here: only) EAGLE-3 layer: attention over [embedding ; fused state]."""
+
+    attention = Attention  # the MLA form swaps this (draft_model_mla.py); the rest of the layer is the same
+
+    def __init__(self, config: DraftConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = self.attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cache: KVCache):
+        residual = hidden
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        residual = self.self_attn(x, positions, cache) + residual
+        return self.mlp(self.post_attention_layernorm(residual)), residual
+
+
+class Eagle3Draft(nn.Module):
+    form = "llama"  # vLLM's LlamaForCausalLMEagle3
+    layer = DecoderLayer
+
+    def __init__(self, config: DraftConfig):
+        super().__init__()
+        self.config = config
+        num_aux = len(config.aux_layer_ids)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.fc = nn.Linear(num_aux * config.target_hidden_size, config.hidden_size, bias=False)
+        self.midlayer = self.layer(config)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
+        # The vocabulary map travels with the weights (vLLM reads d2t; t2d is conventional).
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
+        self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+
+    def set_vocab_mapping(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
+            raise ValueError(
+                f"vocab mapping d2t{tuple(d2t.shape)}/t2d{tuple(t2d.shape)} does not fit a draft with "
+                f"draft_vocab_size {self.config.draft_vocab_size} over a target vocabulary of {self.config.vocab_size}"
+            )
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    def fuse(self, aux_hidden_states: torch.Tensor) -> torch.Tensor:
+        """The three target states [.., 3*target_H] -> the draft's input state [.., H]."""
+        return self.fc(aux_hidden_states)
+
+    def step(
+        self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cache: KVCache
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft step for every position: returns (draft-vocabulary logits, pre-norm state for the next step)."""
+        normed, prenorm = self.step_states(input_ids, hidden, positions, cache)
+        return self.lm_head(normed), prenorm
+
+    def step_states(
+        self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cache: KVCache
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`step` without the ``lm_head``: (what the ``lm_head`` reads, pre-norm state for the next step).
+
+        Training applies the ``lm_head`` itself where it computes the loss in chunks of positions.
+        """
+        out, residual = self.midlayer(self.embed_tokens(input_ids), hidden, positions, cache)
+        prenorm = out + residual
+        return self.norm(prenorm), prenorm
+
+    def draft_to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    def target_vocab_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Scatter draft logits into the target vocabulary, ``-inf`` elsewhere (vLLM's ``compute_logits``)."""
+        full = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
+        full[..., torch.arange(self.config.draft_vocab_size, device=logits.device) + self.d2t] = logits
+        return full

@@ -1,0 +1,188 @@
+"""Acceptance length of an EAGLE-3 draft, measured through vLLM speculative decoding.
+
+The target is served three ways on the same held-out prompts, greedy, same
+``max_tokens``: alone (the throughput reference), with the trained draft, and
+with a baseline draft (an untrained draft of the same shape, or the checkpoint
+training started from). vLLM's own ``/metrics`` counters, read before and
+after each pass, give the mean acceptance length (1 + accepted / drafts) and
+the acceptance rate per draft position. On a CPU the speedup is below 1 for a
+tiny target (the draft costs about as much as the target): speedup is a GPU
+figure, acceptance length is the portable one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from eagle3_assets.core.generation.openai_client import async_openai_client
+from eagle3_assets.core.gpu_host.stage_jobs import EVAL_MAX_TOKENS
+from eagle3_assets.core.target.serving import vllm_serving
+from eagle3_assets.core.serving.vllm_launcher import VLLMServer
+from eagle3_assets.core.serving.vllm_metrics import SpecDecodeCounters, fetch_metrics_text
+
+
+
+
+@dataclass(frozen=True)
+class PassResult:
+    """One pass of the prompts through one server configuration."""
+
+    label: str
+    prompts: int
+    failed: int
+    output_tokens: int
+    wall_s: float
+    mean_acceptance_length: float | None = None
+    acceptance_rate_per_position: list[float] | None = None
+    drafts: float | None = None
+    accepted: float | None = None
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.output_tokens / self.wall_s if self.wall_s else 0.0
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "output_tokens_per_s": self.output_tokens_per_s}
+
+
+async def _send_all(base_url: str, model: str, conversations: Sequence[list[dict]], max_tokens: int, concurrency: int):
+    """Completion tokens per conversation, None where the request failed (no retries: a failed request is counted)."""
+    import openai
+
+    gate = asyncio.Semaphore(concurrency)
+    async with async_openai_client(base_url, connect_timeout_s=10, read_timeout_s=1800, max_retries=0) as client:
+
+        async def one(messages: list[dict]) -> int | None:
+            async with gate:
+                try:
+                    response = await client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, temperature=0.0)
+                    return int(response.usage.completion_tokens)
+                except (openai.APIError, AttributeError, TypeError, ValueError):  # AttributeError, TypeError: no usage
+                    return None
+
+        return await asyncio.gather(*(one(m) for m in conversations))
+
+
+def run_pass(
+    label: str, base_url: str, model: str, conversations: Sequence[list[dict]], max_tokens: int, concurrency: int = 8, speculative: bool = True
+) -> PassResult:
+    """Send every conversation once; with ``speculative``, diff the spec-decode counters around it."""
+    before = SpecDecodeCounters.from_metrics(fetch_metrics_text(base_url)) if speculative else None
+    started = time.monotonic()
+    tokens = asyncio.run(_send_all(base_url, model, conversations, max_tokens, concurrency))
+    wall = time.monotonic() - started
+    done = [t for t in tokens if t is not None]
+    result = PassResult(label, len(tokens), len(tokens) - len(done), sum(done), wall)
+    if before is None:
+        return result
+    delta = SpecDecodeCounters.from_metrics(fetch_metrics_text(base_url)).minus(before)
+    return PassResult(
+        **{k: v for k, v in asdict(result).items() if k in ("label", "prompts", "failed", "output_tokens", "wall_s")},
+        mean_acceptance_length=delta.mean_acceptance_length,
+        acceptance_rate_per_position=delta.acceptance_rate_per_position,
+        drafts=delta.drafts,
+        accepted=delta.accepted,
+    )
+
+
+def speculative_args(draft_dir: Path, num_speculative_tokens: int) -> list[str]:
+    config = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": num_speculative_tokens}
+    return ["--speculative-config", json.dumps(config)]
+
+
+def evaluate(
+    target_dir: Path,
+    drafts: dict[str, Path],
+    conversations: Sequence[list[dict]],
+    num_speculative_tokens: int = 3,
+    max_tokens: int = EVAL_MAX_TOKENS,
+    concurrency: int = 8,
+    include_reference: bool = True,
+    server_log_dir: Path | None = None,
+    log: Callable[[str], None] = print,
+    serving: dict | None = None,
+    k_by_label: dict[str, int] | None = None,
+) -> dict[str, PassResult]:
+    """Serve the target alone (``reference``) and with each draft in turn; one pass each.
+
+    ``serving``: the target's ``VLLMServer`` options (remote code, dtype, context:
+    :func:`eagle3_assets.core.target.serving.vllm_serving`); by default from its config.
+    ``k_by_label``: a draft's own ``num_speculative_tokens`` where it differs from
+    the common one (the same draft served at several k, each under its label).
+    """
+    serving = dict(serving or vllm_serving(target_dir))
+    target_args = serving.pop("extra_args", [])
+    k_by_label = k_by_label or {}
+    results: dict[str, PassResult] = {}
+    setups: list[tuple[str, list[str]]] = [("reference", [])] if include_reference else []
+    setups += [(label, speculative_args(path, k_by_label.get(label, num_speculative_tokens))) for label, path in drafts.items()]
+    for label, extra in setups:
+        log(f"evaluation: serving the target for '{label}'")
+        log_path = (server_log_dir / f"vllm-{label}.log") if server_log_dir else None
+        with VLLMServer(target_dir, extra_args=[*target_args, *extra], log_path=log_path, **serving) as server:
+            results[label] = run_pass(label, server.base_url, server.served_model_name, conversations, max_tokens, concurrency, speculative=bool(extra))
+        r = results[label]
+        acceptance = f", acceptance length {r.mean_acceptance_length:.2f}" if r.mean_acceptance_length is not None else ""
+        log(f"evaluation: {label}: {r.output_tokens} tokens in {r.wall_s:.1f}s ({r.output_tokens_per_s:.0f} tok/s){acceptance}")
+    return results
+
+
+def untrained_twin(trained_dir: Path, out_dir: Path, seed: int = 0) -> Path:
+    """A randomly initialised draft of the trained draft's exact form and shape, vocabulary map and layer ids.
+
+    It is the baseline that says what training bought: vLLM runs it through the
+    same code path, so any acceptance above its figure is the training's.
+    """
+    import torch
+
+    from eagle3_assets.core.draft.forms import new_draft
+    from eagle3_assets.core.draft.export import draft_config_from_hf, export_draft, read_draft_dir
+
+    hf, tensors = read_draft_dir(trained_dir)
+    config, _ = draft_config_from_hf(hf, str(trained_dir))
+    torch.manual_seed(seed)
+    model = new_draft(config)  # the trained draft's form
+    if "d2t" in tensors:
+        d2t = tensors["d2t"].to(torch.int64)
+        t2d = tensors.get("t2d")
+        if t2d is None:  # vLLM ignores t2d, so an export may leave it out: rebuild it from d2t
+            t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
+            t2d[torch.arange(d2t.numel()) + d2t] = True
+        model.set_vocab_mapping(d2t, t2d.to(torch.bool))
+    dtype = hf.get("torch_dtype") or hf.get("dtype") or "bfloat16"
+    return export_draft(model, out_dir, dtype=dtype)
+
+
+def load_conversations(source: str) -> tuple[list[str], list[list[dict]]]:
+    """Ids and messages of an evaluation prompt set (any dataset form the prompts asset reads)."""
+    from eagle3_assets.core.prompts.records import RowRejected, normalise_record
+    from eagle3_assets.core.prompts.sources import iter_dataset_rows
+
+    ids, conversations = [], []
+    for row in iter_dataset_rows(source):
+        if row.parse_error is not None:
+            raise ValueError(f"evaluation prompts {source}, line {row.row_index + 1}: {row.parse_error}")
+        try:
+            sample_id, messages = normalise_record(row.record)
+        except RowRejected as exc:
+            raise ValueError(f"evaluation prompts {source}, row {row.row_index + 1}: {exc}") from None
+        ids.append(sample_id)
+        conversations.append(messages)
+    if not conversations:
+        raise ValueError(f"evaluation prompts {source}: no prompts")
+    return ids, conversations
+
+
+def render_positions(rates: dict[str, list[float]]) -> str:
+    """Acceptance rate per draft position, one bar per draft, as a markdown table the UI shows."""
+    rows = ["| position | " + " | ".join(rates) + " |", "| --- |" + " --- |" * len(rates)]
+    width = max((len(r) for r in rates.values()), default=0)
+    for i in range(width):
+        cells = [f"{r[i]:.3f} `{'#' * round(r[i] * 20):<20}`" if i < len(r) else "" for r in rates.values()]
+        rows.append(f"| {i + 1} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)

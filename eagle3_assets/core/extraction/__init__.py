@@ -1,0 +1,1 @@
+"""The target's hidden states for EAGLE-3: extracted exactly, streamed to disk, resumable, checked."""

@@ -1,0 +1,500 @@
+"""The GPU host's pre-flight: what used to be typed by hand over SSH before every long run.
+
+Before a GPU stage starts, the host is asked, in the Python the stage will use:
+
+- does every module the stage needs import (and which version is it)?
+- is a process of this stage still running (the stage lock's holder, or a stray
+  ``python -m eagle3_assets.stages.<stage>`` started by hand)?
+- are the systemd units in the state the stage needs (e.g. the vLLM service
+  stopped before training takes the GPUs)?
+- how much memory is used on *every* GPU, against what the stage needs? With
+  no GPU the stage fails unless CPU is allowed;
+- does the output directory have room for the stage's estimate, and does it
+  hold partial files left by an aborted run?
+
+Each failure is one line that names the thing. The checks run on the host:
+this file is sent to the host's Python on stdin (``python - <spec json>``) and
+prints a JSON report, so it uses the standard library only and imports nothing
+from this package; a host whose environment is broken still gets a report.
+The lock it reads is the one the stage runner (``python -m eagle3_assets.stages``)
+holds while a stage runs (:mod:`.stage_lock`); the spec it runs from is built
+on the orchestrator's side (:mod:`.stage_requirements`).
+
+Over 400 lines on purpose: the host receives this one file and nothing else (a
+module it imported from here would not be there), so every check the host runs
+lives in it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import fcntl
+import importlib
+import importlib.metadata
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+STAGE_PACKAGE = "eagle3_assets.stages"
+# systemctl states in which a unit still holds what it started (GPU memory, a port).
+_UNIT_RUNNING_STATES = {"active", "activating", "reloading", "deactivating", "refreshing"}
+_MAX_LISTED_FILES = 20
+
+
+# --------------------------------------------------------------------------- GPUs
+
+
+@dataclass(frozen=True)
+class GPUMemory:
+    """One line of ``nvidia-smi --query-gpu=index,memory.used,memory.total --format=csv``."""
+
+    index: int
+    used_mib: int | None  # None where nvidia-smi says [N/A] (e.g. MIG, unified memory)
+    total_mib: int | None
+
+    @property
+    def free_mib(self) -> int | None:
+        if self.used_mib is None or self.total_mib is None:
+            return None
+        return self.total_mib - self.used_mib
+
+
+NVIDIA_SMI_QUERY = ["--query-gpu=index,memory.used,memory.total", "--format=csv"]
+
+
+def parse_nvidia_smi_csv(text: str) -> list[GPUMemory]:
+    """Every GPU of the output, in order; a line that is not a GPU line is an error, never skipped.
+
+    Expects the header ``index, memory.used [MiB], memory.total [MiB]``; values
+    read ``3, 40361 MiB, 81559 MiB`` or ``[N/A]``. Skipping lines silently is
+    how a check ends up looking at two GPUs of eight.
+    """
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    if not lines:
+        raise ValueError("nvidia-smi printed nothing")
+    header = [h.strip() for h in lines[0].split(",")]
+    if header != ["index", "memory.used [MiB]", "memory.total [MiB]"]:
+        raise ValueError(f"nvidia-smi header {lines[0]!r}: expected 'index, memory.used [MiB], memory.total [MiB]'")
+    gpus = []
+    for number, line in enumerate(lines[1:], start=2):
+        cells = [c.strip() for c in line.split(",")]
+        if len(cells) != 3:
+            raise ValueError(f"nvidia-smi line {number} {line!r}: expected 3 fields")
+        try:
+            gpus.append(GPUMemory(int(cells[0]), _mib(cells[1]), _mib(cells[2])))
+        except ValueError:
+            raise ValueError(f"nvidia-smi line {number} {line!r}: not 'index, N MiB, N MiB'") from None
+    return gpus
+
+
+def _mib(cell: str) -> int | None:
+    if cell.strip("[]").upper() in {"N/A", "NOT SUPPORTED", "UNKNOWN ERROR"}:
+        return None
+    value, unit = cell.split()
+    if unit != "MiB":
+        raise ValueError(cell)
+    return int(value)
+
+
+def query_gpus(nvidia_smi: str = "nvidia-smi", timeout_s: float = 30.0) -> tuple[list[GPUMemory], str | None]:
+    """The host's GPUs, or none and why (no nvidia-smi, driver not loaded, ...)."""
+    try:
+        done = subprocess.run([nvidia_smi, *NVIDIA_SMI_QUERY], capture_output=True, text=True, timeout=timeout_s)
+    except FileNotFoundError:
+        return [], f"{nvidia_smi} not found"
+    except subprocess.TimeoutExpired:
+        return [], f"{nvidia_smi} did not answer within {timeout_s:.0f}s"
+    if done.returncode != 0:
+        return [], f"{nvidia_smi} failed (exit {done.returncode}): {_first_line(done.stdout + done.stderr)}"
+    try:
+        return parse_nvidia_smi_csv(done.stdout), None
+    except ValueError as exc:
+        return [], str(exc)
+
+
+def evaluate_gpus(
+    gpus: Sequence[GPUMemory],
+    reason_none: str | None,
+    *,
+    stage: str,
+    cpu_allowed: bool,
+    min_gpus: int,
+    min_free_mib: int,
+    gpu_indices: Sequence[int] | None = None,
+) -> list[str]:
+    """One failure line per GPU (or per missing GPU) that cannot give the stage what it needs."""
+    if not gpus:
+        if cpu_allowed:
+            return []
+        return [f"GPU: none found on the host ({reason_none or 'nvidia-smi listed no GPU'}); stage {stage} does not allow CPU"]
+    failures = []
+    if len(gpus) < min_gpus:
+        failures.append(f"GPU: {len(gpus)} found on the host, stage {stage} needs {min_gpus}")
+    by_index = {gpu.index: gpu for gpu in gpus}
+    wanted = list(gpu_indices) if gpu_indices is not None else [gpu.index for gpu in gpus]
+    for index in wanted:
+        gpu = by_index.get(index)
+        if gpu is None:
+            failures.append(f"GPU {index}: not present on the host (it has {sorted(by_index)})")
+            continue
+        if min_free_mib <= 0:
+            continue
+        if gpu.free_mib is None:
+            failures.append(f"GPU {index}: memory not reported by nvidia-smi ([N/A]); stage {stage} needs {min_free_mib} MiB free")
+        elif gpu.free_mib < min_free_mib:
+            failures.append(
+                f"GPU {index}: {gpu.free_mib} MiB free ({gpu.used_mib} of {gpu.total_mib} MiB used); "
+                f"stage {stage} needs {min_free_mib} MiB free"
+            )
+    return failures
+
+
+# --------------------------------------------------------------------------- the stage lock
+
+def lock_holder(path: str) -> dict | None:
+    """The live holder of the lock at ``path`` (its record, with current command lines), or None."""
+    if not os.path.exists(path):
+        return None
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno in (errno.EAGAIN, errno.EACCES):
+                return describe_holder(read_lock_record(path))
+            raise
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
+def read_lock_record(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            record = json.loads(fh.read() or "{}")
+        return record if isinstance(record, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def describe_holder(record: Mapping[str, Any]) -> dict:
+    """The record, with each PID's live command line (from /proc) where it still runs."""
+    described = dict(record)
+    for key in ("pid", "stage_pid"):
+        pid = record.get(key)
+        if isinstance(pid, int):
+            cmdline = process_cmdline(pid)
+            described[f"{key}_alive"] = cmdline is not None
+            if cmdline is not None:
+                described[f"{key}_cmdline"] = cmdline
+    return described
+
+
+def holder_line(lock_path: str, holder: Mapping[str, Any]) -> str:
+    """``stage lock <path>: held by PID 123 (python -m eagle3_assets.stages x) ...``: one line."""
+    pid = holder.get("pid", "?")
+    cmdline = holder.get("pid_cmdline") or holder.get("cmdline") or "command line unknown"
+    line = f"stage lock {lock_path}: held by PID {pid} ({cmdline})"
+    if holder.get("stage_pid_alive"):
+        line += f", stage PID {holder['stage_pid']} ({holder.get('stage_pid_cmdline')})"
+    if holder.get("run_id"):
+        line += f", Dagster run {holder['run_id']}"
+    if holder.get("started_at"):
+        line += f", since {holder['started_at']}"
+    return line
+
+
+def process_cmdline(pid: int) -> str | None:
+    """The command line of a live process, or None when it is gone (or a zombie)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            raw = fh.read()
+    except OSError:
+        return None
+    if not raw:
+        return None  # a zombie: exited, not yet reaped
+    return " ".join(part.decode(errors="replace") for part in raw.rstrip(b"\0").split(b"\0"))
+
+
+def stray_stage_processes(stage: str, exclude: Sequence[int] = ()) -> list[tuple[int, str]]:
+    """Processes running this stage that the lock does not account for (e.g. started by hand).
+
+    Matches ``-m eagle3_assets.stages.<stage>`` and the runner's ``-m
+    eagle3_assets.stages <stage>``. Linux only (/proc); elsewhere the lock is
+    the only evidence.
+    """
+    if not os.path.isdir("/proc"):
+        return []
+    module = f"{STAGE_PACKAGE}.{stage}"
+    found = []
+    skip = {os.getpid(), *exclude}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) in skip:
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                argv = [a.decode(errors="replace") for a in fh.read().rstrip(b"\0").split(b"\0")]
+        except OSError:
+            continue
+        for i, arg in enumerate(argv[:-1]):
+            if arg == "-m" and (argv[i + 1] == module or (argv[i + 1] == STAGE_PACKAGE and stage in argv[i + 2 : i + 3])):
+                found.append((int(entry), " ".join(argv)))
+                break
+    return sorted(found)
+
+
+# --------------------------------------------------------------------------- systemd
+
+
+def systemd_unit_state(unit: str, systemctl: str = "systemctl", timeout_s: float = 15.0) -> str:
+    """``systemctl is-active``'s answer, or ``no-systemctl`` / ``no-systemd`` where it cannot answer."""
+    try:
+        done = subprocess.run([systemctl, "is-active", "--", unit], capture_output=True, text=True, timeout=timeout_s)
+    except FileNotFoundError:
+        return "no-systemctl"
+    except subprocess.TimeoutExpired:
+        return "timeout"
+    state = _first_line(done.stdout)
+    if not state:
+        return "no-systemd" if "systemd" in done.stderr or "bus" in done.stderr.lower() else "unknown"
+    return state
+
+
+def evaluate_unit(unit: str, required: str, state: str) -> str | None:
+    """None when ``unit`` in ``state`` satisfies ``required``, else the failure line.
+
+    Without systemd (a container, a host that runs vLLM by hand) no unit can be
+    running, so "inactive" holds and "active" cannot.
+    """
+    running = state in _UNIT_RUNNING_STATES
+    if required == "active" and state == "active":
+        return None
+    if required == "inactive" and not running and state != "timeout":
+        return None
+    return f"systemd unit {unit}: {state}, stage needs it {required}"
+
+
+# --------------------------------------------------------------------------- output dirs
+
+
+def existing_ancestor(path: str) -> str:
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return path
+
+
+def find_partial_files(directories: Sequence[str], suffix: str) -> list[str]:
+    """Files named ``*<suffix>`` (dot-files too) under the directories: what an aborted atomic write leaves."""
+    found = []
+    for directory in directories:
+        if not os.path.isdir(directory):
+            continue
+        for root, _dirs, files in os.walk(directory):
+            found.extend(os.path.join(root, name) for name in files if name.endswith(suffix))
+    return sorted(found)
+
+
+def classify_partial_files(paths: Sequence[str], outputs: Sequence[str]) -> tuple[list[str], list[tuple[str, str]], list[tuple[str, str]]]:
+    """(nobody's, a dead shard writer's, a live shard writer's, each with its holder described): by the shard's lease.
+
+    A shard's files live at ``<output>/<shard>/...`` or ``<output>/.<shard>.<...>.partial``
+    and its lease at ``<output>/<shard>.lease`` (:mod:`eagle3_assets.core.storage.shard_lease`).
+    Without that module (the package does not import here) every file is nobody's, as before leases.
+    """
+    try:  # standard library only, like this file; imported, not copied, so that one module says what a lease is
+        from eagle3_assets.core.storage import shard_lease
+    except Exception:  # noqa: BLE001 - a broken environment still gets its report (the module check names it)
+        return list(paths), [], []
+    nobodys, dead, live = [], [], []
+    for path in paths:
+        owner = None
+        for out in outputs:
+            rel = os.path.relpath(path, out)
+            if rel.startswith(".."):
+                continue
+            parts = rel.split(os.sep)
+            owner = (out, parts[0] if len(parts) > 1 else parts[0][1:].split(".")[0] if parts[0].startswith(".") else None)
+            break
+        record = shard_lease.read_lease(shard_lease.lease_path(owner[0], owner[1])) if owner and owner[1] else None
+        state = shard_lease.lease_state(record)
+        if state in (shard_lease.DEAD, shard_lease.STALE):
+            dead.append((path, shard_lease.describe(record)))
+        elif state in (shard_lease.LIVE, shard_lease.REMOTE):
+            live.append((path, shard_lease.describe(record)))
+        else:
+            nobodys.append(path)
+    return nobodys, dead, live
+
+
+# --------------------------------------------------------------------------- modules
+
+
+def import_module_version(name: str) -> tuple[str | None, str | None]:
+    """(version, None) when ``name`` imports, else (None, the error in one line)."""
+    try:
+        module = importlib.import_module(name)
+    except BaseException as exc:  # noqa: BLE001 - a module may raise anything (SystemExit, RuntimeError) on import
+        return None, f"{type(exc).__name__}: {_first_line(str(exc)) or 'no message'}"
+    version = getattr(module, "__version__", None)
+    if not isinstance(version, str):
+        try:
+            version = importlib.metadata.version(name.split(".")[0].replace("_", "-"))
+        except importlib.metadata.PackageNotFoundError:
+            version = "unknown"
+    return version, None
+
+
+# --------------------------------------------------------------------------- the whole pre-flight
+
+
+def run_preflight(spec: Mapping[str, Any]) -> dict:
+    """Every check of ``spec`` on this machine; the report lists each failure as one line."""
+    started = time.monotonic()
+    stage = spec["stage"]
+    failures: list[str] = []
+    report: dict[str, Any] = {
+        "stage": stage,
+        "host": socket.gethostname(),
+        "python": sys.executable,
+        "python_version": sys.version.split()[0],
+        "cwd": os.getcwd(),
+    }
+
+    modules: dict[str, str | None] = {}
+    for name in spec["modules"]:
+        version, error = import_module_version(name)
+        modules[name] = version
+        if error:
+            failures.append(f"module {name}: does not import in {sys.executable}: {error}")
+    report["modules"] = modules
+
+    holder = lock_holder(spec["lock_path"])
+    strays = stray_stage_processes(stage, exclude=[p for p in (holder or {}).values() if isinstance(p, int)])
+    report["lock"] = {"path": spec["lock_path"], "holder": holder, "stray_processes": [{"pid": p, "cmdline": c} for p, c in strays]}
+    if holder is not None:
+        failures.append(holder_line(spec["lock_path"], holder))
+    for pid, cmdline in strays:
+        failures.append(f"stage {stage}: a process of this stage is still running outside the lock: PID {pid} ({cmdline})")
+
+    units = {}
+    for unit, required in spec["systemd_units"].items():
+        state = systemd_unit_state(unit, spec.get("systemctl", "systemctl"))
+        units[unit] = {"state": state, "required": required}
+        problem = evaluate_unit(unit, required, state)
+        if problem:
+            failures.append(problem)
+    report["systemd"] = units
+
+    gpus, reason_none = query_gpus(spec.get("nvidia_smi", "nvidia-smi"))
+    report["gpus"] = [dataclasses.asdict(g) | {"free_mib": g.free_mib} for g in gpus]
+    report["gpu_note"] = reason_none
+    report["cpu_allowed"] = spec["cpu_allowed"]
+    report["cpu_allowed_by"] = spec.get("cpu_allowed_by")
+    failures += evaluate_gpus(
+        gpus,
+        reason_none,
+        stage=stage,
+        cpu_allowed=spec["cpu_allowed"],
+        min_gpus=spec["min_gpus"],
+        min_free_mib=spec["min_free_gpu_memory_mib"],
+        gpu_indices=spec.get("gpu_indices"),
+    )
+
+    outputs = [os.path.abspath(d) for d in spec["output_dirs"]]
+    if outputs:
+        where = existing_ancestor(outputs[0])
+        free = shutil.disk_usage(where).free
+        report["disk"] = {"path": outputs[0], "measured_at": where, "free_bytes": free, "needed_bytes": spec["disk_bytes"]}
+        if spec["disk_bytes"] > free:
+            note = spec.get("disk_note")
+            failures.append(
+                f"disk: {outputs[0]} has {_human(free)} free (at {where}), "
+                f"stage {stage} estimates {_human(spec['disk_bytes'])}"
+                f" ({free} < {spec['disk_bytes']} bytes{'; ' + note if note else ''})"
+            )
+    found = find_partial_files(outputs, spec["partial_suffix"])
+    partial, of_dead_writers, of_live_writers = classify_partial_files(found, outputs)
+    for path, holder in of_live_writers:
+        failures.append(f"partial file {path}: being written by {holder}; wait for that run or cancel it")
+    removed = []
+    if partial and spec["remove_partial_files"]:
+        for path in partial:
+            try:
+                os.unlink(path)
+                removed.append(path)
+            except FileNotFoundError:
+                pass
+    report["partial_files"] = {
+        "found": len(partial),
+        "removed": len(removed),
+        "examples": partial[:_MAX_LISTED_FILES],
+    }
+    if of_dead_writers or of_live_writers:
+        # A dead writer's leftovers are the next lease holder's to clean (it logs each file); a live one's are refused above.
+        report["partial_files"]["of_dead_lease_holders"] = [p for p, _ in of_dead_writers][:_MAX_LISTED_FILES]
+        report["partial_files"]["of_live_lease_holders"] = [p for p, _ in of_live_writers][:_MAX_LISTED_FILES]
+    if partial and not spec["remove_partial_files"]:
+        failures.append(
+            f"partial files: {len(partial)} left by an aborted run under {', '.join(outputs)} "
+            f"(e.g. {partial[0]}); remove them or set remove_partial_files"
+        )
+
+    report["failures"] = failures
+    report["ok"] = not failures
+    report["duration_s"] = round(time.monotonic() - started, 3)
+    return report
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024
+    return f"{n} B"
+
+
+def _first_line(text: str) -> str:
+    for line in (text or "").splitlines():
+        if line.strip():
+            return line.strip()
+    return ""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python - '<spec json>'`` (source on stdin) or ``python -m eagle3_assets.core.gpu_host.preflight '<spec>'``.
+
+    The report is the only thing written to the real stdout: whatever an
+    imported module prints goes to stderr instead.
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 1:
+        print("usage: preflight '<spec json>'", file=sys.stderr)
+        return 2
+    spec = json.loads(args[0])
+    report_fd = os.dup(1)
+    os.dup2(2, 1)
+    sys.stdout = os.fdopen(os.dup(2), "w")
+    try:
+        report = run_preflight(spec)
+    finally:
+        sys.stdout.flush()
+    with os.fdopen(report_fd, "w") as out:
+        out.write(json.dumps(report) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

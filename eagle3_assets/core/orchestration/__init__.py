@@ -1,0 +1,1 @@
+"""Driving the Dagster instance from outside it: backfills of chosen shards."""

@@ -1,0 +1,1 @@
+"""What the assets show: a gate's outcome, plots as markdown."""

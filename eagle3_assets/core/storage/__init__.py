@@ -1,0 +1,1 @@
+"""Where the assets' files live and how they are written: atomically, journaled, leased, verified."""
