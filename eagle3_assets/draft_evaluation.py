@@ -25,7 +25,7 @@ from pydantic import Field
 
 from eagle3_assets.check_results import Gate, Gates
 from eagle3_assets.core.evaluation.acceptance import load_conversations
-from eagle3_assets.core.prompts.heldout import held_out_prompts
+from eagle3_assets.core.prompts.heldout import held_out_prompts, question_text
 from eagle3_assets.core.gpu_host.stage_requirements import StageRequirements
 from eagle3_assets.core.storage.shard_files import read_shard_parquet
 from eagle3_assets.core.draft.export import CONFIG_FILE
@@ -85,8 +85,8 @@ def training_overlap(eval_ids: list[str], eval_conversations: list[list[dict]], 
         return []
     seen = pl.concat([read_shard_parquet(p, asset="prompts", columns=["id", "messages"]) for p in shards])
     seen_ids = set(seen["id"].to_list())
-    seen_texts = {m[-1]["content"] for m in seen["messages"].to_list() if m}
-    return [i for i, conv in zip(eval_ids, eval_conversations) if i in seen_ids or conv[-1]["content"] in seen_texts]
+    seen_texts = {question_text(m) for m in seen["messages"].to_list() if m}
+    return [i for i, conv in zip(eval_ids, eval_conversations) if i in seen_ids or question_text(conv) in seen_texts]
 
 
 @asset(

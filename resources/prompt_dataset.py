@@ -44,7 +44,7 @@ class PromptDataset(ConfigurableResource):
         default=DEFAULT_HOLDOUT_SHARE,
         ge=0,
         lt=1,
-        description="share of prompts kept out of training (chosen by a hash of the id) for draft_evaluation's held-out set",
+        description="share of prompts kept out of training (chosen by a hash of the question, so repeats stay together) for draft_evaluation's held-out set",
     )
 
     @classmethod

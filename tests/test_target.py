@@ -215,6 +215,30 @@ def test_held_out_prompts_come_from_the_users_dataset_and_never_reach_training(t
     assert resolve_eval_prompts(str(source), user_target, limit=8) == str(source)  # a set named is the one used
 
 
+def test_a_question_repeated_under_other_ids_is_held_out_with_all_its_copies_or_none(tmp_path, data_dir):
+    """Repeats are common in real prompt sets (and in the built-in one): by id, one copy was trained on while
+    another was held out, and draft_evaluation refused the held-out set on every rerun."""
+    from eagle3_assets.draft_evaluation import resolve_eval_prompts, training_overlap
+    from eagle3_assets.prompts import prompts
+    from resources.prompt_dataset import PromptDataset
+
+    source = tmp_path / "prompts.jsonl"  # 40 questions, each five times under different ids, across two shards
+    source.write_text("".join(json.dumps({"id": f"q{i}", "question": f"Question number {i % 40}?"}) + "\n" for i in range(200)))
+    dataset = PromptDataset(source=str(source), shard_size=100, holdout_share=0.2)
+    instance = DagsterInstance.ephemeral()
+    register_shards(instance, dataset.shard_keys())
+    for key in dataset.shard_keys():
+        assert materialize([prompts], partition_key=key, resources={"prompt_dataset": dataset}, instance=instance).success
+    training = pl.concat([pl.read_parquet(data_dir / "prompts" / f"{k}.parquet") for k in dataset.shard_keys()])
+    held = pl.concat([pl.read_parquet(data_dir / "prompts" / f"{k}.heldout.parquet") for k in dataset.shard_keys()])
+    held_questions = {m[-1]["content"] for m in held["messages"].to_list()}
+    assert held_questions and held.height == 5 * len(held_questions)  # every copy of a held-out question
+    assert not held_questions & {m[-1]["content"] for m in training["messages"].to_list()}
+    path = resolve_eval_prompts("", TargetModel(path=str(tmp_path / "my-target")), limit=64)
+    lines = [json.loads(line) for line in Path(path).read_text().splitlines()]
+    assert training_overlap([r["id"] for r in lines], [r["messages"] for r in lines], data_dir / "prompts") == []
+
+
 @pytest.mark.vllm
 def test_evaluation_runs_on_a_target_with_a_2048_token_context(tiny_target, tmp_path):
     """The launcher's old 4,096 default made vLLM refuse such a target; the context now comes from the target."""
