@@ -48,6 +48,25 @@ def small_draft(hidden=64, heads=4, kv_heads=2, head_dim=32, intermediate=160, v
     return draft, head, mapping
 
 
+def small_mla_draft(seed=0, **shape):
+    """The MLA form at the measured width, its latents wider than the hidden size as the built Kimi target's are."""
+    from eagle3_assets.core.draft.model_mla import Eagle3MLADraft, MLADraftConfig
+
+    torch.manual_seed(seed)
+    shape = {**MEASURED_DRAFT, **shape}
+    mapping = build_vocab_mapping(torch.randint(0, 1000, (shape["vocab"],)), shape["draft_vocab"])
+    config = MLADraftConfig(
+        hidden_size=shape["hidden"], intermediate_size=shape["intermediate"], num_attention_heads=shape["heads"], q_lora_rank=64,
+        kv_lora_rank=192, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, vocab_size=shape["vocab"],
+        draft_vocab_size=shape["draft_vocab"], target_hidden_size=shape["hidden"], aux_layer_ids=(1, 2, 3),
+    )  # fmt: skip
+    draft = Eagle3MLADraft(config)
+    draft.set_vocab_mapping(mapping.d2t, mapping.t2d)
+    draft.embed_tokens.weight.requires_grad_(False)
+    head = TargetHead(lm_head=torch.randn(shape["vocab"], shape["hidden"]) * 0.1, norm_weight=torch.ones(shape["hidden"]), eps=1e-5)
+    return draft, head, mapping
+
+
 def random_batch(config: DraftConfig, rows: int, length: int, seed=1):
     generator = torch.Generator().manual_seed(seed)
     aux = torch.randn(rows, length, 3 * config.target_hidden_size, generator=generator)
@@ -120,25 +139,33 @@ def measured_step_peak(draft, head, mapping, rows: int, length: int, ttt: int, *
 MEASURED_DRAFT = dict(hidden=128, heads=4, kv_heads=2, head_dim=32, intermediate=384, vocab=3000, draft_vocab=1200)
 
 
-def measure_in_this_process(rows: int, length: int, settings: dict) -> int:
+def measured_draft(form: str):
+    return small_mla_draft() if form == "deepseek_mla" else small_draft(**MEASURED_DRAFT)
+
+
+def measure_in_this_process(rows: int, length: int, settings: dict, form: str = "llama") -> int:
     torch.set_num_threads(1)
-    draft, head, mapping = small_draft(**MEASURED_DRAFT)
+    draft, head, mapping = measured_draft(form)
     return measured_step_peak(draft, head, mapping, rows, length, 3, **settings)
 
 
-@pytest.mark.parametrize("memory_settings", [False, True], ids=["settings off", "settings on"])
-def test_the_estimate_holds_the_measured_peak_at_two_sizes(memory_settings):
+@pytest.mark.parametrize(
+    "memory_settings, form", [(False, "llama"), (True, "llama"), (False, "deepseek_mla")], ids=["settings off", "settings on", "MLA form"]
+)
+def test_the_estimate_holds_the_measured_peak_at_two_sizes(memory_settings, form):
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    draft, _, _ = small_draft(**MEASURED_DRAFT)
+    draft, _, _ = measured_draft(form)
+    trainable = sum(p.numel() for p in draft.parameters() if p.requires_grad)
+    assert StepShape.of(draft.config, 1, 1, 3, bf16=False).trainable_parameters == trainable
     figures = []
     for rows, length in ((2, 64), (4, 160)):
         settings = dict(checkpoint=memory_settings, loss_chunk=32 if memory_settings else 0, target_chunk=48 if memory_settings else 0)
         # Measured in a fresh interpreter: what earlier tests left in this process (seen: 17.7 MB instead of 21.2 MB
         # after the bounded-disk tests) is not the step's.
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            measured = pool.submit(measure_in_this_process, rows, length, settings).result()
+            measured = pool.submit(measure_in_this_process, rows, length, settings, form).result()
         shape = StepShape.of(
             draft.config, rows * length, length, 3, bf16=False, activation_checkpointing=settings["checkpoint"],
             loss_chunk_tokens=settings["loss_chunk"], target_head_chunk_tokens=settings["target_chunk"],

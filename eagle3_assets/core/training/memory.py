@@ -38,6 +38,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from eagle3_assets.core.draft.model import DraftConfig
+from eagle3_assets.core.draft.model_mla import MLADraftConfig
 
 FLOAT32 = 4
 
@@ -61,12 +62,21 @@ class StepShape:
     activation_checkpointing: bool = False
     loss_chunk_tokens: int = 0
     target_head_chunk_tokens: int = 0
+    attention_parameters: int = 0  # the MLA form's projections (0: grouped-query attention's, from the widths above)
+    latent_width: int = 0  # the MLA form's query and KV latents per token
 
     @classmethod
-    def of(cls, draft: DraftConfig, tokens: int, seq_len: int, ttt_steps: int, *, bf16: bool, **settings) -> StepShape:
+    def of(cls, draft: DraftConfig | MLADraftConfig, tokens: int, seq_len: int, ttt_steps: int, *, bf16: bool, **settings) -> StepShape:
+        if isinstance(draft, MLADraftConfig):
+            # The MLA form up-projects its latents to a query, key and value per head: their activations are those
+            # of multi-head attention of its widest head, plus the latents; its weights are its own projections'.
+            kv_heads, head_dim = draft.num_attention_heads, max(draft.qk_nope_head_dim + draft.qk_rope_head_dim, draft.v_head_dim)
+            mla = dict(attention_parameters=mla_attention_parameters(draft), latent_width=draft.q_lora_rank + draft.latent_head_size)
+        else:
+            kv_heads, head_dim, mla = draft.num_key_value_heads, draft.head_dim, {}
         return cls(
             hidden=draft.hidden_size, intermediate=draft.intermediate_size, heads=draft.num_attention_heads,
-            kv_heads=draft.num_key_value_heads, head_dim=draft.head_dim, target_hidden=draft.target_hidden_size,
+            kv_heads=kv_heads, head_dim=head_dim, target_hidden=draft.target_hidden_size, **mla,
             vocab=draft.vocab_size, draft_vocab=draft.draft_vocab_size, tokens=tokens, seq_len=min(seq_len, tokens),
             ttt_steps=ttt_steps, activation_bytes=2 if bf16 else FLOAT32, **settings,
         )  # fmt: skip
@@ -76,11 +86,22 @@ class StepShape:
         h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
         return (
             3 * self.target_hidden * h  # fc
-            + 2 * h * (q + 2 * kv) + q * h  # q/k/v over [embedding ; state], o
+            + (self.attention_parameters or 2 * h * (q + 2 * kv) + q * h)  # q/k/v over [embedding ; state], o
             + 3 * h * self.intermediate  # MLP
             + 4 * h  # four norms
             + self.draft_vocab * h  # lm_head
         )
+
+
+def mla_attention_parameters(draft: MLADraftConfig) -> int:
+    """The MLA form's attention weights: low-rank query, joint KV latent with the shared rotary key, their norms, o."""
+    h, heads, q_rank, kv_rank = draft.hidden_size, draft.num_attention_heads, draft.q_lora_rank, draft.kv_lora_rank
+    qk = draft.qk_nope_head_dim + draft.qk_rope_head_dim
+    return (
+        2 * h * q_rank + q_rank + q_rank * heads * qk  # q_a over [embedding ; state], its norm, q_b
+        + 2 * h * draft.latent_head_size + kv_rank + kv_rank * heads * (draft.qk_nope_head_dim + draft.v_head_dim)  # kv_a, norm, kv_b
+        + heads * draft.v_head_dim * h  # o
+    )
 
 
 def step_activation_bytes(shape: StepShape, k: int, tokens: int | None = None) -> int:
@@ -98,6 +119,8 @@ def step_activation_bytes(shape: StepShape, k: int, tokens: int | None = None) -
         + s.heads * (s.seq_len + k) * FLOAT32
         # the MLP: gate, its SiLU, up, their product
         + 4 * s.intermediate * a
+        # the MLA form's latents: the projection's output and its norm's float32 input and value
+        + s.latent_width * (a + 2 * FLOAT32)
     )
     if not s.loss_chunk_tokens:
         per_token += 2 * s.draft_vocab * FLOAT32  # the log-softmax of the logits and the target's shifted distribution
