@@ -189,26 +189,38 @@ def test_serving_follows_the_target(tiny_target, tmp_path):
     assert vllm_serving(bf16)["dtype"] == "auto"  # never cast a half-precision or quantised checkpoint
 
 
-def test_held_out_prompts_come_from_the_users_dataset_and_never_reach_training(tmp_path, data_dir):
-    from eagle3_assets.draft_evaluation import resolve_eval_prompts, training_overlap
+def materialised_prompts(source: Path, questions: list[str], data_dir: Path, holdout_share: float) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """``prompts`` over a dataset of ``questions`` (ids q0, q1, ...) in shards of 100: (training rows, held-out rows)."""
     from eagle3_assets.prompts import prompts
     from resources.prompt_dataset import PromptDataset
 
-    source = tmp_path / "prompts.jsonl"
-    source.write_text("".join(json.dumps({"id": f"q{i}", "question": f"Question number {i}?"}) + "\n" for i in range(200)))
-    dataset = PromptDataset(source=str(source), shard_size=100, holdout_share=0.1)
+    source.write_text("".join(json.dumps({"id": f"q{i}", "question": q}) + "\n" for i, q in enumerate(questions)))
+    dataset = PromptDataset(source=str(source), shard_size=100, holdout_share=holdout_share)
     instance = DagsterInstance.ephemeral()
     register_shards(instance, dataset.shard_keys())
     for key in dataset.shard_keys():
         assert materialize([prompts], partition_key=key, resources={"prompt_dataset": dataset}, instance=instance).success
     training = pl.concat([pl.read_parquet(data_dir / "prompts" / f"{k}.parquet") for k in dataset.shard_keys()])
     held = pl.concat([pl.read_parquet(data_dir / "prompts" / f"{k}.heldout.parquet") for k in dataset.shard_keys()])
+    return training, held
+
+
+def eval_prompt_lines(source: str, target: TargetModel, limit: int) -> list[dict]:
+    from eagle3_assets.draft_evaluation import resolve_eval_prompts
+
+    return [json.loads(line) for line in Path(resolve_eval_prompts(source, target, limit=limit)).read_text().splitlines()]
+
+
+def test_held_out_prompts_come_from_the_users_dataset_and_never_reach_training(tmp_path, data_dir):
+    from eagle3_assets.draft_evaluation import resolve_eval_prompts, training_overlap
+
+    source = tmp_path / "prompts.jsonl"
+    training, held = materialised_prompts(source, [f"Question number {i}?" for i in range(200)], data_dir, holdout_share=0.1)
     assert 5 <= held.height <= 40 and training.height + held.height == 200
     assert not set(held["id"]) & set(training["id"])
 
     user_target = TargetModel(path=str(tmp_path / "my-target"))
-    path = resolve_eval_prompts("", user_target, limit=8)
-    lines = [json.loads(line) for line in Path(path).read_text().splitlines()]
+    lines = eval_prompt_lines("", user_target, limit=8)
     assert [r["id"] for r in lines] == held["id"].head(8).to_list()
     assert training_overlap([r["id"] for r in lines], [r["messages"] for r in lines], data_dir / "prompts") == []
     assert user_target.builtin_eval_prompts() is None  # a user's target brings no held-out set of its own
@@ -218,24 +230,14 @@ def test_held_out_prompts_come_from_the_users_dataset_and_never_reach_training(t
 def test_a_question_repeated_under_other_ids_is_held_out_with_all_its_copies_or_none(tmp_path, data_dir):
     """Repeats are common in real prompt sets (and in the built-in one): by id, one copy was trained on while
     another was held out, and draft_evaluation refused the held-out set on every rerun."""
-    from eagle3_assets.draft_evaluation import resolve_eval_prompts, training_overlap
-    from eagle3_assets.prompts import prompts
-    from resources.prompt_dataset import PromptDataset
+    from eagle3_assets.draft_evaluation import training_overlap
 
-    source = tmp_path / "prompts.jsonl"  # 40 questions, each five times under different ids, across two shards
-    source.write_text("".join(json.dumps({"id": f"q{i}", "question": f"Question number {i % 40}?"}) + "\n" for i in range(200)))
-    dataset = PromptDataset(source=str(source), shard_size=100, holdout_share=0.2)
-    instance = DagsterInstance.ephemeral()
-    register_shards(instance, dataset.shard_keys())
-    for key in dataset.shard_keys():
-        assert materialize([prompts], partition_key=key, resources={"prompt_dataset": dataset}, instance=instance).success
-    training = pl.concat([pl.read_parquet(data_dir / "prompts" / f"{k}.parquet") for k in dataset.shard_keys()])
-    held = pl.concat([pl.read_parquet(data_dir / "prompts" / f"{k}.heldout.parquet") for k in dataset.shard_keys()])
+    # 40 questions, each five times under different ids, across two shards
+    training, held = materialised_prompts(tmp_path / "prompts.jsonl", [f"Question number {i % 40}?" for i in range(200)], data_dir, 0.2)
     held_questions = {m[-1]["content"] for m in held["messages"].to_list()}
     assert held_questions and held.height == 5 * len(held_questions)  # every copy of a held-out question
     assert not held_questions & {m[-1]["content"] for m in training["messages"].to_list()}
-    path = resolve_eval_prompts("", TargetModel(path=str(tmp_path / "my-target")), limit=64)
-    lines = [json.loads(line) for line in Path(path).read_text().splitlines()]
+    lines = eval_prompt_lines("", TargetModel(path=str(tmp_path / "my-target")), limit=64)
     assert training_overlap([r["id"] for r in lines], [r["messages"] for r in lines], data_dir / "prompts") == []
 
 
