@@ -38,7 +38,7 @@ from eagle3_assets.core.serving.vllm_launcher import VLLMServer
 from eagle3_assets.core.serving.vllm_platform import host_serving_facts
 from eagle3_assets.demo.kimi_target import kimi_serving
 from eagle3_assets.demo.pipeline import demo_resources, run_per_shard, run_whole_dataset
-from eagle3_assets.demo.plugin import TRAINING_CONFIG, VOCAB_MAPPING_CONFIG
+from eagle3_assets.demo.plugin import TRAINING_CONFIG
 from eagle3_assets.demo.targets import DEMO_TARGETS
 from eagle3_assets.draft_checkpoint import draft_checkpoint
 from eagle3_assets.hidden_states import HiddenStatesConfig, hidden_states
@@ -159,9 +159,12 @@ def test_the_trained_draft_is_clearly_above_the_untrained_baseline(kimi_graph):
         f"mean acceptance length trained {trained['mean_acceptance_length']:.2f}, untrained {baseline['mean_acceptance_length']:.2f}"
     )
     assert trained["drafts"] > 0 and baseline["drafts"] > 0  # both measured through vLLM's own counters
+    # Greedy decoding on held-out prompts; measured here (2 shards, ~3,700 supervised tokens, 17 prompts, k = 5):
+    # trained 2.85, untrained 1.00 (and 2.61 at k = 3). A draft that learnt nothing, or was fed the wrong layers
+    # or vocabulary map, stays near the untrained 1.0; the bounds leave ~0.85 for bf16 MoE batching noise.
     assert baseline["mean_acceptance_length"] < 1.3, baseline
     assert trained["mean_acceptance_length"] >= 2.0, trained
-    assert trained["mean_acceptance_length"] - baseline["mean_acceptance_length"] >= 0.7, (trained, baseline)
+    assert trained["mean_acceptance_length"] - baseline["mean_acceptance_length"] >= 1.0, (trained, baseline)
     gate = latest_check(instance, "draft_evaluation", "acceptance_above_floor")
     assert gate.passed, gate.description
 
@@ -172,9 +175,8 @@ def test_the_llama_form_is_served_only_where_vllm_reports_a_common_block_size(
     """Asked for explicitly: refused with its reason where vLLM has no common block size (before training, and by
     vLLM itself), trained and served where it has one."""
     instance, data, _ = kimi_graph
-    run_config = RunConfig(
-        ops={"vocab_mapping": VOCAB_MAPPING_CONFIG, "draft_checkpoint": TRAINING_CONFIG.model_copy(update={"draft_form": LLAMA})}
-    )
+    # draft_checkpoint alone, over the vocabulary the auto run mapped (a config for an op not selected is refused)
+    run_config = RunConfig(ops={"draft_checkpoint": TRAINING_CONFIG.model_copy(update={"draft_form": LLAMA})})
     with data_dir_instance(data):
         resources = demo_resources("http://127.0.0.1:0", "unused", KIMI)
         result = materialize([draft_checkpoint], resources=resources, instance=instance, run_config=run_config, raise_on_error=False)
