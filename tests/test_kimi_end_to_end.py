@@ -160,8 +160,9 @@ def test_the_trained_draft_is_clearly_above_the_untrained_baseline(kimi_graph):
     )
     assert trained["drafts"] > 0 and baseline["drafts"] > 0  # both measured through vLLM's own counters
     # Greedy decoding on held-out prompts; measured here (2 shards, ~3,700 supervised tokens, 17 prompts, k = 5):
-    # trained 2.85, untrained 1.00 (and 2.61 at k = 3). A draft that learnt nothing, or was fed the wrong layers
-    # or vocabulary map, stays near the untrained 1.0; the bounds leave ~0.85 for bf16 MoE batching noise.
+    # trained 2.85 and 2.73 in two runs (new traces each: generation samples), untrained 1.00. A draft that learnt
+    # nothing, or was fed the wrong layers or vocabulary map, stays near the untrained 1.0; the bounds leave ~0.7
+    # for the spread between runs.
     assert baseline["mean_acceptance_length"] < 1.3, baseline
     assert trained["mean_acceptance_length"] >= 2.0, trained
     assert trained["mean_acceptance_length"] - baseline["mean_acceptance_length"] >= 1.0, (trained, baseline)
