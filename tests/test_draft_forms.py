@@ -19,11 +19,10 @@ from eagle3_assets.core.draft.forms import (  # fmt: skip
     LLAMA,
     DraftFormError,
     choose_draft_form,
-    choose_training_form,
     draft_config_for_target,
 )
 from eagle3_assets.core.training.config import TrainConfig
-from eagle3_assets.core.training.initial_weights import draft_shape
+from eagle3_assets.core.training.initial_weights import choose_training_form, draft_shape
 from eagle3_assets.core.serving.vllm_platform import BackendFacts, ServingFacts, host_serving_facts
 
 MLA_TARGET = {"hidden_size": 128, "num_attention_heads": 2, "kv_lora_rank": 512, "qk_rope_head_dim": 64}

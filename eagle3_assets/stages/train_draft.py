@@ -184,7 +184,7 @@ def with_chosen_form(job: TrainingJob, log) -> tuple[TrainingJob, dict]:
     """The job with its draft form decided on this host (``auto`` resolved, an unservable form refused before training),
     and the choice as metadata: the form, why, and the vLLM facts it was decided from."""
 
-    from eagle3_assets.core.draft.forms import choose_training_form
+    from eagle3_assets.core.training.initial_weights import choose_training_form
 
     choice = choose_training_form(job.train)
     log(f"{STAGE}: draft form {choice.form!r} ({choice.requested!r} requested): {choice.reason}")

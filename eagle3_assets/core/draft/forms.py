@@ -152,22 +152,3 @@ def choose_draft_form(
 def _latent_head(target_config: dict) -> int:
     text = text_config(target_config)
     return int(text["kv_lora_rank"]) + int(text.get("qk_rope_head_dim") or 0)
-
-
-def choose_training_form(train) -> FormChoice:
-    """:func:`choose_draft_form` for a training run (a ``TrainConfig``): its setting, its target, its starting draft."""
-    import json
-    from pathlib import Path
-
-    from eagle3_assets.core.draft.export import draft_config_from_hf, read_draft_dir
-
-    target_config = json.loads((Path(train.target_path) / "config.json").read_text())
-    init_form = None
-    if train.init_from:
-        hf, _ = read_draft_dir(Path(train.init_from))
-        init_form = form_of(draft_config_from_hf(hf, train.init_from)[0])
-    latent = None
-    if train.draft_kv_lora_rank:  # the MLA form's own rank beside the target's (or DeepSeek-V3's) rotary width
-        text = text_config(target_config)
-        latent = int(train.draft_kv_lora_rank) + int(text.get("qk_rope_head_dim") or DEFAULT_QK_ROPE_HEAD_DIM)
-    return choose_draft_form(train.draft_form, target_config, init_from_form=init_form, mla_latent_head_size=latent)

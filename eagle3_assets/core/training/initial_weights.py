@@ -8,10 +8,11 @@ from pathlib import Path
 
 import torch
 
-from eagle3_assets.core.draft.forms import AUTO, DEEPSEEK_MLA, choose_draft_form, draft_config_for_target, new_draft
+from eagle3_assets.core.draft.forms import AUTO, DEEPSEEK_MLA, FormChoice, choose_draft_form, draft_config_for_target, form_of, new_draft
 from eagle3_assets.core.draft.model import Eagle3Draft
 from eagle3_assets.core.draft.export import draft_config_from_hf, read_draft_dir
-from eagle3_assets.core.target.description import vllm_default_aux_layer_ids
+from eagle3_assets.core.draft.model_mla import DEFAULT_QK_ROPE_HEAD_DIM
+from eagle3_assets.core.target.description import text_config, vllm_default_aux_layer_ids
 from eagle3_assets.core.training.config import TrainConfig
 from eagle3_assets.core.training.data import HiddenStateIndex
 from eagle3_assets.core.draft.vocab import VocabMapping
@@ -108,3 +109,18 @@ def _fine_tune_start(path: Path, index: HiddenStateIndex, mapping: VocabMapping,
     report.lm_head_rows_kept, report.lm_head_rows_new = int(kept.sum()), int((~kept).sum())
     return draft, report
 
+
+def choose_training_form(train) -> FormChoice:
+    """The draft form of a training run (a ``TrainConfig``): :func:`~eagle3_assets.core.draft.forms.choose_draft_form`
+    given its setting, its target and the form of its starting draft (read here, beside the fine-tuning code, so
+    that ``forms`` need not import ``export``)."""
+    target_config = json.loads((Path(train.target_path) / "config.json").read_text())
+    init_form = None
+    if train.init_from:
+        hf, _ = read_draft_dir(Path(train.init_from))
+        init_form = form_of(draft_config_from_hf(hf, train.init_from)[0])
+    latent = None
+    if train.draft_kv_lora_rank:  # the MLA form's own rank beside the target's (or DeepSeek-V3's) rotary width
+        text = text_config(target_config)
+        latent = int(train.draft_kv_lora_rank) + int(text.get("qk_rope_head_dim") or DEFAULT_QK_ROPE_HEAD_DIM)
+    return choose_draft_form(train.draft_form, target_config, init_from_form=init_form, mla_latent_head_size=latent)
