@@ -1,0 +1,86 @@
+"""A run over a range of shards records each shard as its own partition (eagle3_assets/shard_runs.py).
+
+Real Dagster (an ephemeral instance, a ranged run as a backfill makes it): the
+per-shard materializations carry their own data version and the upstream
+partition's provenance, gates are recorded per partition, a failed blocking
+gate fails the run only after the other shards are recorded.
+"""
+
+from dagster import (
+    AssetCheckKey,
+    AssetKey,
+    AssetSpec,
+    DagsterInstance,
+    DynamicPartitionsDefinition,
+    MaterializeResult,
+    DataVersion,
+    asset,
+    materialize,
+    multi_asset,
+)
+
+from eagle3_assets.check_results import Gate, Gates
+from eagle3_assets.core.reporting.checks import CheckOutcome
+from eagle3_assets.shard_runs import ShardReporter, shards_per_run_policy
+
+shards = DynamicPartitionsDefinition(name="test_shards")
+GATES = Gates("ranged", [Gate("rows_positive", True, "each shard has rows"), Gate("advice", False, "advisory")])
+BAD_SHARD = "s2"
+
+
+@asset(partitions_def=shards)
+def upstream(context) -> MaterializeResult:
+    return MaterializeResult(data_version=DataVersion(f"up-{context.partition_key}"))
+
+
+@multi_asset(
+    specs=[AssetSpec("ranged", partitions_def=shards, deps=[AssetKey("upstream")], code_version="7")],
+    check_specs=GATES.specs(),
+    can_subset=True,
+    backfill_policy=shards_per_run_policy(8),
+)
+def ranged(context):
+    reporter = ShardReporter(context, GATES, code_version="7", upstream=["upstream"])
+    for shard in context.partition_keys:
+        reporter.materialized(shard, {"shard": shard, "rows": int(shard[1:])}, f"v-{shard}")
+        reporter.checked(shard, [CheckOutcome("rows_positive", shard != BAD_SHARD, "no rows" if shard == BAD_SHARD else ""), CheckOutcome("advice", False, "just advice")])
+    reporter.raise_for_blocked()
+    yield from ()
+
+
+def _range_tags(first: str, last: str) -> dict:
+    return {"dagster/asset_partition_range_start": first, "dagster/asset_partition_range_end": last}
+
+
+def test_each_shard_of_a_ranged_run_is_its_own_partition():
+    instance = DagsterInstance.ephemeral()
+    instance.add_dynamic_partitions("test_shards", ["s0", "s1", "s2", "s3"])
+    for key in ["s0", "s1", "s2", "s3"]:
+        assert materialize([upstream], instance=instance, partition_key=key).success
+
+    result = materialize([upstream, ranged], instance=instance, selection=[AssetKey("ranged")], tags=_range_tags("s0", "s3"), raise_on_error=False)
+
+    # The bad shard fails the run, naming it, after every shard was recorded.
+    assert not result.success
+    failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
+    assert f"{BAD_SHARD}: blocking check(s) failed: rows_positive" in failure.event_specific_data.error.message
+    assert instance.get_materialized_partitions(AssetKey("ranged")) == {"s0", "s1", "s2", "s3"}
+
+    for key in ["s0", "s3"]:
+        record = instance.get_latest_data_version_record(AssetKey("ranged"), partition_key=key)
+        tags = record.asset_materialization.tags
+        assert tags["dagster/data_version"] == f"v-{key}"
+        assert tags["dagster/input_data_version/upstream"] == f"up-{key}"
+        assert record.asset_materialization.metadata["rows"].value == int(key[1:])
+
+    history = instance.event_log_storage.get_asset_check_execution_history(AssetCheckKey(AssetKey("ranged"), "rows_positive"), limit=10)
+    verdicts = {r.partition: r.status.value for r in history if r.partition}
+    assert verdicts == {"s0": "SUCCEEDED", "s1": "SUCCEEDED", "s2": "FAILED", "s3": "SUCCEEDED"}
+
+
+def test_a_single_shard_is_a_range_of_one():
+    instance = DagsterInstance.ephemeral()
+    instance.add_dynamic_partitions("test_shards", ["s1"])
+    result = materialize([upstream, ranged], instance=instance, selection=[AssetKey("ranged")], partition_key="s1")
+    assert result.success
+    assert instance.get_materialized_partitions(AssetKey("ranged")) == {"s1"}
