@@ -3,8 +3,9 @@
 Real tiny target, real transformers extraction on the CPU, the real stage
 process (``python -m eagle3_assets.stages.train_draft --config``: the one
 training stage, with the streamed source).
-The window is asserted from the files while the stage runs: a watcher thread
-polls the window directory.
+The window is measured from outside the stage while it runs: inotify sees every
+file created, written and deleted under the window directory (tests/fs_watch.py).
+A run killed and resumed is compared with an uninterrupted run of the same seed.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -31,9 +31,12 @@ from eagle3_assets.core.storage.files import write_json_atomic
 from eagle3_assets.core.training.checkpoints import JOURNAL, read_journal
 from eagle3_assets.core.training.launch import EVENT_PREFIX
 from eagle3_assets.core.training.loop import train
-from eagle3_assets.core.training.streamed import StreamedGateError, StreamedWindow, directory_bytes
+from eagle3_assets.core.training.streamed import StreamedGateError, StreamedWindow
 from eagle3_assets.core.draft.vocab import build_vocab_mapping, save_vocab_mapping
+from safetensors.torch import load_file
+
 from tests.extraction_helpers import write_validated_traces
+from tests.fs_watch import TreeWatcher
 
 REPO = Path(__file__).resolve().parents[1]
 LAYER_IDS = [2, 3, 4]
@@ -78,29 +81,6 @@ def run_settings(tiny_target, streamed, work: Path, *, dtype="bfloat16", epochs=
     return {"train": train, "export_dir": str(work / "model"), "bounded": bounded}
 
 
-class WindowWatcher(threading.Thread):
-    """Polls the window directory while the stage runs: shard directories and bytes, as the files show them."""
-
-    def __init__(self, window: Path):
-        super().__init__(daemon=True)
-        self.window, self.stop = window, threading.Event()
-        self.max_dirs = self.max_bytes = self.polls = 0
-        self.names: set[str] = set()
-
-    def run(self) -> None:
-        while not self.stop.is_set():
-            if self.window.is_dir():
-                try:
-                    dirs = [p.name for p in self.window.iterdir() if p.is_dir()]
-                except FileNotFoundError:
-                    dirs = []
-                self.names.update(dirs)
-                self.max_dirs = max(self.max_dirs, len(dirs))
-                self.max_bytes = max(self.max_bytes, directory_bytes(self.window))
-                self.polls += 1
-            time.sleep(0.005)
-
-
 def start_stage(config_file: Path, log: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.Popen(
@@ -113,12 +93,28 @@ def events(log: Path) -> list[dict]:
     return [json.loads(line.split(EVENT_PREFIX, 1)[1]) for line in log.read_text().splitlines() if EVENT_PREFIX in line]
 
 
-def test_killed_bounded_training_resumes_without_training_a_batch_twice_and_never_exceeds_the_window(tiny_target, streamed, tmp_path):
+def _final_weights(training: Path) -> dict[str, torch.Tensor]:
+    result = json.loads((training / "result.json").read_text())
+    return load_file(str(Path(result["checkpoint"]) / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_target, streamed, tmp_path_factory) -> Path:
+    """The reference: the same settings and seed, trained in one run that nobody kills."""
+    work = tmp_path_factory.mktemp("uninterrupted")
+    settings = run_settings(tiny_target, streamed, work)
+    write_json_atomic(work / "run.json", settings)
+    process = start_stage(work / "run.json", work / "stage.log")
+    assert process.wait(timeout=600) == 0, (work / "stage.log").read_text()[-3000:]
+    return Path(settings["train"]["training_dir"])
+
+
+def test_killed_bounded_training_resumes_to_the_uninterrupted_run_and_never_exceeds_the_window(tiny_target, streamed, uninterrupted, tmp_path):
     settings = run_settings(tiny_target, streamed, tmp_path)
     config_file, log = tmp_path / "run.json", tmp_path / "stage.log"
     write_json_atomic(config_file, settings)
     training = Path(settings["train"]["training_dir"])
-    watcher = WindowWatcher(Path(settings["bounded"]["window_dir"]))
+    watcher = TreeWatcher(Path(settings["bounded"]["window_dir"]))
     watcher.start()
 
     # First run: SIGKILL once some steps are committed, in the middle of the run.
@@ -138,8 +134,18 @@ def test_killed_bounded_training_resumes_without_training_a_batch_twice_and_neve
     # Second run: resumes and finishes.
     process = start_stage(config_file, log)
     assert process.wait(timeout=600) == 0, log.read_text()[-3000:]
-    watcher.stop.set()
-    watcher.join()
+    watcher.finish()
+
+    # -- the same training as a run nobody killed: every step's loss and the final weights
+    resumed_history = json.loads((training / "history.json").read_text())["history"]
+    reference_history = json.loads((uninterrupted / "history.json").read_text())["history"]
+    assert [r["step"] for r in resumed_history] == [r["step"] for r in reference_history]
+    for mine, theirs in zip(resumed_history, reference_history):
+        assert mine["loss"] == pytest.approx(theirs["loss"], rel=1e-5, abs=1e-6), f"step {mine['step']}: {mine['loss']} vs {theirs['loss']}"
+    resumed_weights, reference_weights = _final_weights(training), _final_weights(uninterrupted)
+    assert resumed_weights.keys() == reference_weights.keys()
+    for name, tensor in reference_weights.items():
+        torch.testing.assert_close(resumed_weights[name], tensor, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
 
     # -- no batch twice, every batch once per epoch: from the journal of committed steps
     journal = read_journal(training / JOURNAL)
@@ -156,15 +162,16 @@ def test_killed_bounded_training_resumes_without_training_a_batch_twice_and_neve
     (resumed,) = [e for e in logged if e["event"] == "resumed"]
     assert 0 < resumed["step"] < len(journal)
 
-    # -- the window, from the files seen during the run
+    # -- the window, from every change the kernel reported under it during both runs
     result = json.loads((training / "result.json").read_text())
     shard_bytes = {e["shard"]: e["bytes"] for e in logged if e["event"] == "extracted"}
-    assert watcher.polls > 100 and watcher.max_dirs >= 1
-    assert watcher.max_dirs <= WINDOW, f"{watcher.max_dirs} shards of states on disk at once (window {WINDOW})"
+    assert not watcher.overflowed and watcher.events > 0 and watcher.peak_dirs >= 1
+    assert watcher.peak_dirs <= WINDOW, f"{watcher.peak_dirs} shards of states on disk at once (window {WINDOW})"
     window_bound = sum(sorted(shard_bytes.values(), reverse=True)[:WINDOW])
-    assert watcher.max_bytes <= window_bound, f"{watcher.max_bytes} B on disk at once, the window holds {window_bound} B"
+    assert watcher.peak_bytes <= window_bound, f"{watcher.peak_bytes} B on disk at once, the window holds {window_bound} B"
+    assert watcher.peak_bytes >= max(shard_bytes.values()), "the watcher saw at least the largest shard whole"
     assert 0 < result["source"]["peak_window_bytes"] <= window_bound
-    assert watcher.names <= {f"e{e:04d}-{k}" for e in (1, 2) for k in KEYS}, "the states live in the window, named by epoch and shard"
+    assert {n for n in watcher.names if not n.startswith(".")} <= {f"e{e:04d}-{k}" for e in (1, 2) for k in KEYS}, watcher.names
     assert not any(Path(settings["bounded"]["window_dir"]).iterdir()), "nothing is left on disk after training"
     # Every streamed shard recorded once per epoch, with the data version it was given and its gates.
     streamed = result["source"]["streamed_shards"]
