@@ -47,6 +47,7 @@ class FaultProxy:
         tokenize_delay_s: float = 0.0,
         rename_reasoning: bool = False,
         drop_reasoning: bool = False,
+        drop_reasoning_share: float = 0.0,
         spare_canary: bool = False,
         malformed_ids: Iterable[str] = (),
         status_for_ids: Mapping[str, int] | None = None,
@@ -61,6 +62,8 @@ class FaultProxy:
         self.tokenize_delay_s = tokenize_delay_s  # a /tokenize that hangs
         self.rename_reasoning = rename_reasoning
         self.drop_reasoning = drop_reasoning
+        # Drop the reasoning of this share of the samples only, each drawn from (seed, sample id): some rows good, some bad.
+        self.drop_reasoning_share = drop_reasoning_share
         self.spare_canary = spare_canary  # the canary's response passes untouched: the fault hits the samples only
         self.malformed_ids = set(malformed_ids)
         self.status_for_ids = dict(status_for_ids or {})
@@ -70,6 +73,7 @@ class FaultProxy:
         self._counts: Counter[str] = Counter()  # chat-completion requests per sample id
         self._tokenize_counts: Counter[str] = Counter()
         self._injected: Counter[str] = Counter()
+        self._injected_ids: dict[str, set[str]] = {}  # fault kind -> the sample ids it hit
         self._authorization: set[str] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -95,6 +99,11 @@ class FaultProxy:
 
     def injected(self) -> Counter[str]:
         return self._copy(Counter, self._injected)
+
+    def injected_ids(self, kind: str) -> set[str]:
+        """The sample ids the fault ``kind`` hit: what a test derives the expected recovery from."""
+        with self._lock:
+            return set(self._injected_ids.get(kind, ()))
 
     def authorization_seen(self) -> set[str]:
         return self._copy(set, self._authorization)
@@ -160,56 +169,61 @@ class FaultProxy:
             nth = self._counts[sample_id]
             total = sum(self._counts.values())
         if self.unavailable_after is not None and total > self.unavailable_after:
-            return self._inject("unavailable", web.json_response({"error": {"message": "server gone (FaultProxy)"}}, status=503))
+            return self._inject("unavailable", web.json_response({"error": {"message": "server gone (FaultProxy)"}}, status=503), sample_id)
         if sample_id in self.status_for_ids:
             status = self.status_for_ids[sample_id]
-            return self._inject(f"status_{status}", web.json_response({"error": {"message": f"injected {status} (FaultProxy)", "code": status}}, status=status))
+            return self._inject(f"status_{status}", web.json_response({"error": {"message": f"injected {status} (FaultProxy)", "code": status}}, status=status), sample_id)
         draw = random.Random(f"{self.seed}:{sample_id}:{nth}")
         if self.fault_kinds and draw.random() < self.fault_rate:
             kind = draw.choice(self.fault_kinds)
             if kind == "5xx":
                 status = draw.choice((500, 502, 503))
-                return self._inject("5xx", web.json_response({"error": {"message": f"injected {status} (FaultProxy)"}}, status=status))
+                return self._inject("5xx", web.json_response({"error": {"message": f"injected {status} (FaultProxy)"}}, status=status), sample_id)
             if kind == "reset":
-                self._inject("reset", None)
+                self._inject("reset", None, sample_id)
                 request.transport.abort()  # drop the connection without an answer
                 raise ConnectionResetError("FaultProxy reset the connection")
             if kind == "slow":
-                self._inject("slow", None)
+                self._inject("slow", None, sample_id)
                 await asyncio.sleep(self.slow_s)
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
         if sample_id in self.malformed_ids:
             await self._forward(request, body)  # the server does the work; the answer is garbled on the way back
-            return self._inject("malformed", web.Response(body=b'{"id": "chatcmpl-x", "choices": [{"message": {"reas', content_type="application/json"))
+            return self._inject("malformed", web.Response(body=b'{"id": "chatcmpl-x", "choices": [{"message": {"reas', content_type="application/json"), sample_id)
 
         spared = self.spare_canary and sample_id == CANARY_ID
-        rewrite = (self.rename_reasoning or self.drop_reasoning) and not spared
-        response = await self._forward(request, body, rewrite=rewrite)
-        if rewrite and self.drop_reasoning:
-            self._inject("reasoning_dropped", None)
+        drop = not spared and (
+            self.drop_reasoning or random.Random(f"{self.seed}:{sample_id}:drop").random() < self.drop_reasoning_share
+        )
+        rewrite = (self.rename_reasoning or drop) and not spared
+        response = await self._forward(request, body, rewrite=rewrite, drop=drop)
+        if drop:
+            self._inject("reasoning_dropped", None, sample_id)
         return response
 
-    def _inject(self, kind: str, response):
+    def _inject(self, kind: str, response, sample_id: str | None = None):
         with self._lock:
             self._injected[kind] += 1
+            if sample_id is not None:
+                self._injected_ids.setdefault(kind, set()).add(sample_id)
         return response
 
-    async def _forward(self, request: web.Request, body: bytes, rewrite: bool = False) -> web.Response:
+    async def _forward(self, request: web.Request, body: bytes, rewrite: bool = False, drop: bool = False) -> web.Response:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
         assert self._session is not None
         async with self._session.request(request.method, self.upstream + request.path_qs, data=body, headers=headers) as upstream:
             payload = await upstream.read()
             status, content_type = upstream.status, upstream.content_type
         if rewrite and status == 200:
-            payload = self._rewrite(payload)
+            payload = self._rewrite(payload, drop)
         return web.Response(body=payload, status=status, content_type=content_type)
 
-    def _rewrite(self, payload: bytes) -> bytes:
+    def _rewrite(self, payload: bytes, drop: bool) -> bytes:
         data = json.loads(payload)
         for choice in data.get("choices", []):
             message = choice.get("message") or {}
-            if self.drop_reasoning:
+            if drop:
                 message.pop("reasoning", None)
                 message.pop("reasoning_content", None)
             elif "reasoning" in message:
