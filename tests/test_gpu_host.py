@@ -207,8 +207,8 @@ class StageWatch:
         while not self._stop.wait(0.02):
             lines = command_lines()
             for pid, raw in lines.items():
-                if self.secret in raw:
-                    self.leaks[pid] = raw.replace(b"\0", b" ").decode(errors="replace")
+                if self.secret in raw:  # kept with the token masked: the failure message shows where, not what
+                    self.leaks[pid] = raw.replace(self.secret, b"<HF_TOKEN>").replace(b"\0", b" ").decode(errors="replace")
             stage = self._stage_pid()
             if stage is None:
                 continue
