@@ -4,8 +4,9 @@ It forwards everything to the real server and, on chat-completion requests,
 injects what a production network and server do to a long generation run:
 5xx answers, connection resets, slow responses, a renamed or missing reasoning
 field (also for samples only, sparing the pre-flight's canary: the client that
-"misses the field after the canary" of the story), malformed JSON, chosen status codes for chosen samples, and a server
-that goes away. It counts chat-completion requests per sample id (the client
+"misses the field after the canary" of the story), malformed JSON, chosen status codes for chosen samples, a server
+that goes away, and requests held unanswered until the test releases them
+(``hold_after``, :meth:`FaultProxy.release`: an event the test controls instead of a delay). It counts chat-completion requests per sample id (the client
 names the sample in the ``X-Eagle3-Sample-Id`` header), which is how the tests
 prove that a resumed shard does not ask again for what was already durable.
 
@@ -52,6 +53,7 @@ class FaultProxy:
         malformed_ids: Iterable[str] = (),
         status_for_ids: Mapping[str, int] | None = None,
         unavailable_after: int | None = None,
+        hold_after: int | None = None,
         seed: int = 0,
     ):
         self.upstream = upstream.rstrip("/")
@@ -68,6 +70,11 @@ class FaultProxy:
         self.malformed_ids = set(malformed_ids)
         self.status_for_ids = dict(status_for_ids or {})
         self.unavailable_after = unavailable_after  # answer 503 to every chat request after this many
+        # Pass this many sample requests (the canary always passes), then hold every later one, unanswered and not
+        # forwarded, until release(): the test, not the machine's speed, decides when the server gets to answer.
+        self.hold_after = hold_after
+        self._samples_seen = 0
+        self._release: asyncio.Event | None = None
         self.seed = seed
         self._lock = threading.Lock()
         self._counts: Counter[str] = Counter()  # chat-completion requests per sample id
@@ -108,6 +115,11 @@ class FaultProxy:
     def authorization_seen(self) -> set[str]:
         return self._copy(set, self._authorization)
 
+    def release(self) -> None:
+        """Let every held request, and every later one, through."""
+        assert self._loop is not None and self._release is not None
+        self._loop.call_soon_threadsafe(self._release.set)
+
     # ---------------------------------------------------------------- lifecycle
     def __enter__(self) -> FaultProxy:
         ready = threading.Event()
@@ -133,6 +145,7 @@ class FaultProxy:
         self._loop.close()
 
     async def _start(self) -> None:
+        self._release = asyncio.Event()
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_read=600))
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_route("*", "/{tail:.*}", self._handle)
@@ -143,6 +156,7 @@ class FaultProxy:
         self.port = self._runner.addresses[0][1]
 
     async def _shutdown(self) -> None:
+        self._release.set()  # a held request ends with the proxy
         if self._runner is not None:
             await self._runner.cleanup()
         if self._session is not None:
@@ -168,6 +182,12 @@ class FaultProxy:
             self._counts[sample_id] += 1
             nth = self._counts[sample_id]
             total = sum(self._counts.values())
+            if sample_id != CANARY_ID:
+                self._samples_seen += 1
+            hold = self.hold_after is not None and sample_id != CANARY_ID and self._samples_seen > self.hold_after
+        if hold and not self._release.is_set():
+            self._inject("held", None, sample_id)
+            await self._release.wait()
         if self.unavailable_after is not None and total > self.unavailable_after:
             return self._inject("unavailable", web.json_response({"error": {"message": "server gone (FaultProxy)"}}, status=503), sample_id)
         if sample_id in self.status_for_ids:
