@@ -112,9 +112,6 @@ def assert_kept_rows_are_the_servers_ids(shard: Shard) -> pl.DataFrame:
         assert supervised(row) == server["output_token_ids"], row["id"]
         assert unsupervised(row) == server["prompt_token_ids"], row["id"]
         assert server["output_token_ids"][-1] == end_of_turn  # it stopped on its end of turn, and that token is supervised
-    # whatever was rejected for its ids says where and which tokens
-    for row in rejected.filter(pl.col("reason").is_in(["tokens_differ", "prompt_differs"])).iter_rows(named=True):
-        assert "token " in row["detail"] and "server " in row["detail"] and "ours " in row["detail"], row
 
     alignment = mask_alignment_problems(shard.kept, shard.raw, shard.renderer)
     assert alignment.problems == {} and alignment.rows_checked == alignment.rows_checked_against_server_ids == kept.height
