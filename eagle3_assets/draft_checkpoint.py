@@ -124,6 +124,7 @@ GATES = Gates(
 )  # fmt: skip
 
 
+# Bases last-first: pydantic lists the fields of the last base first, so the launchpad shows the recipe, then the rest.
 class DraftTrainingConfig(BoundedWindow, HiddenStatesSource, TrainingStageRecipe, TrainingRecipe, Config):
     """Training knobs: published EAGLE-3 recipes, with the schedule fitted to the data where it is left unset.
 
