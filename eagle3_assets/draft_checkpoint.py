@@ -30,13 +30,10 @@ and its materialisation records the streamed shards with the data version
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from types import SimpleNamespace
 
 from dagster import (
     AllPartitionMapping,
-    AssetCheckResult,
-    AssetCheckSeverity,
-    AssetCheckSpec,
     AssetDep,
     AssetExecutionContext,
     AssetKey,
@@ -48,22 +45,26 @@ from dagster import (
 )
 from pydantic import Field
 
-from eagle3_assets.config_fields import config_field, settings_of
+from eagle3_assets.check_results import Gate, Gates
 from eagle3_assets.core.gpu_host.stage_requirements import StageRequirements
+from eagle3_assets.core.reporting.checks import CheckOutcome
 from eagle3_assets.core.storage.shard_paths import SIDECAR, DatasetPaths, ShardPaths
 from eagle3_assets.core.gpu_host.stage_jobs import (
     BoundedModeError,
     BoundedRun,
+    BoundedWindow,
     ExportGates,
     ExtractionRecipe,
     HiddenStatesSource,
     StageTarget,
     StreamedShard,
     TrainingJob,
+    TrainingStageRecipe,
     mode_problems,
 )
 from eagle3_assets.core.storage.files import asset_dir, stable_hash
-from eagle3_assets.core.training.config import TrainConfig
+from eagle3_assets.core.settings.job_schema import values_of
+from eagle3_assets.core.training.config import TrainConfig, TrainingRecipe
 from eagle3_assets.core.training.curves import epoch_means, expected_accepted_tokens, render_accuracy, render_curve
 from eagle3_assets.core.training.streamed import describe_estimate
 from eagle3_assets.core.extraction.needs import EXTRACTION_MODULES, TRACES, disk_estimate
@@ -82,42 +83,57 @@ TRAIN_DRAFT_REQUIREMENTS = register_stage(
 )
 
 
-class DraftTrainingConfig(Config):
+# The evidence each predicate reads: the stage's config problems, the layer ids, its vLLM report, the loss by epoch.
+def _config_complete(e) -> CheckOutcome:
+    return CheckOutcome(
+        "config_complete", not e.problems, "; ".join(e.problems[:5]),
+        {"problems": e.problems, "expected_aux_layer_ids": e.layer_ids},
+    )  # fmt: skip
+
+
+def _loads_in_vllm(e) -> CheckOutcome:
+    metadata = {k: v for k, v in e.vllm_report["metadata"].items() if v is not None}
+    return CheckOutcome("loads_in_vllm", bool(e.vllm_report["passed"]), e.vllm_report["detail"], metadata)
+
+
+def _loss_decreased(e) -> CheckOutcome:
+    went_down = len(e.losses) >= 2 and e.losses[-1] < e.losses[0]
+    return CheckOutcome(
+        "loss_decreased", went_down,
+        "" if went_down else f"mean loss by epoch {[round(x, 4) for x in e.losses]} did not go down",
+        {"first_epoch_loss": e.losses[0] if e.losses else None, "last_epoch_loss": e.losses[-1] if e.losses else None},
+    )  # fmt: skip
+
+
+# Computed from what the stage reports (config_complete and loads_in_vllm run on the GPU host, beside the target).
+GATES = Gates(
+    "draft_checkpoint",
+    [
+        Gate(
+            "config_complete", True,
+            "config.json has every field vLLM reads, the weights are complete, and the layer ids equal the hidden states'",
+            _config_complete,
+        ),
+        Gate(
+            "loads_in_vllm", True,
+            "vLLM serves the target with this draft as --speculative-config and answers a chat completion",
+            _loads_in_vllm,
+        ),
+        Gate("loss_decreased", False, "the last epoch's mean loss is below the first's", _loss_decreased),
+    ],
+)  # fmt: skip
+
+
+# Bases last-first: pydantic lists the fields of the last base first, so the launchpad shows the recipe, then the rest.
+class DraftTrainingConfig(BoundedWindow, HiddenStatesSource, TrainingStageRecipe, TrainingRecipe, Config):
     """Training knobs: published EAGLE-3 recipes, with the schedule fitted to the data where it is left unset.
 
-    Defaults and descriptions: :class:`~eagle3_assets.core.training.config.TrainConfig` and
-    :class:`~eagle3_assets.core.gpu_host.stage_jobs.TrainingJob`.
+    The settings models themselves with Dagster's base mixed in, no field listed again: the recipe
+    (:class:`~eagle3_assets.core.training.config.TrainingRecipe`), the stage's processes, export precision and vLLM
+    check (:class:`~eagle3_assets.core.gpu_host.stage_jobs.TrainingStageRecipe`), and where the states come from
+    (``HiddenStatesSource``, ``BoundedWindow``).
     """
 
-    epochs: Optional[int] = config_field(TrainConfig, "epochs")
-    learning_rate: Optional[float] = config_field(TrainConfig, "learning_rate")
-    warmup_ratio: float = config_field(TrainConfig, "warmup_ratio")
-    min_lr_ratio: float = config_field(TrainConfig, "min_lr_ratio")
-    weight_decay: float = config_field(TrainConfig, "weight_decay")
-    grad_clip: float = config_field(TrainConfig, "grad_clip")
-    ttt_steps: int = config_field(TrainConfig, "ttt_steps")
-    step_weight: float = config_field(TrainConfig, "step_weight")
-    batch_tokens: Optional[int] = config_field(TrainConfig, "batch_tokens")
-    grad_accumulation: int = config_field(TrainConfig, "grad_accumulation")
-    max_seq_len: int = config_field(TrainConfig, "max_seq_len")
-    seed: int = config_field(TrainConfig, "seed")
-    init_from: Optional[str] = config_field(TrainConfig, "init_from")
-    nproc_per_node: int = config_field(TrainingJob, "nproc_per_node")
-    export_dtype: Optional[str] = config_field(TrainingJob, "export_dtype")
-    draft_form: str = config_field(TrainConfig, "draft_form")
-    draft_intermediate_size: Optional[int] = config_field(TrainConfig, "draft_intermediate_size")
-    draft_q_lora_rank: Optional[int] = config_field(TrainConfig, "draft_q_lora_rank")
-    draft_kv_lora_rank: Optional[int] = config_field(TrainConfig, "draft_kv_lora_rank")
-    # Memory: the micro-batch is planned from these and the GPU's free memory before the first step.
-    activation_checkpointing: bool = config_field(TrainConfig, "activation_checkpointing")
-    loss_chunk_tokens: int = config_field(TrainConfig, "loss_chunk_tokens")
-    target_head_chunk_tokens: int = config_field(TrainConfig, "target_head_chunk_tokens")
-    memory_fraction: float = config_field(TrainConfig, "memory_fraction")
-    vllm_check_num_speculative_tokens: int = config_field(TrainingJob, "vllm_check_num_speculative_tokens")
-    # Bounded-disk mode: the states are extracted again each epoch, a window at a time.
-    hidden_states_mode: str = config_field(HiddenStatesSource, "hidden_states_mode")
-    window_shards: int = config_field(BoundedRun, "window_shards")
-    checkpoint_every_steps: int = config_field(BoundedRun, "checkpoint_every_steps")
     streamed_extraction: HiddenStatesConfig = Field(
         default=HiddenStatesConfig(),
         description="bounded mode: how each streamed shard is extracted and gated (hidden_states' settings; "
@@ -200,7 +216,7 @@ def streamed_states(
         shards=shards,
         window_dir=str(out / WINDOW_DIR),
         target=StageTarget(**target_model.stage_extras()),
-        extraction=ExtractionRecipe(**settings_of(extraction, ExtractionRecipe)),
+        extraction=ExtractionRecipe(**values_of(extraction, ExtractionRecipe)),
         window_shards=config.window_shards,
         checkpoint_every_steps=config.checkpoint_every_steps,
     )
@@ -218,21 +234,7 @@ def streamed_states(
         AssetDep(AssetKey("validated_traces"), partition_mapping=AllPartitionMapping()),
         AssetKey("vocab_mapping"),
     ],
-    check_specs=[
-        AssetCheckSpec(
-            "config_complete",
-            asset="draft_checkpoint",
-            blocking=True,
-            description="config.json has every field vLLM reads, the weights are complete, and the layer ids equal the hidden states'",
-        ),
-        AssetCheckSpec(
-            "loads_in_vllm",
-            asset="draft_checkpoint",
-            blocking=True,
-            description="vLLM serves the target with this draft as --speculative-config and answers a chat completion",
-        ),
-        AssetCheckSpec("loss_decreased", asset="draft_checkpoint", description="the last epoch's mean loss is below the first's"),
-    ],
+    check_specs=GATES.specs(),
 )
 def draft_checkpoint(
     context: AssetExecutionContext, config: DraftTrainingConfig, target_model: TargetModel, gpu_host: GPUHost
@@ -258,7 +260,7 @@ def draft_checkpoint(
         vocab_mapping=str(mapping_file),
         target_path=str(target_model.resolved_path()),
         training_dir=str(training_dir),
-        **settings_of(config, TrainConfig),
+        **values_of(config, TrainingRecipe),
     )
     job = TrainingJob(
         train=train,
@@ -271,7 +273,7 @@ def draft_checkpoint(
             trust_remote_code=target_model.trust_remote_code,
             log_path=str(paths.loads_in_vllm_log),
         ),
-        **settings_of(config, TrainingJob),
+        **values_of(config, TrainingStageRecipe),
     )
     invocation = gpu_host.run_stage(context, STAGE, job.to_dict(), requirements=states.requirements)
     reported = invocation.get_materialize_result()
@@ -289,7 +291,6 @@ def draft_checkpoint(
         context.log.error("config_complete failed:\n" + "\n".join(f"- {p}" for p in problems))
     else:
         context.log.info(f"loads_in_vllm: {vllm_report['detail']}")
-    loss_went_down = len(losses) >= 2 and losses[-1] < losses[0]
 
     version = stable_hash(
         {
@@ -322,27 +323,5 @@ def draft_checkpoint(
                 "Last epoch, draft token i vs the target's top-1 token:\n\n" + render_accuracy(accuracy)
             ),
         },
-        check_results=[
-            AssetCheckResult(
-                check_name="config_complete",
-                passed=not problems,
-                severity=AssetCheckSeverity.ERROR,
-                description="; ".join(problems[:5]) or None,
-                metadata={"problems": MetadataValue.json(problems), "expected_aux_layer_ids": MetadataValue.json(layer_ids)},
-            ),
-            AssetCheckResult(
-                check_name="loads_in_vllm",
-                passed=bool(vllm_report["passed"]),
-                severity=AssetCheckSeverity.ERROR,
-                description=vllm_report["detail"],
-                metadata={k: v for k, v in vllm_report["metadata"].items() if v is not None},
-            ),
-            AssetCheckResult(
-                check_name="loss_decreased",
-                passed=loss_went_down,
-                severity=AssetCheckSeverity.WARN,
-                description=None if loss_went_down else f"mean loss by epoch {[round(x, 4) for x in losses]} did not go down",
-                metadata={"first_epoch_loss": losses[0] if losses else None, "last_epoch_loss": losses[-1] if losses else None},
-            ),
-        ],
+        check_results=GATES.results(SimpleNamespace(problems=problems, layer_ids=layer_ids, vllm_report=vllm_report, losses=losses)),
     )

@@ -4,8 +4,9 @@ It forwards everything to the real server and, on chat-completion requests,
 injects what a production network and server do to a long generation run:
 5xx answers, connection resets, slow responses, a renamed or missing reasoning
 field (also for samples only, sparing the pre-flight's canary: the client that
-"misses the field after the canary" of the story), malformed JSON, chosen status codes for chosen samples, and a server
-that goes away. It counts chat-completion requests per sample id (the client
+"misses the field after the canary" of the story), malformed JSON, chosen status codes for chosen samples, a server
+that goes away, and requests held unanswered until the test releases them
+(``hold_after``, :meth:`FaultProxy.release`: an event the test controls instead of a delay). It counts chat-completion requests per sample id (the client
 names the sample in the ``X-Eagle3-Sample-Id`` header), which is how the tests
 prove that a resumed shard does not ask again for what was already durable.
 
@@ -47,10 +48,12 @@ class FaultProxy:
         tokenize_delay_s: float = 0.0,
         rename_reasoning: bool = False,
         drop_reasoning: bool = False,
+        drop_reasoning_share: float = 0.0,
         spare_canary: bool = False,
         malformed_ids: Iterable[str] = (),
         status_for_ids: Mapping[str, int] | None = None,
         unavailable_after: int | None = None,
+        hold_after: int | None = None,
         seed: int = 0,
     ):
         self.upstream = upstream.rstrip("/")
@@ -61,15 +64,23 @@ class FaultProxy:
         self.tokenize_delay_s = tokenize_delay_s  # a /tokenize that hangs
         self.rename_reasoning = rename_reasoning
         self.drop_reasoning = drop_reasoning
+        # Drop the reasoning of this share of the samples only, each drawn from (seed, sample id): some rows good, some bad.
+        self.drop_reasoning_share = drop_reasoning_share
         self.spare_canary = spare_canary  # the canary's response passes untouched: the fault hits the samples only
         self.malformed_ids = set(malformed_ids)
         self.status_for_ids = dict(status_for_ids or {})
         self.unavailable_after = unavailable_after  # answer 503 to every chat request after this many
+        # Pass this many sample requests (the canary always passes), then hold every later one, unanswered and not
+        # forwarded, until release(): the test, not the machine's speed, decides when the server gets to answer.
+        self.hold_after = hold_after
+        self._samples_seen = 0
+        self._release: asyncio.Event | None = None
         self.seed = seed
         self._lock = threading.Lock()
         self._counts: Counter[str] = Counter()  # chat-completion requests per sample id
         self._tokenize_counts: Counter[str] = Counter()
         self._injected: Counter[str] = Counter()
+        self._injected_ids: dict[str, set[str]] = {}  # fault kind -> the sample ids it hit
         self._authorization: set[str] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -96,8 +107,18 @@ class FaultProxy:
     def injected(self) -> Counter[str]:
         return self._copy(Counter, self._injected)
 
+    def injected_ids(self, kind: str) -> set[str]:
+        """The sample ids the fault ``kind`` hit: what a test derives the expected recovery from."""
+        with self._lock:
+            return set(self._injected_ids.get(kind, ()))
+
     def authorization_seen(self) -> set[str]:
         return self._copy(set, self._authorization)
+
+    def release(self) -> None:
+        """Let every held request, and every later one, through."""
+        assert self._loop is not None and self._release is not None
+        self._loop.call_soon_threadsafe(self._release.set)
 
     # ---------------------------------------------------------------- lifecycle
     def __enter__(self) -> FaultProxy:
@@ -124,6 +145,7 @@ class FaultProxy:
         self._loop.close()
 
     async def _start(self) -> None:
+        self._release = asyncio.Event()
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_read=600))
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_route("*", "/{tail:.*}", self._handle)
@@ -134,6 +156,7 @@ class FaultProxy:
         self.port = self._runner.addresses[0][1]
 
     async def _shutdown(self) -> None:
+        self._release.set()  # a held request ends with the proxy
         if self._runner is not None:
             await self._runner.cleanup()
         if self._session is not None:
@@ -159,57 +182,68 @@ class FaultProxy:
             self._counts[sample_id] += 1
             nth = self._counts[sample_id]
             total = sum(self._counts.values())
+            if sample_id != CANARY_ID:
+                self._samples_seen += 1
+            hold = self.hold_after is not None and sample_id != CANARY_ID and self._samples_seen > self.hold_after
+        if hold and not self._release.is_set():
+            self._inject("held", None, sample_id)
+            await self._release.wait()
         if self.unavailable_after is not None and total > self.unavailable_after:
-            return self._inject("unavailable", web.json_response({"error": {"message": "server gone (FaultProxy)"}}, status=503))
+            return self._inject("unavailable", web.json_response({"error": {"message": "server gone (FaultProxy)"}}, status=503), sample_id)
         if sample_id in self.status_for_ids:
             status = self.status_for_ids[sample_id]
-            return self._inject(f"status_{status}", web.json_response({"error": {"message": f"injected {status} (FaultProxy)", "code": status}}, status=status))
+            return self._inject(f"status_{status}", web.json_response({"error": {"message": f"injected {status} (FaultProxy)", "code": status}}, status=status), sample_id)
         draw = random.Random(f"{self.seed}:{sample_id}:{nth}")
         if self.fault_kinds and draw.random() < self.fault_rate:
             kind = draw.choice(self.fault_kinds)
             if kind == "5xx":
                 status = draw.choice((500, 502, 503))
-                return self._inject("5xx", web.json_response({"error": {"message": f"injected {status} (FaultProxy)"}}, status=status))
+                return self._inject("5xx", web.json_response({"error": {"message": f"injected {status} (FaultProxy)"}}, status=status), sample_id)
             if kind == "reset":
-                self._inject("reset", None)
+                self._inject("reset", None, sample_id)
                 request.transport.abort()  # drop the connection without an answer
                 raise ConnectionResetError("FaultProxy reset the connection")
             if kind == "slow":
-                self._inject("slow", None)
+                self._inject("slow", None, sample_id)
                 await asyncio.sleep(self.slow_s)
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
         if sample_id in self.malformed_ids:
             await self._forward(request, body)  # the server does the work; the answer is garbled on the way back
-            return self._inject("malformed", web.Response(body=b'{"id": "chatcmpl-x", "choices": [{"message": {"reas', content_type="application/json"))
+            return self._inject("malformed", web.Response(body=b'{"id": "chatcmpl-x", "choices": [{"message": {"reas', content_type="application/json"), sample_id)
 
         spared = self.spare_canary and sample_id == CANARY_ID
-        rewrite = (self.rename_reasoning or self.drop_reasoning) and not spared
-        response = await self._forward(request, body, rewrite=rewrite)
-        if rewrite and self.drop_reasoning:
-            self._inject("reasoning_dropped", None)
+        drop = not spared and (
+            self.drop_reasoning or random.Random(f"{self.seed}:{sample_id}:drop").random() < self.drop_reasoning_share
+        )
+        rewrite = (self.rename_reasoning or drop) and not spared
+        response = await self._forward(request, body, rewrite=rewrite, drop=drop)
+        if drop:
+            self._inject("reasoning_dropped", None, sample_id)
         return response
 
-    def _inject(self, kind: str, response):
+    def _inject(self, kind: str, response, sample_id: str | None = None):
         with self._lock:
             self._injected[kind] += 1
+            if sample_id is not None:
+                self._injected_ids.setdefault(kind, set()).add(sample_id)
         return response
 
-    async def _forward(self, request: web.Request, body: bytes, rewrite: bool = False) -> web.Response:
+    async def _forward(self, request: web.Request, body: bytes, rewrite: bool = False, drop: bool = False) -> web.Response:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
         assert self._session is not None
         async with self._session.request(request.method, self.upstream + request.path_qs, data=body, headers=headers) as upstream:
             payload = await upstream.read()
             status, content_type = upstream.status, upstream.content_type
         if rewrite and status == 200:
-            payload = self._rewrite(payload)
+            payload = self._rewrite(payload, drop)
         return web.Response(body=payload, status=status, content_type=content_type)
 
-    def _rewrite(self, payload: bytes) -> bytes:
+    def _rewrite(self, payload: bytes, drop: bool) -> bytes:
         data = json.loads(payload)
         for choice in data.get("choices", []):
             message = choice.get("message") or {}
-            if self.drop_reasoning:
+            if drop:
                 message.pop("reasoning", None)
                 message.pop("reasoning_content", None)
             elif "reasoning" in message:

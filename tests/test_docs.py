@@ -62,10 +62,16 @@ def test_the_code_reads_project_variables_only_through_their_declaration():
 
 
 def test_defaults_do_not_depend_on_the_environment(generator, monkeypatch):
-    """The child process sees none of the project's variables: a set one changes nothing on the page."""
+    """A project variable set where the page is generated changes nothing on the page (the classes are read in a
+    child process that sees none of them), though it does change the defaults the code location gives."""
+    from resources.vllm_server import VLLMServerResource
+
     monkeypatch.setenv("EAGLE3_VLLM_URLS", "http://somewhere-else:9000")
     monkeypatch.setenv("EAGLE3_SHARD_SIZE", "7")
-    assert "EAGLE3_VLLM_URLS" not in generator.clean_env() and "EAGLE3_SHARD_SIZE" not in generator.clean_env()
+    assert VLLMServerResource.from_env().base_urls == ["http://somewhere-else:9000"], "the variable is read: the page could show it"
+    page = generator.render(generator.collect())
+    assert "somewhere-else" not in page
+    assert page == generator.PAGE.read_text(encoding="utf-8"), "a set variable changed docs/configuration.md"
 
 
 def test_run_config_classes_are_what_dagster_accepts(generator, collected):

@@ -27,6 +27,31 @@ def test_counters_difference_gives_acceptance_length_and_per_position_rates():
     assert delta.acceptance_rate_per_position == pytest.approx([1.0, 42 / 60, 18 / 60])
 
 
+def engines_page(*engines: tuple[int, int, int, list[int]]) -> str:
+    """A /metrics page of a server with one engine per tuple (drafts, draft tokens, accepted, accepted per position):
+    vLLM writes one series per engine (``engine="0"``, ``engine="1"``...) under the same metric name."""
+    lines = []
+    for engine, (drafts, draft_tokens, accepted, per_position) in enumerate(engines):
+        labels = f'engine="{engine}",model_name="tiny-reasoner"'
+        lines += [
+            f"vllm:spec_decode_num_drafts_total{{{labels}}} {drafts}.0",
+            f"vllm:spec_decode_num_draft_tokens_total{{{labels}}} {draft_tokens}.0",
+            f"vllm:spec_decode_num_accepted_tokens_total{{{labels}}} {accepted}.0",
+            *(f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{labels},position="{i}"}} {a}.0' for i, a in enumerate(per_position)),
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def test_the_counters_of_several_engines_are_summed():
+    """Two data-parallel engines: the server's acceptance is over both engines' drafts, not the last engine's."""
+    page = engines_page((100, 300, 150, [80, 50, 20]), (60, 180, 30, [20, 8, 2]))
+    counters = SpecDecodeCounters.from_metrics(page)
+    assert (counters.drafts, counters.draft_tokens, counters.accepted) == (160, 480, 180)
+    assert counters.accepted_per_position == [100, 58, 22]
+    assert counters.mean_acceptance_length == pytest.approx(1 + 180 / 160)  # engine 0 alone: 2.5; engine 1 alone: 1.5
+    assert counters.acceptance_rate_per_position == pytest.approx([100 / 160, 58 / 160, 22 / 160])
+
+
 def test_no_drafts_means_acceptance_length_one():
     assert SpecDecodeCounters(0, 0, 0, []).mean_acceptance_length == 1.0
 

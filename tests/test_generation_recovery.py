@@ -20,7 +20,7 @@ from dagster import DagsterInstance
 
 from eagle3_assets.core.generation.completions import CANARY_ID
 from eagle3_assets.core.storage.journal import parquet_fingerprint
-from eagle3_assets.core.generation.response_rules import NO_REASONING_DIAGNOSIS, content_failures
+from eagle3_assets.core.generation.response_rules import NO_REASONING_DIAGNOSIS
 from eagle3_assets.demo.prompt_set import demo_prompts as demo_prompt_rows
 from eagle3_assets.demo.prompt_set import write_jsonl
 from eagle3_assets.prompts import prompts
@@ -56,9 +56,10 @@ def log_lines(instance, result) -> list[str]:
 
 
 def test_reasoning_lost_after_the_canary_blocks_the_shard_and_one_rerun_after_the_fix_recovers_it(vllm_server, tiny_target, data_dir):
-    """The story: the canary passes, then every sample comes back without reasoning."""
+    """The story: the canary passes, then samples come back without reasoning; here some of them, so that "send the
+    failed rows again" and "send everything again" differ. The rows to send again are the ones the proxy spoiled."""
     instance = DagsterInstance.ephemeral()
-    with FaultProxy(vllm_server.base_url, drop_reasoning=True, spare_canary=True) as proxy:
+    with FaultProxy(vllm_server.base_url, drop_reasoning_share=0.5, spare_canary=True) as proxy:
         resources = {
             "prompt_dataset": demo_prompts(12),
             "vllm_server": server_at(proxy.base_url, vllm_server.served_model_name),
@@ -66,36 +67,39 @@ def test_reasoning_lost_after_the_canary_blocks_the_shard_and_one_rerun_after_th
         }
         broken = materialise(resources, assets=CHAIN, instance=instance, raise_on_error=False)
         at_break = proxy.counts()
-        assert proxy.injected()["reasoning_dropped"] == 12
+        spoiled = proxy.injected_ids("reasoning_dropped")  # the fault, as the proxy injected it: one draw per sample
 
+        expected = prompt_ids(data_dir)
+        assert 0 < len(spoiled) < len(expected) == 12 and spoiled <= set(expected), spoiled  # some rows good, some bad
         # raw_responses' own gate stops the run, with the canary's diagnosis; validation never starts.
         assert not broken.success
         gate = check(broken, "raw_responses", "reasoning_present")
-        assert not gate.passed and gate.metadata["reasoning_share"].value == 0.0 and gate.metadata["answered_rows"].value == 12
-        assert NO_REASONING_DIAGNOSIS in gate.description and "{'none': 12}" in gate.description
+        assert not gate.passed and gate.metadata["answered_rows"].value == 12
+        assert gate.metadata["reasoning_share"].value == (12 - len(spoiled)) / 12
+        assert NO_REASONING_DIAGNOSIS in gate.description and f"{12 - len(spoiled)} of 12 answered rows have reasoning" in gate.description
         started = [e.step_key for e in broken.all_events if e.event_type_value == "STEP_START"]
         assert started == ["prompts", "raw_responses"] and not (data_dir / "validated_traces").exists()
         rows = shard_rows(data_dir)
-        assert rows["reasoning"].null_count() == 12 and set(rows["attempts"]) == {1}
+        assert set(rows.filter(pl.col("reasoning").is_null())["id"]) == spoiled and set(rows["attempts"]) == {1}
 
-        proxy.drop_reasoning = False  # the operator fixes the server...
+        proxy.drop_reasoning_share = 0.0  # the operator fixes the server...
         fixed = materialise(resources, assets=CHAIN, instance=instance, raise_on_error=False)  # ...and runs the shard ONCE
         after = proxy.counts()
 
     assert fixed.success
     for asset, name in BLOCKING:
         assert check(fixed, asset, name).passed, (asset, name, check(fixed, asset, name).description)
-    expected = prompt_ids(data_dir)
     rows = shard_rows(data_dir)
-    assert rows["id"].to_list() == expected and len(expected) == 12  # no id lost, none twice
+    assert rows["id"].to_list() == expected  # no id lost, none twice
     assert rows["reasoning"].null_count() == 0
-    # Exactly the 12 rows without reasoning were sent again, once each (plus the run's one canary).
-    assert {i: after[i] - at_break[i] for i in expected} == {i: 1 for i in expected}
-    assert sum(after.values()) - sum(at_break.values()) == 12 + 1 and after[CANARY_ID] - at_break[CANARY_ID] == 1
-    assert dict(zip(rows["id"], rows["attempts"])) == {i: after[i] for i in expected} == {i: 2 for i in expected}
+    # Exactly the spoiled rows were sent again, once each (plus the run's one canary); the good ones not at all.
+    assert {i: after[i] - at_break[i] for i in expected} == {i: int(i in spoiled) for i in expected}
+    assert sum(after.values()) - sum(at_break.values()) == len(spoiled) + 1 and after[CANARY_ID] - at_break[CANARY_ID] == 1
+    assert dict(zip(rows["id"], rows["attempts"])) == {i: after[i] for i in expected} == {i: 1 + (i in spoiled) for i in expected}
     (mat,) = fixed.asset_materializations_for_node("raw_responses")
-    assert mat.metadata["resent_rows"].value == {"empty_reasoning": 12} and mat.metadata["reused_rows"].value == 0
-    assert any("12 to send (sent again: {'empty_reasoning': 12})" in line for line in log_lines(instance, fixed))
+    assert mat.metadata["resent_rows"].value == {"empty_reasoning": len(spoiled)}
+    assert mat.metadata["reused_rows"].value == 12 - len(spoiled)
+    assert any(f"{len(spoiled)} to send (sent again: {{'empty_reasoning': {len(spoiled)}}})" in line for line in log_lines(instance, fixed))
     assert pl.read_parquet(data_dir / "validated_traces" / f"{SHARD}.parquet").height > 0
 
 
@@ -132,10 +136,14 @@ def test_changed_sampling_keeps_the_finished_shard_and_coming_back_reuses_it(vll
     """A launchpad typo (temperature 0.71) must not destroy the finished shard of temperature 0.7."""
     instance = DagsterInstance.ephemeral()
     shard = data_dir / "raw_responses" / f"{SHARD}.parquet"
-    with FaultProxy(vllm_server.base_url) as proxy:
+    # The 0.7 generation loses the reasoning of some rows: those, and only those, are sent again on coming back.
+    with FaultProxy(vllm_server.base_url, drop_reasoning_share=0.4, spare_canary=True) as proxy:
         intended = server_at(proxy.base_url, vllm_server.served_model_name)  # temperature 0.7
-        materialise({"prompt_dataset": demo_prompts(8), "vllm_server": intended}, instance=instance)
+        spoiled = materialise({"prompt_dataset": demo_prompts(8), "vllm_server": intended}, instance=instance, raise_on_error=False)
+        assert not spoiled.success  # raw_responses' reasoning_present blocks; its rows are written and kept
         original, original_fingerprint = shard_rows(data_dir), parquet_fingerprint(shard)
+        retry = proxy.injected_ids("reasoning_dropped")
+        proxy.drop_reasoning_share = 0.0
         c0 = proxy.counts()
         typo = materialise({"vllm_server": server_at(proxy.base_url, vllm_server.served_model_name, temperature=0.71)}, assets=[raw_responses], instance=instance)
         c1 = proxy.counts()
@@ -157,8 +165,8 @@ def test_changed_sampling_keeps_the_finished_shard_and_coming_back_reuses_it(vll
     assert any("temperature 0.7 -> 0.71" in line for line in lines)
     assert any(f"kept the earlier generation of this shard (other settings) as superseded/{kept.name}" in line for line in lines)
 
-    # Back to 0.7: the kept generation is reused; only what validation would reject is sent again.
-    retry = content_failures(original.to_dicts(), allow_truncated=False)
+    # Back to 0.7: the kept generation is reused; only the rows that lost their reasoning are sent again.
+    assert 0 < len(retry) < len(expected) and retry <= set(expected), retry
     assert {i: c2[i] - c1[i] for i in expected} == {i: int(i in retry) for i in expected}
     final = shard_rows(data_dir)
     assert final["id"].to_list() == expected and parquet_fingerprint(shard) == original_fingerprint

@@ -152,21 +152,50 @@ def test_a_stage_runs_over_ssh_and_its_logs_metadata_and_check_arrive_in_dagster
     assert lock_holder(host.host_lock_dir() + f"/{STAGE}.lock") is None, "the lock ends with the stage"
 
 
-class StageEnvironment:
-    """Watches this machine's processes for the stage's own process and keeps its environment (from /proc) while it runs.
+def command_lines() -> dict[int, bytes]:
+    """Every process's command line on this machine, read from /proc now (raw bytes, NUL-separated)."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                found[int(entry)] = Path(f"/proc/{entry}/cmdline").read_bytes()
+            except OSError:
+                pass  # gone meanwhile
+    return found
+
+
+def parent_of(pid: int) -> int | None:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:")))
+
+
+class StageWatch:
+    """Watches this machine's processes while the stage runs: its environment, and every command line.
 
     The stage's process is the one started with ``-m eagle3_assets.stages.<stage>`` whose ``EAGLE3_DATA_DIR`` is
-    ``data_dir``: other runs of the same stage on this machine are not it.
+    ``data_dir`` (other runs of the same stage on this machine are not it); its environment is kept. Every
+    round, the command line of every process on the machine is searched for ``secret`` (a superset of the
+    stage's process tree: this test's ssh client, sshd's session, the runner, the stage); the tree itself is
+    recorded (the stage's ancestors up to init, and this process's ssh children) so that the test can assert
+    that the search covered it while it ran.
     """
 
-    def __init__(self, stage: str, data_dir: Path):
+    def __init__(self, stage: str, data_dir: Path, secret: str):
         self.module, self.data_dir = f"eagle3_assets.stages.{stage}", str(data_dir)
         self.stage = stage
+        self.secret = secret.encode()
         self.environment: dict[str, str] | None = None
+        self.pid: int | None = None  # the stage's
+        self.leaks: dict[int, str] = {}  # pid -> a command line holding the secret
+        self.tree: dict[int, str] = {}  # pid -> command line, of the stage's processes seen while it ran
+        self.rounds_with_stage = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
 
-    def __enter__(self) -> "StageEnvironment":
+    def __enter__(self) -> "StageWatch":
         self._thread.start()
         return self
 
@@ -175,24 +204,47 @@ class StageEnvironment:
         self._thread.join(10)
 
     def _watch(self) -> None:
-        while self.environment is None and not self._stop.wait(0.05):
-            for pid, cmdline in stray_stage_processes(self.stage):
-                if self.module not in cmdline.split():
-                    continue  # the runner (-m eagle3_assets.stages <stage>), not the stage
+        while not self._stop.wait(0.02):
+            lines = command_lines()
+            for pid, raw in lines.items():
+                if self.secret in raw:  # kept with the token masked: the failure message shows where, not what
+                    self.leaks[pid] = raw.replace(self.secret, b"<HF_TOKEN>").replace(b"\0", b" ").decode(errors="replace")
+            stage = self._stage_pid()
+            if stage is None:
+                continue
+            self.rounds_with_stage += 1
+            pid: int | None = stage
+            while pid and pid in lines:  # the stage and its ancestors, to init
+                self.tree[pid] = lines[pid].replace(b"\0", b" ").decode(errors="replace")
+                pid = parent_of(pid)
+            for pid, raw in lines.items():  # the orchestrator's side: this process's ssh client
+                if raw.startswith(b"ssh\0") and parent_of(pid) == os.getpid():
+                    self.tree[pid] = raw.replace(b"\0", b" ").decode(errors="replace")
+
+    def _stage_pid(self) -> int | None:
+        for pid, cmdline in stray_stage_processes(self.stage):
+            if self.module not in cmdline.split():
+                continue  # the runner (-m eagle3_assets.stages <stage>), not the stage
+            if self.environment is None:
                 try:
                     raw = Path(f"/proc/{pid}/environ").read_bytes()
                 except OSError:
                     continue
                 environment = dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
-                if environment.get("EAGLE3_DATA_DIR") == self.data_dir:
-                    self.environment = environment
+                if environment.get("EAGLE3_DATA_DIR") != self.data_dir:
+                    continue
+                self.environment = environment
+                self.pid = pid
+            if pid == self.pid:
+                return pid
+        return None
 
 
 def test_the_extraction_stage_runs_over_ssh_with_a_secret_that_shows_nowhere(sshd, data_dir, tiny_target, tmp_path, capfd, monkeypatch):
     """The real ``hidden_states`` asset and its stage on a tiny shard, on the host behind sshd, given HF_TOKEN as an EnvVar.
 
     The token reaches the stage's environment (seen in /proc while it runs, with the SSH session's own variables)
-    and appears in no log line, no captured stdout/stderr, no metadata, no instance file and no file of the data dir.
+    and appears on no command line of the stage's process tree while it runs, in no log line, no captured stdout/stderr, no metadata, no instance file and no file of the data dir.
     """
     secret = "hf_eagle3-ssh-stage-secret-31337"
     monkeypatch.setenv("HF_TOKEN", secret)
@@ -204,7 +256,7 @@ def test_the_extraction_stage_runs_over_ssh_with_a_secret_that_shows_nowhere(ssh
     resources = {"target_model": TargetModel(path=str(tiny_target)), "gpu_host": host}
     run_config = RunConfig(ops={"hidden_states": HiddenStatesConfig(dtype="float32", cpu_threads=1)})
     capfd.readouterr()  # only what the run prints counts below
-    with DagsterInstance.local_temp(tempdir=str(home)) as instance, StageEnvironment("extract_hidden_states", data_dir) as stage:
+    with DagsterInstance.local_temp(tempdir=str(home)) as instance, StageWatch("extract_hidden_states", data_dir, secret) as stage:
         register_shards(instance, [shard])
         result = materialize([hidden_states], partition_key=shard, resources=resources, instance=instance, run_config=run_config)
         logs = [str(entry) for entry in instance.all_logs(result.run_id)]
@@ -219,6 +271,13 @@ def test_the_extraction_stage_runs_over_ssh_with_a_secret_that_shows_nowhere(ssh
     assert stage.environment is not None, "the stage's process was never seen"
     assert stage.environment.get("SSH_CONNECTION", "").split()[2:] == ["127.0.0.1", str(sshd.port)], "the stage ran in the SSH session"
     assert stage.environment.get("HF_TOKEN") == secret, "the stage was given the token"
+    # ...and on no command line while it ran: not the ssh client's here, not sshd's session's, not the runner's or the stage's.
+    assert stage.leaks == {}, f"the token is on command lines: {stage.leaks}"
+    tree = list(stage.tree.values())
+    assert stage.rounds_with_stage >= 1 and any("-m eagle3_assets.stages.extract_hidden_states" in c for c in tree)
+    assert any("-m eagle3_assets.stages extract_hidden_states" in c for c in tree), f"the runner was not seen: {tree}"
+    assert any(c.startswith("sshd") or "/sshd" in c.split()[0] for c in tree), f"sshd's session was not seen: {tree}"
+    assert any(c.startswith("ssh ") and f"-p {sshd.port}" in c for c in tree), f"the ssh client was not seen: {tree}"
 
     assert any("extract_hidden_states" in line for line in logs) and captured.err, "the scans below look at real output"
     assert not [line for line in logs if secret in line]

@@ -79,6 +79,28 @@ def test_a_window_is_the_difference_of_two_scrapes():
     assert window.rates_per_position == pytest.approx([0.8, 0.5, 0.2]) and window.k == 3
 
 
+def two_engines(first: tuple[int, tuple[int, int, int]], second: tuple[int, tuple[int, int, int]]) -> str:
+    """The captured page of a server with two data-parallel engines: each spec-decode series once per engine."""
+    one, other = page(*first, start=STARTED), page(*second, start=STARTED)
+    extra = [line.replace('engine="0"', 'engine="1"') for line in other.splitlines() if line.startswith("vllm:spec_decode_")]
+    return one + "\n".join(extra) + "\n"
+
+
+def test_a_window_sums_the_counters_of_every_engine():
+    models = ["tiny-reasoner", f"eagle3-draft-{LATEST}"]
+    first = scrape_from_text(URL, STARTED + 1000, two_engines((1000, (700, 400, 200)), (500, (100, 50, 10))), models)
+    second = scrape_from_text(URL, STARTED + 1300, two_engines((1600, (1180, 700, 320)), (900, (180, 90, 18))), models)
+    assert first.counters.drafts == 1500 and first.counters.accepted_per_position == [800, 450, 210]
+    _, memory = next_window(ServerMemory(), first, min_drafts=100)
+    window, _ = next_window(memory, second, min_drafts=100)
+    # engine 0: 600 drafts, 900 accepted; engine 1: 400 drafts, 128 accepted
+    assert (window.status, window.restarted, window.drafts, window.accepted) == ("ok", False, 1000, 900 + 128)
+    assert window.acceptance_length == pytest.approx(1 + 1028 / 1000)  # engine 0 alone would say 2.5
+    assert window.rates_per_position == pytest.approx([560 / 1000, 340 / 1000, 128 / 1000])
+    verdict = judge(second, memory, expect(offline=2.5, tolerance=0.3, windows=1), min_drafts=100)
+    assert [kind for kind, _ in verdict.alerts] == ["drop"], "2.03 over both engines is below 2.5 - 0.3"
+
+
 @pytest.mark.parametrize("after", [(50, (30, 20, 10)), (5000, (4000, 3000, 2000))], ids=["lower", "higher-than-before"])
 def test_a_restart_gives_what_the_new_process_counted_never_a_negative_or_inflated_window(after):
     _, memory = next_window(ServerMemory(), at(0, 1000, (700, 400, 200)), min_drafts=10)

@@ -101,7 +101,9 @@ def assert_kept_rows_are_the_servers_ids(shard: Shard) -> pl.DataFrame:
     kept = pl.read_parquet(shard.kept)
     rejected = pl.read_parquet(shard.rejected)
     print(f"kept {kept.height} of {raw.height}; rejected {dict(zip(rejected['id'], rejected['detail']))}")
-    assert kept.height >= 3, rejected.to_dicts()
+    # Every row: on a correct renderer both templates kept 8 of 8 (measured), so any rejection here, tokens_differ
+    # above all, is a renderer or a client that lost the server's ids.
+    assert kept.height == raw.height and rejected.is_empty(), rejected.to_dicts()
     assert summary.kept_with_server_ids == kept.height
     by_id = {r["id"]: r for r in raw.iter_rows(named=True)}
     end_of_turn = shard.renderer.tokenizer.convert_tokens_to_ids(shard.renderer.end_of_turn)
@@ -110,9 +112,6 @@ def assert_kept_rows_are_the_servers_ids(shard: Shard) -> pl.DataFrame:
         assert supervised(row) == server["output_token_ids"], row["id"]
         assert unsupervised(row) == server["prompt_token_ids"], row["id"]
         assert server["output_token_ids"][-1] == end_of_turn  # it stopped on its end of turn, and that token is supervised
-    # whatever was rejected for its ids says where and which tokens
-    for row in rejected.filter(pl.col("reason").is_in(["tokens_differ", "prompt_differs"])).iter_rows(named=True):
-        assert "token " in row["detail"] and "server " in row["detail"] and "ours " in row["detail"], row
 
     alignment = mask_alignment_problems(shard.kept, shard.raw, shard.renderer)
     assert alignment.problems == {} and alignment.rows_checked == alignment.rows_checked_against_server_ids == kept.height

@@ -256,6 +256,7 @@ def journal_rows(data_dir: Path) -> int:
 
 @pytest.mark.vllm
 def test_a_second_run_of_a_shard_fails_at_once_naming_the_first_and_nothing_is_generated_twice(vllm_server, data_dir):
+    from eagle3_assets.core.generation.completions import CANARY_ID
     from tests.fault_proxy import FaultProxy
     from tests.test_generation import demo_prompts, materialise, server_at
     from eagle3_assets.prompts import prompts
@@ -263,11 +264,15 @@ def test_a_second_run_of_a_shard_fails_at_once_naming_the_first_and_nothing_is_g
 
     materialise({"prompt_dataset": demo_prompts(24)}, assets=[prompts])
     expected = pl.read_parquet(data_dir / "prompts" / f"{SHARD}.parquet")["id"].to_list()
-    with FaultProxy(vllm_server.base_url, delay_s=0.2) as proxy:  # slow enough for the second run to start during the first
+    # The proxy answers the first run's first 2 samples and holds the rest until released: the second run starts
+    # while the first is generating, however fast or loaded the machine.
+    with FaultProxy(vllm_server.base_url, hold_after=2) as proxy:
         first = start_generation_worker(generation_fields(vllm_server, proxy), "ephemeral")
-        wait_for(lambda: journal_rows(data_dir) >= 2, first, "the first run generating")
+        wait_for(lambda: journal_rows(data_dir) >= 2 and proxy.injected()["held"] >= 1, first, "the first run generating")
         second = materialise({"vllm_server": server_at(proxy.base_url, vllm_server.served_model_name)}, assets=[raw_responses], raise_on_error=False)
-        sent_during_first = sum(proxy.counts()[i] for i in expected)
+        first_still_running, durable_at_second = first.poll() is None, journal_rows(data_dir)
+        canaries_before_release = proxy.counts()[CANARY_ID]
+        proxy.release()
         output, _ = first.communicate(timeout=300)
         counts = proxy.counts()
 
@@ -276,7 +281,8 @@ def test_a_second_run_of_a_shard_fails_at_once_naming_the_first_and_nothing_is_g
     assert not second.success
     (message,) = failure_messages(second)
     assert f"{SHARD} of raw_responses is being written by run {first_run_id} on host" in message and "wait for it or cancel" in message
-    assert sent_during_first < len(expected), "the second run started while the first was still generating"
+    assert first_still_running and durable_at_second == 2, "the second run ran while the first was held mid-shard"
+    assert canaries_before_release == 1, "the second run sent nothing, not even its canary: it stopped at the shard's lease"
     assert {i: counts[i] for i in expected} == {i: 1 for i in expected}, "each prompt was sent once, by the first run"
     rows = pl.read_parquet(data_dir / "raw_responses" / f"{SHARD}.parquet")
     assert sorted(rows["id"].to_list()) == sorted(expected)

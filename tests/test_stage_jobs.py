@@ -17,6 +17,7 @@ from eagle3_assets.core.settings.job_schema import setting_names
 from eagle3_assets.core.gpu_host.stage_requirements import StageRequirements
 from eagle3_assets.core.gpu_host.stage_jobs import (
     BoundedRun,
+    BoundedWindow,
     EvaluationJob,
     ExportGates,
     ExtractionJob,
@@ -27,8 +28,9 @@ from eagle3_assets.core.gpu_host.stage_jobs import (
     StageTarget,
     StreamedShard,
     TrainingJob,
+    TrainingStageRecipe,
 )
-from eagle3_assets.core.training.config import TrainConfig
+from eagle3_assets.core.training.config import TrainConfig, TrainingRecipe
 from eagle3_assets.draft_checkpoint import DraftTrainingConfig
 from eagle3_assets.draft_evaluation import DraftEvaluationConfig
 from eagle3_assets.hidden_states import HiddenStatesConfig
@@ -88,7 +90,12 @@ def test_config_fields_are_the_settings_with_their_defaults_and_descriptions(con
 
 @pytest.mark.parametrize(
     "config_class, models",
-    [(HiddenStatesConfig, [ExtractionRecipe, ShardRerun]), (DraftEvaluationConfig, [EvaluationRecipe]), (VLLMServerResource, [GenerationSettings, Sampling])],
+    [
+        (HiddenStatesConfig, [ExtractionRecipe, ShardRerun]),
+        (DraftTrainingConfig, [TrainingRecipe, TrainingStageRecipe, HiddenStatesSource, BoundedWindow]),
+        (DraftEvaluationConfig, [EvaluationRecipe]),
+        (VLLMServerResource, [GenerationSettings, Sampling]),
+    ],
     ids=lambda x: getattr(x, "__name__", ""),
 )
 def test_the_dagster_config_is_the_settings_model_itself(config_class, models):

