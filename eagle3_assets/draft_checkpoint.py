@@ -108,6 +108,10 @@ class DraftTrainingConfig(Config):
     draft_intermediate_size: Optional[int] = config_field(TrainConfig, "draft_intermediate_size")
     draft_q_lora_rank: Optional[int] = config_field(TrainConfig, "draft_q_lora_rank")
     draft_kv_lora_rank: Optional[int] = config_field(TrainConfig, "draft_kv_lora_rank")
+    fc_norm: bool = config_field(TrainConfig, "fc_norm")
+    norm_output: bool = config_field(TrainConfig, "norm_output")
+    norm_before_fc: bool = config_field(TrainConfig, "norm_before_fc")
+    norm_before_residual: bool = config_field(TrainConfig, "norm_before_residual")
     # Memory: the micro-batch is planned from these and the GPU's free memory before the first step.
     activation_checkpointing: bool = config_field(TrainConfig, "activation_checkpointing")
     loss_chunk_tokens: int = config_field(TrainConfig, "loss_chunk_tokens")
