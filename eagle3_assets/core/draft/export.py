@@ -168,7 +168,7 @@ def draft_config_from_hf(hf: dict, source: str) -> tuple[AnyDraftConfig, list[in
 
 def hf_norm_flags(hf: dict, form: str) -> dict[str, bool]:
     """The norm flags of a ``config.json`` as vLLM reads them (absent: off); ``norm_before_fc`` also from ``eagle_config``."""
-    flags = {flag: bool(hf.get(flag, False)) for flag in ("fc_norm", "norm_output", "norm_before_residual")}
+    flags = {flag: bool(hf.get(flag, False)) for flag in MLADraftConfig.norm_flags}  # the flags both forms read
     if form == LLAMA:
         flags["norm_before_fc"] = bool((hf.get("eagle_config") or {}).get("norm_before_fc", hf.get("norm_before_fc", False)))
     return flags
