@@ -225,12 +225,18 @@ def run(args) -> list[dict]:
     rate = matmul_rate(args.device, args.matmul_size, args.matmul_repeats)
     print(
         f"bench/training: {'target ' + args.target if args.target else 'preset ' + args.preset} {shape} on {args.device}, "
-        f"memory settings {memory}, {args.steps} steps per configuration"
+        f"memory settings {memory}, {args.steps} steps per configuration, median of {args.rounds} round(s)"
     )
     print(f"  reference: one {'bf16' if bf16 else 'float32'} {args.matmul_size}x{args.matmul_size} matrix product: {rate / 1e12:.3f} TFLOP/s")
+    grid = [(n, d) for n in args.norms for d in args.ttt]
+    # Rounds, each in the other order (drift of a shared machine's load cancels); each configuration's median round.
+    runs: dict[tuple[str, int], list[dict]] = {key: [] for key in grid}
+    for round_index in range(args.rounds):
+        for key in grid if round_index % 2 == 0 else grid[::-1]:
+            runs[key].append(run_depth(shape, args, key[1], memory, key[0]))
     rows = []
-    for norms, depth in [(n, d) for n in args.norms for d in args.ttt]:
-        r = run_depth(shape, args, depth, memory, norms)
+    for norms, depth in grid:
+        r = sorted(runs[(norms, depth)], key=lambda each: each["step_s"])[len(runs[(norms, depth)]) // 2]
         flops = step_flops(shape, depth)
         estimate = estimate_step_bytes(
             StepShape.of(draft_config_of(shape), r["batch"] * r["seq_len"], r["seq_len"], depth, bf16=bf16,
@@ -275,6 +281,7 @@ def parser() -> argparse.ArgumentParser:
         help="the draft's norm flags to compare (eagle3.1: fc_norm + norm_output); ratios against the first",
     )  # fmt: skip
     p.add_argument("--steps", type=int, default=10, help="timed optimizer steps per configuration")
+    p.add_argument("--rounds", type=int, default=1, help="runs of every configuration, alternating the order; the median is printed")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=1, help="torch threads on CPU (training uses 1)")
     p.add_argument("--batch-tokens", type=int, help="tokens per micro-batch (default: the preset's)")
