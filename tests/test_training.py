@@ -143,6 +143,42 @@ def test_fine_tuning_remaps_lm_head_rows_by_target_id(tiny_target, tmp_path):
     assert torch.equal(draft.midlayer.self_attn.q_proj.weight, published["midlayer.self_attn.q_proj.weight"].float())
 
 
+def test_fine_tuning_a_plain_draft_into_eagle31_starts_its_new_norms_at_identity(tiny_target, tmp_path):
+    mapping = build_vocab_mapping(torch.arange(640), 200)
+    save_vocab_mapping(tmp_path / "map", mapping, {})
+    target = load_head_weights(tiny_target)
+    published = export_draft(draft_with_rows_named_by_target_id(tiny_target, mapping), tmp_path / "published", dtype="float32")
+
+    def start(init_from: Path, **settings):
+        config = TrainConfig(
+            hidden_state_dirs=["unused"], vocab_mapping=str(tmp_path / "map"), target_path=str(tiny_target),
+            training_dir=str(tmp_path / "t"), init_from=str(init_from), **settings,
+        )  # fmt: skip
+        return initial_draft(config, sidecar_index(), mapping, target)
+
+    draft, report = start(published, fc_norm=True, norm_output=True)
+    assert (draft.config.fc_norm, draft.config.norm_output, draft.config.norm_before_residual) == (True, True, False)
+    assert report.norms_added == ["fc_norm", "norm_output"]  # in the run's metadata ("init")
+    assert "norms added at identity (weights 1): fc_norm, norm_output; the starting draft had none (plain EAGLE-3)" in report.notes
+    assert all(torch.equal(norm.weight, torch.ones(64)) for norm in draft.fc_norm)
+    _, weights = read_draft_dir(published)
+    for name, value in draft.state_dict().items():  # every weight the starting draft has is its own
+        if name in weights and name not in ("d2t", "t2d"):
+            assert torch.equal(value, weights[name].float()), name
+
+    # An EAGLE 3.1 draft keeps its norms (and their trained weights) when the settings leave them off.
+    with torch.no_grad():
+        draft.fc_norm[0].weight.fill_(0.5)
+    eagle31 = export_draft(draft, tmp_path / "eagle31", dtype="float32")
+    again, report = start(eagle31)
+    assert again.config.fc_norm and again.config.norm_output and report.norms_added == []
+    assert torch.equal(again.fc_norm[0].weight, torch.full((64,), 0.5))
+    with pytest.raises(ValueError, match="cannot fine-tune .* with these norm settings: fc_norm and norm_before_fc exclude each other"):
+        start(eagle31, norm_before_fc=True)
+    with pytest.raises(ValueError, match="fc_norm and norm_before_fc both set"):
+        TrainConfig(hidden_state_dirs=["x"], vocab_mapping="m", target_path="t", training_dir="d", fc_norm=True, norm_before_fc=True).validate()
+
+
 def test_fine_tuning_refuses_a_draft_trained_on_other_layers_or_widths(tiny_target, tmp_path):
     mapping = build_vocab_mapping(torch.arange(640), 100)
     save_vocab_mapping(tmp_path / "map", mapping, {})

@@ -16,10 +16,11 @@ into the query, the same product).
 
 Drafting is replayed the way vLLM's proposer runs it: for a chain that starts
 after position t, step 0 runs over positions 0..t with tokens shifted by one
-and the target's fused states; step k runs at position t+k on the previous
-step's pre-norm output.
+and the target's fused states; step k runs at position t+k on the state the
+previous step handed on (pre-norm, or post-norm under ``norm_output``). Several
+drafts run one after another in one process (one per norm combination).
 
-    python tests/vllm_eagle3_reference.py TARGET_DIR DRAFT_DIR INPUTS.safetensors STEPS OUT.safetensors
+    python tests/vllm_eagle3_reference.py TARGET_DIR INPUTS.safetensors STEPS DRAFT_DIR OUT.safetensors [DRAFT_DIR OUT.safetensors ...]
 """
 
 from __future__ import annotations
@@ -80,13 +81,20 @@ class CachedLatentAttention(torch.nn.Module):
         return out.transpose(0, 1).reshape(new, self.num_heads * self.v_dim)
 
 
-def main(target_dir: str, draft_dir: str, inputs_file: str, steps: int, out_file: str) -> None:
+def main(target_dir: str, inputs_file: str, steps: int, runs: list[tuple[str, str]]) -> None:
+    """Each ``(draft_dir, out_file)`` of ``runs`` in turn, in one process (one distributed setup, one vLLM import)."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    inputs = load_file(inputs_file)
+    for draft_dir, out_file in runs:
+        save_file({"logits": replay(target_dir, draft_dir, inputs["aux"].float(), inputs["input_ids"].long(), steps)}, out_file)
+
+
+def replay(target_dir: str, draft_dir: str, aux: torch.Tensor, ids: torch.Tensor, steps: int) -> torch.Tensor:
+    """vLLM's draft module of ``draft_dir`` drafting ``steps`` tokens after every position: logits [chains, steps, vocab]."""
     from vllm.config import (
         CompilationConfig, CompilationMode, ModelConfig, ParallelConfig, SpeculativeConfig, VllmConfig,
         set_current_vllm_config,
     )  # fmt: skip
-    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
     mla = "Eagle3DeepseekV2ForCausalLM" in json.loads(open(os.path.join(draft_dir, "config.json")).read())["architectures"]
@@ -103,19 +111,23 @@ def main(target_dir: str, draft_dir: str, inputs_file: str, steps: int, out_file
         model_config=model_config, parallel_config=parallel, speculative_config=speculative,
         compilation_config=CompilationConfig(mode=CompilationMode.NONE, custom_ops=["all", "-rotary_embedding"] if mla else []),
     )  # fmt: skip
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    inputs = load_file(inputs_file)
-    aux, ids = inputs["aux"].float(), inputs["input_ids"].long()
     with set_current_vllm_config(vllm_config):
-        init_distributed_environment(1, 0, f"tcp://127.0.0.1:{port}", 0, backend="gloo")
-        ensure_model_parallel_initialized(1, 1)
+        from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+        from vllm.distributed.parallel_state import model_parallel_is_initialized
+
+        if not model_parallel_is_initialized():  # once per process, inside a config (vLLM reads it there)
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+            init_distributed_environment(1, 0, f"tcp://127.0.0.1:{port}", 0, backend="gloo")
+            ensure_model_parallel_initialized(1, 1)
         from vllm.model_executor.models.deepseek_eagle3 import Eagle3DeepseekV2ForCausalLM
         from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
 
         model = (Eagle3DeepseekV2ForCausalLM if mla else Eagle3LlamaForCausalLM)(vllm_config=vllm_config)
-        print(f"reference module: {type(model).__name__}", flush=True)
+        hf = model.config
+        flags = {f: bool(getattr(hf, f, False)) for f in ("fc_norm", "norm_before_fc", "norm_output", "norm_before_residual")}
+        print(f"reference module: {type(model).__name__} {json.dumps(flags)}", flush=True)
         model.load_weights(load_file(os.path.join(draft_dir, "model.safetensors")).items())
         if not model.has_own_embed_tokens:  # the engine would share the target's: do the same
             target = load_file(os.path.join(target_dir, "model.safetensors"))
@@ -137,14 +149,17 @@ def main(target_dir: str, draft_dir: str, inputs_file: str, steps: int, out_file
             fused = model.combine_hidden_states(aux)
             for t in range(chains):
                 fresh_cache()
-                normed, prenorm = model(ids[1 : t + 2], torch.arange(t + 1), fused[: t + 1])
+                # The model returns (what compute_logits reads, what the next step takes): vLLM's proposer feeds the
+                # second back, the pre-norm state, or under norm_output the post-norm one.
+                normed, next_hidden = model(ids[1 : t + 2], torch.arange(t + 1), fused[: t + 1])
                 logits[t, 0] = model.compute_logits(normed[-1:])[0]
-                hidden = prenorm[-1:]
+                hidden = next_hidden[-1:]
                 for k in range(1, steps):
                     normed, hidden = model(ids[t + 1 + k : t + 2 + k], torch.tensor([t + k]), hidden)
                     logits[t, k] = model.compute_logits(normed)[0]
-    save_file({"logits": logits}, out_file)
+    return logits
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5])
+    target_dir, inputs_file, steps, *pairs = sys.argv[1:]
+    main(target_dir, inputs_file, int(steps), list(zip(pairs[::2], pairs[1::2])))

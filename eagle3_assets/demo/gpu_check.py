@@ -204,7 +204,7 @@ def bench(ctx: Context) -> Row:
     from eagle3_assets.core.training import throughput
 
     target = ctx.args.target or TARGET_MODEL.get()
-    argv = ["--device", ctx.device, "--ttt", str(ctx.args.bench_depth), "--steps", str(ctx.args.bench_steps), "--warmup", "1", "--plan"]
+    argv = ["--device", ctx.device, "--ttt", str(ctx.args.bench_depth), "--steps", str(ctx.args.bench_steps), "--warmup", "1", "--plan", "--norms", "plain"]
     argv += ["--target", target] if target else ["--preset", ctx.args.bench_preset]
     if not ctx.device.startswith("cuda"):
         argv += ["--matmul-size", "512", "--matmul-repeats", "3"]

@@ -43,6 +43,8 @@ def describe(event: dict) -> str | None:
         init = event["init"]
         source = "from scratch" if init["source"] == "scratch" else f"fine-tuning {init['source']}"
         remap = f", lm_head rows kept {init['lm_head_rows_kept']} / new {init['lm_head_rows_new']}" if init["source"] != "scratch" else ""
+        if init.get("norms_added"):
+            remap += f", norms added at identity: {', '.join(init['norms_added'])}"
         streamed = (
             f" in {event['shards']} shard(s) streamed through a window of {event['window_shards']}" if "window_shards" in event else ""
         )

@@ -30,7 +30,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from eagle3_assets.core.draft.forms import DEEPSEEK_MLA, LLAMA, AnyDraftConfig, form_of
-from eagle3_assets.core.draft.model import DraftConfig, Eagle3Draft, rope_theta_of
+from eagle3_assets.core.draft.model import DraftConfig, Eagle3Draft, norm_flags_of, rope_theta_of
 from eagle3_assets.core.draft.model_mla import MLADraftConfig
 from eagle3_assets.core.storage.files import staging_dir
 
@@ -65,6 +65,7 @@ FORM_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
     DEEPSEEK_MLA: {"q_lora_rank": int, "kv_lora_rank": int, "qk_nope_head_dim": int, "qk_rope_head_dim": int, "v_head_dim": int},
 }
 REQUIRED_FIELDS = {**COMMON_FIELDS, **FORM_FIELDS[LLAMA]}  # the Llama form's, the default form
+NORM_FLAGS = DraftConfig.norm_flags  # optional (absent: off, plain EAGLE-3); the MLA form reads all but norm_before_fc
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -94,6 +95,9 @@ def draft_hf_config(config: AnyDraftConfig, dtype: str) -> dict:
             "eagle_aux_hidden_state_layer_ids": list(config.aux_layer_ids),
             "use_aux_hidden_state": True,
         },
+        # Top-level, where both of vLLM's classes read them (EAGLE 3.1: fc_norm + norm_output); written even when off,
+        # so that the file says which variant it is.
+        **norm_flags_of(config),
     }
     if form == LLAMA:
         return {
@@ -149,6 +153,7 @@ def draft_config_from_hf(hf: dict, source: str) -> tuple[AnyDraftConfig, list[in
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
         rope_theta=rope_theta_of(hf),
         max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+        **hf_norm_flags(hf, form),
     )
     if form == DEEPSEEK_MLA:
         config: AnyDraftConfig = MLADraftConfig(**shared, **{f: int(hf[f]) for f in FORM_FIELDS[DEEPSEEK_MLA]})
@@ -159,6 +164,14 @@ def draft_config_from_hf(hf: dict, source: str) -> tuple[AnyDraftConfig, list[in
             head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
         )
     return config, ([int(i) for i in layer_ids] if layer_ids else None)
+
+
+def hf_norm_flags(hf: dict, form: str) -> dict[str, bool]:
+    """The norm flags of a ``config.json`` as vLLM reads them (absent: off); ``norm_before_fc`` also from ``eagle_config``."""
+    flags = {flag: bool(hf.get(flag, False)) for flag in MLADraftConfig.norm_flags}  # the flags both forms read
+    if form == LLAMA:
+        flags["norm_before_fc"] = bool((hf.get("eagle_config") or {}).get("norm_before_fc", hf.get("norm_before_fc", False)))
+    return flags
 
 
 def export_draft(model: Eagle3Draft, out_dir: Path, *, dtype: str = "bfloat16", target_embedding: torch.Tensor | None = None) -> Path:
@@ -237,6 +250,10 @@ def expected_weight_shapes(config: AnyDraftConfig) -> dict[str, tuple[int, ...]]
     }
     if config.draft_vocab_size != config.vocab_size:
         shapes["d2t"] = (config.draft_vocab_size,)
+    if config.fc_norm:
+        shapes.update({f"fc_norm.{i}.weight": (config.target_hidden_size,) for i in range(len(config.aux_layer_ids or (0, 0, 0)))})
+    if getattr(config, "norm_before_fc", False):
+        shapes["input_norm.weight"] = (len(config.aux_layer_ids or (0, 0, 0)) * config.target_hidden_size,)
     return shapes
 
 
@@ -292,6 +309,7 @@ def config_problems(draft_dir: Path, expected_layer_ids: list[int], target_vocab
         problems.append(f"eagle_aux_hidden_state_layer_ids {layer_ids} differ from the hidden states' {list(expected_layer_ids)}")
     if eagle.get("use_aux_hidden_state") is not True:
         problems.append("eagle_config.use_aux_hidden_state is not true")
+    problems += norm_flag_problems(hf, form)
     if target_vocab_size is not None and hf["vocab_size"] != target_vocab_size:
         problems.append(f"vocab_size {hf['vocab_size']} differs from the target's {target_vocab_size}")
     try:
@@ -311,6 +329,19 @@ def config_problems(draft_dir: Path, expected_layer_ids: list[int], target_vocab
             problems.append("d2t maps draft ids outside the target vocabulary")
     if "embed_tokens.weight" in tensors and tuple(tensors["embed_tokens.weight"].shape) != (config.vocab_size, config.hidden_size):
         problems.append(f"embed_tokens.weight has shape {tuple(tensors['embed_tokens.weight'].shape)}")
+    return problems
+
+
+def norm_flag_problems(hf: dict, form: str) -> list[str]:
+    """Norm flags vLLM would misread: not a boolean, both input norms, or ``norm_before_fc`` in the MLA form (ignored there)."""
+    problems = [f"config.json {flag}={hf[flag]!r} is not bool" for flag in NORM_FLAGS if flag in hf and not isinstance(hf[flag], bool)]
+    if problems:
+        return problems
+    flags = hf_norm_flags(hf, LLAMA)
+    if flags["fc_norm"] and flags["norm_before_fc"]:
+        problems.append("fc_norm and norm_before_fc are both set: vLLM would apply both norms, no trainer makes such a draft")
+    if form == DEEPSEEK_MLA and flags["norm_before_fc"]:
+        problems.append("norm_before_fc is set, but vLLM's MLA-form class (deepseek_eagle3.py) never applies it")
     return problems
 
 

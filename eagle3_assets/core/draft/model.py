@@ -11,6 +11,20 @@ One draft step, as vLLM runs it::
     prenorm  = m + residual                      # fed back as `fused` of the next step
     logits   = lm_head(norm(prenorm))            # over the draft vocabulary
 
+Four config flags of vLLM's class change that, each off by default (plain
+EAGLE-3); EAGLE 3.1 is ``fc_norm`` with ``norm_output``:
+
+- ``fc_norm``: ``fc(cat(Norm_1(aux_1), Norm_2(aux_2), Norm_3(aux_3)))``, one
+  RMSNorm per auxiliary state (weights ``fc_norm.{0,1,2}.weight``): the
+  higher layers' larger states no longer dominate the fused one;
+- ``norm_before_fc``: ``fc(Norm(cat(aux_1, aux_2, aux_3)))``, one RMSNorm over
+  the concatenation (weight ``input_norm.weight``); not with ``fc_norm``, and
+  read by the Llama form's class only;
+- ``norm_before_residual``: ``residual = hidden_norm(fused)`` (the residual
+  path starts from the normalised state);
+- ``norm_output``: the next step takes ``norm(prenorm)``, not ``prenorm``: the
+  state fed back no longer grows step by step.
+
 The token embedding is the target's (vLLM shares it when the checkpoint has
 none). Draft id ``i`` is target id ``i + d2t[i]``. Parameter names are the
 checkpoint's names (``fc.weight``, ``midlayer.self_attn.q_proj.weight``, ...),
@@ -26,6 +40,7 @@ of steps 1..k, exactly what vLLM's KV cache holds when it drafts token k.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -49,8 +64,16 @@ class DraftConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     max_position_embeddings: int = 4096
+    # The norm flags vLLM's LlamaForCausalLMEagle3 reads (see the module's docstring); all off: plain EAGLE-3.
+    fc_norm: bool = False
+    norm_before_fc: bool = False
+    norm_output: bool = False
+    norm_before_residual: bool = False
+
+    norm_flags: ClassVar[tuple[str, ...]] = ("fc_norm", "norm_before_fc", "norm_output", "norm_before_residual")
 
     def __post_init__(self):
+        check_norm_flags(self)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads {self.num_attention_heads} is not a multiple of "
@@ -70,6 +93,7 @@ class DraftConfig:
         num_attention_heads: int | None = None,
         num_key_value_heads: int | None = None,
         head_dim: int | None = None,
+        **norm_flags: bool,
     ) -> DraftConfig:
         """A one-layer draft as wide as the target, shaped like one of its (dense) layers unless told otherwise."""
         text = text_config(target_config)  # multimodal wrappers nest the LM config
@@ -88,7 +112,19 @@ class DraftConfig:
             rms_norm_eps=rms_norm_eps(text),
             rope_theta=rope_theta_of(text),
             max_position_embeddings=int(text.get("max_position_embeddings", 4096)),
+            **norm_flags,
         )
+
+
+def check_norm_flags(config) -> None:
+    """Refuse what vLLM would build wrongly: both input norms (it would apply both, speculators refuses them)."""
+    if getattr(config, "fc_norm", False) and getattr(config, "norm_before_fc", False):
+        raise ValueError("fc_norm and norm_before_fc exclude each other: one norm per auxiliary state, or one over their concatenation")
+
+
+def norm_flags_of(config) -> dict[str, bool]:
+    """The norm flags a draft config has, by name (its form's own: the MLA form has no ``norm_before_fc``)."""
+    return {flag: bool(getattr(config, flag)) for flag in config.norm_flags}
 
 
 def rope_theta_of(config: dict) -> float:
@@ -194,10 +230,12 @@ class DecoderLayer(nn.Module):
         self.self_attn = self.attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
+        self.norm_before_residual = config.norm_before_residual
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cache: KVCache):
-        residual = hidden
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        normed = self.hidden_norm(hidden)
+        residual = normed if self.norm_before_residual else hidden
+        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
         residual = self.self_attn(x, positions, cache) + residual
         return self.mlp(self.post_attention_layernorm(residual)), residual
 
@@ -212,6 +250,9 @@ class Eagle3Draft(nn.Module):
         num_aux = len(config.aux_layer_ids)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.fc = nn.Linear(num_aux * config.target_hidden_size, config.hidden_size, bias=False)
+        # Built only when set, as vLLM does: a plain EAGLE-3 checkpoint has none of these weights. Weights 1 at first.
+        self.input_norm = RMSNorm(num_aux * config.target_hidden_size, config.rms_norm_eps) if getattr(config, "norm_before_fc", False) else None
+        self.fc_norm = nn.ModuleList(RMSNorm(config.target_hidden_size, config.rms_norm_eps) for _ in range(num_aux)) if config.fc_norm else None
         self.midlayer = self.layer(config)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
@@ -229,26 +270,34 @@ class Eagle3Draft(nn.Module):
         self.t2d.copy_(t2d)
 
     def fuse(self, aux_hidden_states: torch.Tensor) -> torch.Tensor:
-        """The three target states [.., 3*target_H] -> the draft's input state [.., H]."""
+        """The three target states [.., 3*target_H] -> the draft's input state [.., H] (vLLM's ``combine_hidden_states``)."""
+        if self.input_norm is not None:
+            aux_hidden_states = self.input_norm(aux_hidden_states)
+        if self.fc_norm is not None:
+            chunks = aux_hidden_states.chunk(len(self.fc_norm), dim=-1)
+            aux_hidden_states = torch.cat([norm(chunk) for norm, chunk in zip(self.fc_norm, chunks)], dim=-1)
         return self.fc(aux_hidden_states)
 
     def step(
         self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cache: KVCache
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One draft step for every position: returns (draft-vocabulary logits, pre-norm state for the next step)."""
-        normed, prenorm = self.step_states(input_ids, hidden, positions, cache)
-        return self.lm_head(normed), prenorm
+        """One draft step for every position: returns (draft-vocabulary logits, the state the next step takes)."""
+        normed, next_hidden = self.step_states(input_ids, hidden, positions, cache)
+        return self.lm_head(normed), next_hidden
 
     def step_states(
         self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cache: KVCache
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`step` without the ``lm_head``: (what the ``lm_head`` reads, pre-norm state for the next step).
+        """:meth:`step` without the ``lm_head``: (what the ``lm_head`` reads, the state the next step takes).
 
-        Training applies the ``lm_head`` itself where it computes the loss in chunks of positions.
+        The next step takes the pre-norm state, or under ``norm_output`` the
+        post-norm one. Training applies the ``lm_head`` itself where it
+        computes the loss in chunks of positions.
         """
         out, residual = self.midlayer(self.embed_tokens(input_ids), hidden, positions, cache)
         prenorm = out + residual
-        return self.norm(prenorm), prenorm
+        normed = self.norm(prenorm)
+        return normed, normed if self.config.norm_output else prenorm
 
     def draft_to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]

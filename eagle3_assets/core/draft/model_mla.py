@@ -2,7 +2,8 @@
 
 The same draft as :mod:`eagle3_assets.core.draft.model` (``fc``,
 ``hidden_norm``, ``input_layernorm``, the residual, the dense MLP, ``norm``,
-``lm_head``, ``d2t``, the training-time-test unroll), with DeepSeek's
+``lm_head``, ``d2t``, the training-time-test unroll, the norm flags but
+``norm_before_fc``, which vLLM's MLA class does not read), with DeepSeek's
 multi-head latent attention in place of Llama's: vLLM's
 ``Eagle3DeepseekV2ForCausalLM``. Its first layer's ``q_a_proj`` and
 ``kv_a_proj_with_mqa`` take the 2H inputs (embedding and fused state
@@ -29,6 +30,7 @@ size vLLM's CPU MLA decode kernel is built for.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -57,6 +59,12 @@ class MLADraftConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     max_position_embeddings: int = 4096
+    # The norm flags vLLM's Eagle3DeepseekV2ForCausalLM reads: the Llama form's but norm_before_fc (it builds no input_norm).
+    fc_norm: bool = False
+    norm_output: bool = False
+    norm_before_residual: bool = False
+
+    norm_flags: ClassVar[tuple[str, ...]] = ("fc_norm", "norm_output", "norm_before_residual")
 
     def __post_init__(self):
         if self.qk_rope_head_dim % 2:
@@ -78,6 +86,7 @@ class MLADraftConfig:
         num_attention_heads: int | None = None,
         q_lora_rank: int | None = None,
         kv_lora_rank: int | None = None,
+        **norm_flags: bool,
     ) -> MLADraftConfig:
         """A one-layer draft as wide as the target, with the target's latent ranks when it has them (DeepSeek-V3's else)."""
         text = text_config(target_config)
@@ -103,6 +112,7 @@ class MLADraftConfig:
             rms_norm_eps=rms_norm_eps(text),
             rope_theta=float(text.get("rope_theta") or params.get("rope_theta") or 10000.0),
             max_position_embeddings=int(text.get("max_position_embeddings", 4096)),
+            **norm_flags,
         )
 
 

@@ -203,7 +203,11 @@ class EvaluationRecipe(JobSchema):
     max_tokens: int = setting(EVAL_MAX_TOKENS, "completion tokens per prompt (greedy)")
     concurrency: int = setting(8, "requests in flight")
     floor: float = setting(2.0, "acceptance_above_floor fails (ERROR) below this mean acceptance length")
-    baseline: str = setting("untrained", "'untrained' (random draft of the same shape) or the checkpoint training started from")
+    baseline: str = setting(
+        "starting",
+        "'starting' (the draft draft_checkpoint fine-tuned from, as its run recorded; from scratch: 'untrained'), "
+        "'untrained' (random draft of the same shape) or a draft directory",
+    )
 
 
 class EvaluationJob(EvaluationRecipe):

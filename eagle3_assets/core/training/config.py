@@ -48,6 +48,11 @@ class TrainingRecipe(JobSchema):
     draft_kv_lora_rank: int | None = setting(
         None, "deepseek_mla form: the KV latent rank (default: the target's, else 512; on a CPU it must be 576 - qk_rope_head_dim)"
     )
+    # EAGLE 3.1 and its relatives (core/draft/model.py): config.json flags vLLM reads; all off is plain EAGLE-3.
+    fc_norm: bool = setting(False, "EAGLE 3.1: an RMSNorm on each auxiliary target state before fc (both forms)")
+    norm_output: bool = setting(False, "EAGLE 3.1: each unrolled step takes the previous step's post-norm state (both forms)")
+    norm_before_fc: bool = setting(False, "one RMSNorm over the concatenated auxiliary states before fc (llama form only; not with fc_norm)")
+    norm_before_residual: bool = setting(False, "the residual path starts from hidden_norm's output, not the raw fused state (both forms)")
     # Memory (core/training/memory.py plans the micro-batch with these before the first step).
     activation_checkpointing: bool = setting(
         True, "recompute each unrolled step in backward: one step's activations in memory at a time (about 1/3 more compute)"
@@ -99,6 +104,8 @@ class TrainConfig(TrainingRecipe):
             problems.append(f"learning_rate {self.learning_rate} <= 0")
         if self.grad_accumulation < 1:
             problems.append(f"grad_accumulation {self.grad_accumulation} < 1")
+        if self.fc_norm and self.norm_before_fc:
+            problems.append("fc_norm and norm_before_fc both set: one norm per auxiliary state or one over their concatenation, not both")
         if self.draft_form not in ("auto", "llama", "deepseek_mla"):
             problems.append(f"draft_form {self.draft_form!r}: one of 'auto', 'llama', 'deepseek_mla'")
         if problems:

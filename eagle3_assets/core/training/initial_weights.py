@@ -9,9 +9,9 @@ from pathlib import Path
 import torch
 
 from eagle3_assets.core.draft.forms import AUTO, DEEPSEEK_MLA, FormChoice, choose_draft_form, draft_config_for_target, form_of, new_draft
-from eagle3_assets.core.draft.model import Eagle3Draft
+from eagle3_assets.core.draft.model import DraftConfig, Eagle3Draft, norm_flags_of
 from eagle3_assets.core.draft.export import draft_config_from_hf, read_draft_dir
-from eagle3_assets.core.draft.model_mla import DEFAULT_QK_ROPE_HEAD_DIM
+from eagle3_assets.core.draft.model_mla import DEFAULT_QK_ROPE_HEAD_DIM, MLADraftConfig
 from eagle3_assets.core.target.description import text_config, vllm_default_aux_layer_ids
 from eagle3_assets.core.training.config import TrainConfig
 from eagle3_assets.core.training.data import HiddenStateIndex
@@ -24,6 +24,8 @@ class InitReport:
     lm_head_rows_kept: int = 0
     lm_head_rows_new: int = 0
     notes: list[str] = field(default_factory=list)
+    # Fine-tuning: the norm flags set that the starting draft lacked, their weights started at 1 (identity scale).
+    norms_added: list[str] = field(default_factory=list)
 
 
 def initial_draft(config: TrainConfig, index: HiddenStateIndex, mapping: VocabMapping, target: dict) -> tuple[Eagle3Draft, InitReport]:
@@ -45,14 +47,23 @@ def initial_draft(config: TrainConfig, index: HiddenStateIndex, mapping: VocabMa
                 draft.lm_head.weight.copy_(target["lm_head"][mapping.draft_to_target])
         draft.set_vocab_mapping(mapping.d2t, mapping.t2d)
         return draft, InitReport(source="scratch")
-    draft, report = _fine_tune_start(Path(config.init_from), index, mapping, target)
+    draft, report = _fine_tune_start(Path(config.init_from), index, mapping, target, config)
     if config.draft_form not in (AUTO, draft.form):
         raise ValueError(f"cannot fine-tune {config.init_from}: it is a {draft.form!r}-form draft, draft_form says {config.draft_form!r}")
     return draft, report
 
 
-def draft_shape(config: TrainConfig, form: str) -> dict[str, int | None]:
-    """The training settings that shape a draft of ``form``; a setting of the other form is refused, not ignored."""
+def norm_settings(config: TrainConfig, form: str) -> dict[str, bool]:
+    """The norm flags set for a draft of ``form``; one its vLLM class does not read is refused, not ignored."""
+    own = (MLADraftConfig if form == DEEPSEEK_MLA else DraftConfig).norm_flags
+    foreign = sorted(flag for flag in DraftConfig.norm_flags if getattr(config, flag) and flag not in own)
+    if foreign:
+        raise ValueError(f"{foreign} do not apply to a {form!r}-form draft: vLLM's class of that form does not read them")
+    return {flag: bool(getattr(config, flag)) for flag in own}
+
+
+def draft_shape(config: TrainConfig, form: str) -> dict[str, int | bool | None]:
+    """The training settings that shape a draft of ``form`` (its norm flags too); a setting of the other form is refused, not ignored."""
     llama = {
         "num_key_value_heads": config.draft_num_key_value_heads,
         "head_dim": config.draft_head_dim,
@@ -62,13 +73,19 @@ def draft_shape(config: TrainConfig, form: str) -> dict[str, int | None]:
     foreign = sorted(f"draft_{k}" for k, v in other.items() if v is not None)
     if foreign:
         raise ValueError(f"{foreign} do not apply to a {form!r}-form draft")
-    return {"intermediate_size": config.draft_intermediate_size, "num_attention_heads": config.draft_num_attention_heads, **own}
+    shape = {"intermediate_size": config.draft_intermediate_size, "num_attention_heads": config.draft_num_attention_heads, **own}
+    return {**shape, **norm_settings(config, form)}
 
 
-def _fine_tune_start(path: Path, index: HiddenStateIndex, mapping: VocabMapping, target: dict) -> tuple[Eagle3Draft, InitReport]:
+def _fine_tune_start(
+    path: Path, index: HiddenStateIndex, mapping: VocabMapping, target: dict, config: TrainConfig
+) -> tuple[Eagle3Draft, InitReport]:
     hf, tensors = read_draft_dir(path)
     old, layer_ids = draft_config_from_hf(hf, str(path))
     report = InitReport(source=str(path))
+    # The starting draft keeps the norms it has; a flag set here that it lacks is added, its norm weights at 1.
+    wanted = norm_settings(config, form_of(old))
+    report.norms_added = [flag for flag, on in wanted.items() if on and not getattr(old, flag)]
     problems = []
     if old.target_hidden_size != index.hidden_size:
         problems.append(f"it reads target states of width {old.target_hidden_size}, the hidden states have {index.hidden_size}")
@@ -89,13 +106,25 @@ def _fine_tune_start(path: Path, index: HiddenStateIndex, mapping: VocabMapping,
     if problems:
         raise ValueError(f"cannot fine-tune {path}: " + "; ".join(problems))
 
-    new_config = replace(old, draft_vocab_size=mapping.draft_vocab_size, aux_layer_ids=tuple(index.aux_layer_ids))
-    draft = new_draft(new_config)  # of the old draft's form; new lm_head rows keep this random init
+    try:
+        new_config = replace(
+            old, draft_vocab_size=mapping.draft_vocab_size, aux_layer_ids=tuple(index.aux_layer_ids), **dict.fromkeys(report.norms_added, True)
+        )
+    except ValueError as exc:  # e.g. fc_norm set for a draft trained with norm_before_fc
+        raise ValueError(f"cannot fine-tune {path} with these norm settings: {exc}") from None
+    draft = new_draft(new_config)  # of the old draft's form; new lm_head rows keep this random init, new norms weights 1
     own = {k: v for k, v in tensors.items() if k not in ("lm_head.weight", "d2t", "t2d", "embed_tokens.weight")}
-    missing = sorted(set(draft.state_dict()) - set(own) - {"lm_head.weight", "d2t", "t2d", "embed_tokens.weight"})
+    added_weights = {name for name in draft.state_dict() if name.startswith(("fc_norm.", "input_norm."))} - set(own)
+    missing = sorted(set(draft.state_dict()) - set(own) - {"lm_head.weight", "d2t", "t2d", "embed_tokens.weight"} - added_weights)
     if missing:
         raise ValueError(f"cannot fine-tune {path}: its weights lack {missing}")
     draft.load_state_dict(own, strict=False)
+    if report.norms_added:
+        had = [flag for flag, on in norm_flags_of(old).items() if on]
+        report.notes.append(
+            f"norms added at identity (weights 1): {', '.join(report.norms_added)}; the starting draft had "
+            f"{', '.join(had) or 'none (plain EAGLE-3)'}"
+        )
     with torch.no_grad():
         draft.embed_tokens.weight.copy_(tensors.get("embed_tokens.weight", target["embed"]).float())
         # Rows follow target ids: row i of the new head predicts target id i + d2t_new[i].

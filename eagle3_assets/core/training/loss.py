@@ -123,7 +123,7 @@ class TrainingTimeTest(nn.Module):
             def one_step(hidden: torch.Tensor, *cache_flat: torch.Tensor, k=k, ids_k=ids_k, mask=mask, count=count):
                 """Step k from the draft's state and the cache: (weighted loss, next state, this step's key, value, argmax)."""
                 cache = [(cache_flat[i], cache_flat[i + 1]) for i in range(0, len(cache_flat), 2)]
-                normed, prenorm = draft.step_states(ids_k, hidden, positions + k, cache)
+                normed, next_hidden = draft.step_states(ids_k, hidden, positions + k, cache)
                 if self.loss_chunk_tokens:
                     # Position (b, t) is trained towards the target's distribution at (b, t + 1 + k): a row index,
                     # clamped where the mask is 0 anyway.
@@ -138,7 +138,7 @@ class TrainingTimeTest(nn.Module):
                     token_loss = -(shift_left(target_probs, 1 + k) * torch.log_softmax(logits.float(), dim=-1)).sum(-1)
                     step_loss = (token_loss * mask).sum() / count.clamp(min=1)
                     argmax = logits.detach().argmax(-1)
-                return step_loss, prenorm, cache[-1][0], cache[-1][1], argmax
+                return step_loss, next_hidden, cache[-1][0], cache[-1][1], argmax
 
             if self.checkpoint_steps and torch.is_grad_enabled():
                 step_loss, hidden, key, value, argmax = checkpoint(one_step, hidden, *kv, use_reentrant=False)

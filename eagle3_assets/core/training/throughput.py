@@ -21,6 +21,11 @@ Achieved TFLOP/s = FLOPs per token x tokens/s. Its share is against one
 matrix product timed in the same run on the same device (bf16 on CUDA,
 float32 on CPU, where training runs in float32).
 
+``--norms``: the draft's norm flags (``plain`` EAGLE-3, ``eagle3.1`` =
+``fc_norm`` + ``norm_output``, each flag alone, ``speculators``' defaults),
+each variant's time per step printed against the first variant's at the same
+depth in the same run. The norms' own FLOPs (elementwise) are not counted.
+
 Peak memory: on CUDA ``torch.cuda.max_memory_allocated`` against the card's
 memory; on CPU the child's maximum RSS (torch itself included); beside it the
 planner's estimate (eagle3_assets.core.training.memory).
@@ -73,13 +78,26 @@ def step_flops(p: dict, ttt: int) -> float:
     return 2 * h * p["vocab"] + 2 * (2 * 3 * h * h) + ttt * per_step
 
 
-def draft_config_of(p: dict):
+# The draft's norm flags (core/draft/model.py) each variant sets: plain EAGLE-3, EAGLE 3.1, each flag alone,
+# and speculators' training defaults.
+NORM_VARIANTS = {
+    "plain": {},
+    "eagle3.1": {"fc_norm": True, "norm_output": True},
+    "fc_norm": {"fc_norm": True},
+    "norm_output": {"norm_output": True},
+    "norm_before_fc": {"norm_before_fc": True},
+    "norm_before_residual": {"norm_before_residual": True},
+    "speculators": {"norm_before_fc": True, "norm_output": True, "norm_before_residual": True},
+}
+
+
+def draft_config_of(p: dict, **norm_flags: bool):
     from eagle3_assets.core.draft.model import DraftConfig
 
     return DraftConfig(
         hidden_size=p["hidden"], intermediate_size=p["intermediate"], num_attention_heads=p["heads"],
         num_key_value_heads=p["kv_heads"], head_dim=p["head_dim"], vocab_size=p["vocab"],
-        draft_vocab_size=p["draft_vocab"], target_hidden_size=p["hidden"], aux_layer_ids=(2, 3, 4),
+        draft_vocab_size=p["draft_vocab"], target_hidden_size=p["hidden"], aux_layer_ids=(2, 3, 4), **norm_flags,
     )  # fmt: skip
 
 
@@ -114,7 +132,7 @@ def child(spec: dict) -> dict:
     torch.manual_seed(0)
     p, memory = spec["shape"], spec["memory"]
     mapping = build_vocab_mapping(torch.randint(0, 1000, (p["vocab"],)), p["draft_vocab"])
-    draft = Eagle3Draft(draft_config_of(p))
+    draft = Eagle3Draft(draft_config_of(p, **NORM_VARIANTS[spec["norms"]]))
     draft.set_vocab_mapping(mapping.d2t, mapping.t2d)
     draft.embed_tokens.weight.requires_grad_(False)
     draft.to(device)
@@ -165,17 +183,20 @@ def child(spec: dict) -> dict:
         peak, capacity = torch.cuda.max_memory_allocated(), torch.cuda.get_device_properties(device).total_memory
     else:
         peak, capacity = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, None
-    return {"tokens_per_s": batch * length * spec["steps"] / elapsed, "peak_bytes": peak, "capacity_bytes": capacity, "batch": batch, "seq_len": length}
+    return {"tokens_per_s": batch * length * spec["steps"] / elapsed, "step_s": elapsed / spec["steps"], "peak_bytes": peak, "capacity_bytes": capacity, "batch": batch, "seq_len": length}
 
 
-def run_depth(shape: dict, args, depth: int, memory: dict) -> dict:
-    spec = {"shape": shape, "device": args.device, "ttt": depth, "steps": args.steps, "warmup": args.warmup, "threads": args.threads, "memory": memory}
+def run_depth(shape: dict, args, depth: int, memory: dict, norms: str = "plain") -> dict:
+    spec = {
+        "shape": shape, "device": args.device, "ttt": depth, "steps": args.steps, "warmup": args.warmup, "threads": args.threads,
+        "memory": memory, "norms": norms,
+    }  # fmt: skip
     # The child imports this package from where the parent did (a checkout run by bench/training.py, or an install).
     root = str(Path(__file__).resolve().parents[3])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     done = subprocess.run([sys.executable, "-m", __name__, "--child", json.dumps(spec)], capture_output=True, text=True, env=env)
     if done.returncode != 0:
-        raise RuntimeError(f"ttt={depth} failed:\n{done.stderr[-3000:]}")
+        raise RuntimeError(f"ttt={depth} norms={norms} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -204,12 +225,18 @@ def run(args) -> list[dict]:
     rate = matmul_rate(args.device, args.matmul_size, args.matmul_repeats)
     print(
         f"bench/training: {'target ' + args.target if args.target else 'preset ' + args.preset} {shape} on {args.device}, "
-        f"memory settings {memory}, {args.steps} steps per configuration"
+        f"memory settings {memory}, {args.steps} steps per configuration, median of {args.rounds} round(s)"
     )
     print(f"  reference: one {'bf16' if bf16 else 'float32'} {args.matmul_size}x{args.matmul_size} matrix product: {rate / 1e12:.3f} TFLOP/s")
+    grid = [(n, d) for n in args.norms for d in args.ttt]
+    # Rounds, each in the other order (drift of a shared machine's load cancels); each configuration's median round.
+    runs: dict[tuple[str, int], list[dict]] = {key: [] for key in grid}
+    for round_index in range(args.rounds):
+        for key in grid if round_index % 2 == 0 else grid[::-1]:
+            runs[key].append(run_depth(shape, args, key[1], memory, key[0]))
     rows = []
-    for depth in args.ttt:
-        r = run_depth(shape, args, depth, memory)
+    for norms, depth in grid:
+        r = sorted(runs[(norms, depth)], key=lambda each: each["step_s"])[len(runs[(norms, depth)]) // 2]
         flops = step_flops(shape, depth)
         estimate = estimate_step_bytes(
             StepShape.of(draft_config_of(shape), r["batch"] * r["seq_len"], r["seq_len"], depth, bf16=bf16,
@@ -217,20 +244,28 @@ def run(args) -> list[dict]:
                          target_head_chunk_tokens=memory["target_head_chunk_tokens"])
         )["total"]  # fmt: skip
         achieved = flops * r["tokens_per_s"]
-        row = {**r, "ttt": depth, "gflop_per_token": flops / 1e9, "tflops": achieved / 1e12, "share": achieved / rate, "estimate_bytes": estimate,
+        row = {**r, "ttt": depth, "norms": norms, "gflop_per_token": flops / 1e9, "tflops": achieved / 1e12, "share": achieved / rate, "estimate_bytes": estimate,
                "reference_tflops": rate / 1e12}  # fmt: skip
         rows.append(row)
         capacity = f" of {r['capacity_bytes'] / 2**30:.0f} GiB" if r["capacity_bytes"] else " (RSS, torch included)"
         print(
-            f"  ttt_steps={depth}: {r['tokens_per_s']:10.0f} tokens/s, {flops / 1e9:8.3f} GFLOP/token, {achieved / 1e12:8.4f} TFLOP/s, "
+            f"  norms {norms:>20}, ttt_steps={depth}: {r['step_s'] * 1e3:9.1f} ms/step, {r['tokens_per_s']:10.0f} tokens/s, {flops / 1e9:8.3f} GFLOP/token, {achieved / 1e12:8.4f} TFLOP/s, "
             f"share of the matrix product {achieved / rate:.3f}, peak memory {r['peak_bytes'] / 2**30:.2f} GiB{capacity} "
             f"(estimate {estimate / 2**30:.2f} GiB; batch {r['batch']} x {r['seq_len']})"
         )
     base = rows[0]
-    for row in rows[1:]:
+    for row in rows[1 : len(args.ttt)]:
         print(
-            f"  ratio ttt_steps={row['ttt']} / {base['ttt']}: tokens/s {row['tokens_per_s'] / base['tokens_per_s']:.2f}, "
+            f"  ratio ttt_steps={row['ttt']} / {base['ttt']} ({base['norms']}): tokens/s {row['tokens_per_s'] / base['tokens_per_s']:.2f}, "
             f"peak memory {row['peak_bytes'] / base['peak_bytes']:.2f}"
+        )
+    # What the norms cost: each variant's time per step against the first variant's at the same depth, measured in this run.
+    reference = {row["ttt"]: row for row in rows[: len(args.ttt)]}
+    for row in rows[len(args.ttt) :]:
+        ref = reference[row["ttt"]]
+        print(
+            f"  ratio norms {row['norms']} / {ref['norms']}, ttt_steps={row['ttt']}: time per step {row['step_s'] / ref['step_s']:.3f}, "
+            f"peak memory {row['peak_bytes'] / ref['peak_bytes']:.2f}"
         )
     return rows
 
@@ -241,7 +276,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--target", help="a target's HF directory: the draft at its width (instead of --preset)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--ttt", type=int, nargs="+", default=[1, 3, 7], help="unrolled depths to compare")
+    p.add_argument(
+        "--norms", nargs="+", choices=list(NORM_VARIANTS), default=["plain", "eagle3.1"],
+        help="the draft's norm flags to compare (eagle3.1: fc_norm + norm_output); ratios against the first",
+    )  # fmt: skip
     p.add_argument("--steps", type=int, default=10, help="timed optimizer steps per configuration")
+    p.add_argument("--rounds", type=int, default=1, help="runs of every configuration, alternating the order; the median is printed")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=1, help="torch threads on CPU (training uses 1)")
     p.add_argument("--batch-tokens", type=int, help="tokens per micro-batch (default: the preset's)")
