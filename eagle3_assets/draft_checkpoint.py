@@ -268,8 +268,8 @@ def draft_checkpoint(
         gates=ExportGates(
             aux_layer_ids=layer_ids,
             target_vocab_size=states.vocab_size,
-            trust_remote_code=target_model.trust_remote_code,
             log_path=str(paths.loads_in_vllm_log),
+            serving=target_model.serving_profile(),
         ),
         **settings_of(config, TrainingJob),
     )

@@ -112,7 +112,7 @@ def draft_evaluation(
         raise FileNotFoundError(f"no exported draft at {draft_dir}: materialise draft_checkpoint first")
     job = EvaluationJob(
         target_dir=str(target_model.resolved_path()),
-        target_trust_remote_code=target_model.trust_remote_code,
+        serving=target_model.serving_profile(),
         draft_dir=str(draft_dir),
         eval_prompts=eval_prompts,
         report_path=str(DatasetPaths().evaluation_report),

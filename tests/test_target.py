@@ -24,7 +24,7 @@ from eagle3_assets.core.target.identity import config_hash
 from eagle3_assets.core.target.tokenizer import load_tokenizer
 from eagle3_assets.core.target.description import TargetDescription, TargetError, default_aux_layer_ids
 from eagle3_assets.core.target.preflight import TargetSettings, preflight_problems
-from eagle3_assets.core.target.serving import vllm_serving
+from eagle3_assets.core.serving.profile import ServingProfile, vllm_launch
 from eagle3_assets.partitions import register_shards
 from resources.target_model import TargetModel
 
@@ -180,13 +180,16 @@ def test_hidden_states_refuses_another_model_than_the_one_that_rendered_the_trac
 
 
 def test_serving_follows_the_target(tiny_target, tmp_path):
-    assert vllm_serving(tiny_target) == {"max_model_len": 4096, "dtype": "float32", "trust_remote_code": False, "extra_args": []}
+    """The serving profile's launch reads the target: its dtype, its context, remote code as set."""
+    launch = vllm_launch(ServingProfile(), tiny_target, on_cpu=True).engine_args
+    assert (launch["max_model_len"], launch["dtype"], launch["trust_remote_code"]) == (4096, "float32", False)
+    assert "compilation_config" not in launch  # only an MLA target on a CPU host needs vLLM's PyTorch rotary
     short = variant(tiny_target, tmp_path / "short", max_position_embeddings=2048)
-    assert vllm_serving(short, trust_remote_code=True)["max_model_len"] == 2048
+    assert vllm_launch(ServingProfile(trust_remote_code=True), short, on_cpu=True).engine_args["max_model_len"] == 2048
     with pytest.raises(TargetError, match="exceeds the target's 2048-token context"):
-        vllm_serving(short, max_model_len=4096)
+        vllm_launch(ServingProfile(max_model_len=4096), short, on_cpu=True)
     bf16 = variant(tiny_target, tmp_path / "bf16", dtype="bfloat16")
-    assert vllm_serving(bf16)["dtype"] == "auto"  # never cast a half-precision or quantised checkpoint
+    assert vllm_launch(ServingProfile(), bf16, on_cpu=True).engine_args["dtype"] == "auto"  # never cast a half-precision or quantised checkpoint
 
 
 def materialised_prompts(source: Path, questions: list[str], data_dir: Path, holdout_share: float) -> tuple[pl.DataFrame, pl.DataFrame]:

@@ -126,8 +126,7 @@ def _train_streamed(job: TrainingJob, on_event) -> dict:
 
 def run_gates(export_dir: Path, target_path: str, gates: ExportGates, num_speculative_tokens: int, log) -> dict:
     """``config_complete``'s problems, then (only when there are none) ``loads_in_vllm``: vLLM on this host."""
-    from eagle3_assets.core.draft.export import LOAD_CHECK_CONTEXT, check_loads_in_vllm, config_problems
-    from eagle3_assets.core.target.serving import vllm_serving
+    from eagle3_assets.core.draft.export import check_loads_in_vllm, config_problems
 
     problems = config_problems(export_dir, gates.aux_layer_ids, target_vocab_size=gates.target_vocab_size)
     report = None
@@ -138,7 +137,7 @@ def run_gates(export_dir: Path, target_path: str, gates: ExportGates, num_specul
             export_dir,
             num_speculative_tokens=num_speculative_tokens,
             log_path=Path(gates.log_path) if gates.log_path else None,
-            serving=vllm_serving(target_path, gates.trust_remote_code, cap=LOAD_CHECK_CONTEXT),
+            profile=gates.serving,
         )
         log(f"{STAGE}: loads_in_vllm: {report.detail}")
     loads = (
