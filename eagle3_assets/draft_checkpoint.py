@@ -49,7 +49,8 @@ from dagster import (
 from pydantic import Field
 
 from eagle3_assets.config_fields import config_field, settings_of
-from eagle3_assets.core.gpu_host.stage_requirements import StageRequirements
+from eagle3_assets.core.draft.export import LOAD_CHECK_CONTEXT
+from eagle3_assets.core.gpu_host.stage_requirements import StageRequirements, with_serving_need
 from eagle3_assets.core.storage.shard_paths import SIDECAR, DatasetPaths, ShardPaths
 from eagle3_assets.core.gpu_host.stage_jobs import (
     BoundedModeError,
@@ -273,7 +274,9 @@ def draft_checkpoint(
         ),
         **settings_of(config, TrainingJob),
     )
-    invocation = gpu_host.run_stage(context, STAGE, job.to_dict(), requirements=states.requirements)
+    # loads_in_vllm serves the target (and bounded mode's vLLM backend extracts) as its profile says: checked first.
+    requirements = with_serving_need(states.requirements or TRAIN_DRAFT_REQUIREMENTS, target_model.gpu_need(LOAD_CHECK_CONTEXT))
+    invocation = gpu_host.run_stage(context, STAGE, job.to_dict(), requirements=requirements)
     reported = invocation.get_materialize_result()
     stage_metadata = dict(reported.metadata or {})
     problems = list(stage_metadata.pop("config_problems").value)

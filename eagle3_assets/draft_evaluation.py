@@ -26,7 +26,7 @@ from pydantic import Field
 from eagle3_assets.check_results import Gate, Gates
 from eagle3_assets.core.evaluation.acceptance import load_conversations
 from eagle3_assets.core.prompts.heldout import held_out_prompts, question_text
-from eagle3_assets.core.gpu_host.stage_requirements import StageRequirements
+from eagle3_assets.core.gpu_host.stage_requirements import StageRequirements, with_serving_need
 from eagle3_assets.core.storage.shard_files import read_shard_parquet
 from eagle3_assets.core.draft.export import CONFIG_FILE
 from eagle3_assets.core.storage.shard_paths import DatasetPaths, training_shards
@@ -43,7 +43,9 @@ GATES = Gates(
     "draft_evaluation",
     [Gate("acceptance_above_floor", False, "ERROR below the floor; WARN when the trained draft does not beat the baseline")],
 )
-register_stage(STAGE, StageRequirements(modules=["vllm", "torch", "openai", "dagster_pipes"], output_dirs=["draft_evaluation"]))
+EVALUATION_REQUIREMENTS = register_stage(
+    STAGE, StageRequirements(modules=["vllm", "torch", "openai", "dagster_pipes"], output_dirs=["draft_evaluation"])
+)
 
 
 class DraftEvaluationConfig(EvaluationRecipe, Config):
@@ -118,5 +120,7 @@ def draft_evaluation(
         report_path=str(DatasetPaths().evaluation_report),
         **{**values_of(config, EvaluationRecipe), "k_values": validated_k_values(config.k_values)},
     )
-    invocation = gpu_host.run_stage(context, STAGE, job.model_dump())
+    # The stage serves the target as its profile says: its GPUs and their free memory are checked before anything starts.
+    requirements = with_serving_need(EVALUATION_REQUIREMENTS, target_model.gpu_need())
+    invocation = gpu_host.run_stage(context, STAGE, job.model_dump(), requirements=requirements)
     return invocation.get_materialize_result()

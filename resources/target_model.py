@@ -26,7 +26,8 @@ from eagle3_assets.core.target import description as core_target
 from eagle3_assets.core.target.identity import TargetIdentity, config_hash, target_identity
 from eagle3_assets.core.target.preflight import TargetSettings, preflight_problems
 from eagle3_assets.core.target.tokenizer import load_tokenizer
-from eagle3_assets.core.serving.profile import ServingProfile
+from eagle3_assets.core.serving.profile import GPUNeed, ServingProfile, gpu_need
+from eagle3_assets.core.target.serving import SERVING_CONTEXT_CAP
 from eagle3_assets.core.settings.environment import AUX_LAYER_IDS, TARGET_MODEL, TRUST_REMOTE_CODE
 from eagle3_assets.core.settings.job_schema import values_of
 
@@ -141,6 +142,12 @@ class TargetModel(ServingProfile, ConfigurableResource):
     def serving_profile(self) -> ServingProfile:
         """How vLLM serves this target: the serving settings of this resource, as the GPU stages receive them."""
         return ServingProfile(**values_of(self, ServingProfile))
+
+    def gpu_need(self, context: int | None = None) -> GPUNeed:
+        """What one start of this target as profiled needs of each GPU (``context``: the longest sequence the use serves;
+        default: the target's context up to 16,384): the GPU pre-flight's requirement for the stages that start it."""
+        length = context or min(self.context_length() or SERVING_CONTEXT_CAP, SERVING_CONTEXT_CAP)
+        return gpu_need(self.serving_profile(), self.resolved_path(), length)
 
     def stage_extras(self) -> dict:
         """What a GPU stage needs to load this target exactly as configured."""

@@ -50,7 +50,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 
 from eagle3_assets.core.extraction.shard_extraction import TargetFacts, validate_layer_ids
 from eagle3_assets.core.gpu_host.stage_jobs import ExtractionRecipe
-from eagle3_assets.core.serving.profile import MULTIPROCESSING_ENV, ServingProfile, vllm_launch
+from eagle3_assets.core.serving.profile import MULTIPROCESSING_ENV, ServingProfile, VLLMLaunch, vllm_launch
 
 CONNECTOR_MODULE = __name__
 CONNECTOR_CLASS = "SyncHiddenStatesConnector"
@@ -92,6 +92,32 @@ class SyncHiddenStatesConnector(ExampleHiddenStatesConnector):
         self._req_copy_events[pending.req_id] = _CopyDone()
 
 
+def extraction_launch(
+    target_path: Path | str, engine_layer_ids: Sequence[int], scratch_dir: Path | str, serving: ServingProfile | None,
+    *, context: int, seed: int = 0,
+) -> VLLMLaunch:
+    """The extraction engine's arguments: the target's serving profile (TP, quantization, dtype, CUDA graphs...), and what
+    only this site adds: vLLM's hidden-states method at ``engine_layer_ids``, the connector that writes them, no prefix
+    cache (a cached prefix is not recomputed, so its states would never reach the connector), no tokenizer."""
+    site_args = {
+        "enable_prefix_caching": False,
+        "skip_tokenizer_init": True,
+        "seed": seed,
+        "speculative_config": {
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(engine_layer_ids)}},
+        },
+        "kv_transfer_config": {
+            "kv_connector": CONNECTOR_CLASS,
+            "kv_connector_module_path": CONNECTOR_MODULE,
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"shared_storage_path": str(scratch_dir)},
+        },
+    }
+    return vllm_launch(serving or ServingProfile(), target_path, context=context, site_args=site_args)
+
+
 class VLLMBackend:
     """Hidden states through a vLLM engine in this process, at the configured ids plus ``L`` (pre-norm)."""
 
@@ -126,9 +152,7 @@ class VLLMBackend:
         self._owns_scratch = scratch_dir is None
         self.scratch_dir = Path(scratch_dir or tempfile.mkdtemp(prefix="eagle3-vllm-hidden-states-"))
         self.scratch_dir.mkdir(parents=True, exist_ok=True)
-        # The engine as the target's serving profile says (TP, quantization, dtype, CUDA graphs...); this site adds
-        # only what extraction is: the hidden-states method and its connector, no prefix cache, no tokenizer.
-        launch = vllm_launch(serving or ServingProfile(), self.target_path, context=max_model_len, site_args=self.site_args(seed))
+        launch = extraction_launch(self.target_path, self.engine_layer_ids, self.scratch_dir, serving, context=max_model_len, seed=seed)
         self.max_model_len = int(launch.engine_args["max_model_len"])
         in_process = engine_in_process if engine_in_process is not None else launch.fast_start
         # In process: no engine-core process to spawn (and import vLLM in again), faster to start on a CPU host.
@@ -161,26 +185,6 @@ class VLLMBackend:
         self._same_pass_references: dict[bytes, torch.Tensor] = {}
         self.reference_passes = {"same_pass": 0, "separate_pass": 0}
         self.logits_dtype = str(self.llm.llm_engine.model_config.dtype).removeprefix("torch.")
-
-    def site_args(self, seed: int = 0) -> dict[str, Any]:
-        """What this site adds to the serving profile: vLLM's hidden-states method at our ids, the connector that writes them."""
-        return {
-            # A cached prefix is not recomputed, so its states would never reach the connector.
-            "enable_prefix_caching": False,
-            "skip_tokenizer_init": True,
-            "seed": seed,
-            "speculative_config": {
-                "method": "extract_hidden_states",
-                "num_speculative_tokens": 1,
-                "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": self.engine_layer_ids}},
-            },
-            "kv_transfer_config": {
-                "kv_connector": CONNECTOR_CLASS,
-                "kv_connector_module_path": CONNECTOR_MODULE,
-                "kv_role": "kv_producer",
-                "kv_connector_extra_config": {"shared_storage_path": str(self.scratch_dir)},
-            },
-        }
 
     def keep_references(self, sequences: Sequence[Sequence[int]]) -> None:
         """Record the engine's argmax for these sequences in the pass that captures their states (for the gate)."""
