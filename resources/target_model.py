@@ -24,7 +24,7 @@ from pydantic import Field, PrivateAttr
 
 from eagle3_assets.core.target import description as core_target
 from eagle3_assets.core.target.identity import TargetIdentity, config_hash, target_identity
-from eagle3_assets.core.target.preflight import TargetSettings, preflight_problems
+from eagle3_assets.core.target.preflight import TargetSettings, completion_budget, preflight_problems
 from eagle3_assets.core.target.tokenizer import load_tokenizer
 from eagle3_assets.core.serving.profile import GPUNeed, ServingProfile, gpu_need
 from eagle3_assets.core.target.serving import SERVING_CONTEXT_CAP
@@ -135,6 +135,18 @@ class TargetModel(ServingProfile, ConfigurableResource):
         from eagle3_assets.core.validation.chat_rendering import ChatRenderer
 
         return ChatRenderer(self.load_tokenizer(), self.think_open, self.think_close, self.end_of_turn)
+
+    def completion_budget(self, conversations: list[list[dict]]) -> int:
+        """``max_tokens`` when none is set: what the context leaves beside the longest of these prompts, as the target's
+        chat template renders them (:func:`eagle3_assets.core.target.preflight.completion_budget`)."""
+        lengths = []
+        if conversations:
+            try:
+                tokenizer = self.load_tokenizer()
+                lengths = [len(tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]) for m in conversations]
+            except Exception:  # noqa: BLE001 - the target pre-flight names a tokenizer or template that fails; room for a short prompt here
+                lengths = []
+        return completion_budget(self.context_length(), lengths)
 
     def preflight_problems(self, *, max_tokens: int, eval_max_tokens: int) -> list[str]:
         return preflight_problems(self.settings(), max_tokens=max_tokens, eval_max_tokens=eval_max_tokens)

@@ -154,6 +154,40 @@ def test_the_target_preflight_stops_generation_before_any_request(tiny_target, t
     assert not (data_dir / "raw_responses" / f"{SHARD}.journal.jsonl").exists()
 
 
+def test_max_tokens_defaults_to_what_a_short_context_leaves_instead_of_refusing(tiny_target, tmp_path, data_dir):
+    """A 2,048-token target with defaults only: the target pre-flight used to refuse every shard ("max_tokens=8192
+    leaves under 256 tokens for the prompt"); now max_tokens is what the context leaves beside the shard's prompts."""
+    from eagle3_assets.core.target.preflight import DEFAULT_MAX_TOKENS, MIN_PROMPT_ROOM, completion_budget
+    from eagle3_assets.prompts import prompts
+    from eagle3_assets.raw_responses import raw_responses
+    from resources.prompt_dataset import PromptDataset
+    from resources.vllm_server import VLLMServerResource
+
+    assert completion_budget(262144, [900, 4000]) == DEFAULT_MAX_TOKENS  # the story's target: 8,192
+    assert completion_budget(2048, [40, 60]) == 2048 - MIN_PROMPT_ROOM
+    assert completion_budget(2048, [700]) == 2048 - 700
+    assert completion_budget(2048, [1900]) == 1024  # one outlier prompt does not shrink every answer below half the context
+    short = variant(tiny_target, tmp_path / "short", max_position_embeddings=2048)
+    source = tmp_path / "prompts.jsonl"
+    source.write_text("".join(json.dumps({"id": f"q{i}", "question": f"What is {i} + {i}?"}) + "\n" for i in range(4)))
+    instance = DagsterInstance.ephemeral()
+    register_shards(instance, [SHARD])
+    resources = {
+        "prompt_dataset": PromptDataset(source=str(source), shard_size=4, holdout_share=0.0),
+        # max_tokens left unset; nothing listens at this URL, so the run stops at the server, after the target pre-flight.
+        "vllm_server": VLLMServerResource(base_urls=["http://127.0.0.1:9"], served_model_name="m", max_retries=0),
+        "target_model": TargetModel(path=str(short)),
+    }
+    assert resources["vllm_server"].max_tokens is None
+    result = materialize([prompts, raw_responses], partition_key=SHARD, resources=resources, instance=instance, raise_on_error=False)
+    (failure,) = [e for e in result.all_events if e.is_step_failure]
+    assert "target pre-flight failed" not in failure.step_failure_data.error.to_string()
+    logs = [e.message for e in instance.all_logs(result.run_id) if e.message]
+    expected = 2048 - MIN_PROMPT_ROOM  # the shard's questions are far shorter than the prompt room
+    assert any(f"vllm_server.max_tokens unset: {expected} (2048-token context" in line for line in logs), logs
+    assert any(line.endswith(f"in flight, max_tokens {expected}") for line in logs), logs  # what the requests carry
+
+
 def test_hidden_states_refuses_another_model_than_the_one_that_rendered_the_traces(tiny_target, tmp_path, data_dir):
     from eagle3_assets.hidden_states import HiddenStatesConfig, hidden_states
     from resources.gpu_host import GPUHost
