@@ -54,7 +54,8 @@ SOURCES = [
     (DraftEvaluationConfig, [EvaluationJob], {"eval_prompts", "max_eval_prompts"}, set()),
     (
         VLLMServerResource,
-        [GenerationConfig, Sampling],
+        # The resource's own bases; GenerationConfig takes max_tokens resolved (unset here: what the target's context leaves).
+        [GenerationSettings, Sampling],
         {"base_urls", "served_model_name", "canary_prompt", "canary_max_tokens", "progress_interval_s"},
         {"sampling"},  # shown field by field (Sampling)
     ),
