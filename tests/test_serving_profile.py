@@ -96,6 +96,13 @@ def test_the_fast_start_is_for_the_built_in_targets_only(tiny_target):
     assert built_in.startup_timeout_s == FAST_START_TIMEOUT_S
     users = vllm_launch(ServingProfile(), KIMI_K25, on_cpu=False)
     assert not users.fast_start and MULTIPROCESSING_ENV not in users.environment({}) and users.startup_timeout_s == 3600
+    # The demo's generation server (`make serve-demo`): the built-in target's profile, parsed as vLLM parses it.
+    from eagle3_assets.demo.serve import demo_server
+
+    server = demo_server("tiny", port=8123)
+    engine = server_engine_args(server.command())
+    assert (engine.reasoning_parser, engine.enforce_eager, engine.served_model_name) == ("deepseek_r1", True, ["tiny-reasoner"])
+    assert server.startup_timeout_s == FAST_START_TIMEOUT_S
 
 
 def test_a_site_or_an_extra_argument_may_not_override_the_profile():
