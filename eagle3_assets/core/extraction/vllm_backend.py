@@ -38,7 +38,6 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
