@@ -129,12 +129,11 @@ def test_the_preflight_refuses_repeated_ids_a_short_context_and_remote_code_with
     assert preflight_problems(TargetSettings(str(remote), trust_remote_code=True), max_tokens=256, eval_max_tokens=128) == []
 
 
-def test_the_target_preflight_stops_generation_before_any_request(tiny_target, tmp_path, data_dir):
-    """Repeated ids used to be refused only at extraction, after generation and validation; now nothing is sent."""
+def generate_one_shard(tmp_path: Path, vllm_server, target_model: TargetModel):
+    """``prompts`` and ``raw_responses`` of one shard of four short questions: (the run's result, its instance)."""
     from eagle3_assets.prompts import prompts
     from eagle3_assets.raw_responses import raw_responses
     from resources.prompt_dataset import PromptDataset
-    from resources.vllm_server import VLLMServerResource
 
     source = tmp_path / "prompts.jsonl"
     source.write_text("".join(json.dumps({"id": f"q{i}", "question": f"What is {i} + {i}?"}) + "\n" for i in range(4)))
@@ -142,11 +141,19 @@ def test_the_target_preflight_stops_generation_before_any_request(tiny_target, t
     register_shards(instance, [SHARD])
     resources = {
         "prompt_dataset": PromptDataset(source=str(source), shard_size=4, holdout_share=0.0),
-        # Nothing listens there: the pre-flight must fail before the client is even opened.
-        "vllm_server": VLLMServerResource(base_urls=["http://127.0.0.1:9"], served_model_name="m", max_tokens=256),
-        "target_model": TargetModel(path=str(tiny_target), aux_layer_ids=[2, 3, 3]),
+        "vllm_server": vllm_server,
+        "target_model": target_model,
     }
-    result = materialize([prompts, raw_responses], partition_key=SHARD, resources=resources, instance=instance, raise_on_error=False)
+    return materialize([prompts, raw_responses], partition_key=SHARD, resources=resources, instance=instance, raise_on_error=False), instance
+
+
+def test_the_target_preflight_stops_generation_before_any_request(tiny_target, tmp_path, data_dir):
+    """Repeated ids used to be refused only at extraction, after generation and validation; now nothing is sent."""
+    from resources.vllm_server import VLLMServerResource
+
+    # Nothing listens there: the pre-flight must fail before the client is even opened.
+    server = VLLMServerResource(base_urls=["http://127.0.0.1:9"], served_model_name="m", max_tokens=256)
+    result, _ = generate_one_shard(tmp_path, server, TargetModel(path=str(tiny_target), aux_layer_ids=[2, 3, 3]))
     assert not result.success
     (failure,) = [e for e in result.all_events if e.is_step_failure]
     text = failure.step_failure_data.error.to_string()
@@ -158,9 +165,6 @@ def test_max_tokens_defaults_to_what_a_short_context_leaves_instead_of_refusing(
     """A 2,048-token target with defaults only: the target pre-flight used to refuse every shard ("max_tokens=8192
     leaves under 256 tokens for the prompt"); now max_tokens is what the context leaves beside the shard's prompts."""
     from eagle3_assets.core.target.preflight import DEFAULT_MAX_TOKENS, MIN_PROMPT_ROOM, completion_budget
-    from eagle3_assets.prompts import prompts
-    from eagle3_assets.raw_responses import raw_responses
-    from resources.prompt_dataset import PromptDataset
     from resources.vllm_server import VLLMServerResource
 
     assert completion_budget(262144, [900, 4000]) == DEFAULT_MAX_TOKENS  # the story's target: 8,192
@@ -168,18 +172,10 @@ def test_max_tokens_defaults_to_what_a_short_context_leaves_instead_of_refusing(
     assert completion_budget(2048, [700]) == 2048 - 700
     assert completion_budget(2048, [1900]) == 1024  # one outlier prompt does not shrink every answer below half the context
     short = variant(tiny_target, tmp_path / "short", max_position_embeddings=2048)
-    source = tmp_path / "prompts.jsonl"
-    source.write_text("".join(json.dumps({"id": f"q{i}", "question": f"What is {i} + {i}?"}) + "\n" for i in range(4)))
-    instance = DagsterInstance.ephemeral()
-    register_shards(instance, [SHARD])
-    resources = {
-        "prompt_dataset": PromptDataset(source=str(source), shard_size=4, holdout_share=0.0),
-        # max_tokens left unset; nothing listens at this URL, so the run stops at the server, after the target pre-flight.
-        "vllm_server": VLLMServerResource(base_urls=["http://127.0.0.1:9"], served_model_name="m", max_retries=0),
-        "target_model": TargetModel(path=str(short)),
-    }
-    assert resources["vllm_server"].max_tokens is None
-    result = materialize([prompts, raw_responses], partition_key=SHARD, resources=resources, instance=instance, raise_on_error=False)
+    # max_tokens left unset; nothing listens at this URL, so the run stops at the server, after the target pre-flight.
+    server = VLLMServerResource(base_urls=["http://127.0.0.1:9"], served_model_name="m", max_retries=0)
+    assert server.max_tokens is None
+    result, instance = generate_one_shard(tmp_path, server, TargetModel(path=str(short)))
     (failure,) = [e for e in result.all_events if e.is_step_failure]
     assert "target pre-flight failed" not in failure.step_failure_data.error.to_string()
     logs = [e.message for e in instance.all_logs(result.run_id) if e.message]
