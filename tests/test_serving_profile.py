@@ -37,6 +37,8 @@ def server_engine_args(command: list[str]):
     assert command[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     parsed = make_arg_parser(FlexibleArgumentParser()).parse_args(command[3:])
     validate_parsed_serve_args(parsed)
+    if parsed.model_tag:  # `vllm serve MODEL`: the positional model, as vLLM's serve command takes it
+        parsed.model = parsed.model_tag
     return AsyncEngineArgs.from_cli_args(parsed)
 
 
@@ -70,6 +72,15 @@ def test_the_tp8_int4_profile_is_parsed_by_vllm_at_every_start_site(tmp_path):
         assert server.startup_timeout_s == 3600, site  # a 1T target is no built-in: no fast start
         spec = engine.speculative_config
         assert (spec or {}).get("method") == ("eagle3" if site in ("evaluation trained", "evaluation baseline", "loads_in_vllm") else None), site
+
+    # The command a draft's SERVING.md gives for production (`vllm serve TARGET ...`): the same profile, the draft's alias.
+    from eagle3_assets.core.serving.deployment import serve_command
+
+    command = serve_command(str(KIMI_K25), "kimi-k2.5", str(draft), "0123456789abcdef", 3, STORY_PROFILE)
+    assert command[:3] == ["vllm", "serve", str(KIMI_K25)]
+    engine = server_engine_args(["python", "-m", "vllm.entrypoints.openai.api_server", *command[2:]])
+    assert engine.served_model_name == ["kimi-k2.5", "eagle3-draft-0123456789abcdef"] and engine.speculative_config["num_speculative_tokens"] == 3
+    assert (engine.tensor_parallel_size, engine.reasoning_parser, engine.enable_expert_parallel) == (8, "kimi_k2", True)
 
     # The extraction engine: offline vllm.LLM(**engine_args), which builds EngineArgs from them.
     launch = extraction_launch(KIMI_K25, [2, 30, 58, 61], tmp_path / "scratch", STORY_PROFILE, context=4096)
@@ -124,11 +135,9 @@ def test_the_profile_and_its_environment_travel_to_the_stage_as_set():
 # -- no start site builds its own arguments ---------------------------------------------------------------------
 
 # Where a vLLM command line may be spelled: the one function, and the launcher's own --host / --port.
-# deployment.serve_command prints a `vllm serve` line into a draft's SERVING.md for the user: nothing starts it.
 ALLOWED = {
     "eagle3_assets/core/serving/profile.py": None,  # anything
-    "eagle3_assets/core/serving/vllm_launcher.py": {"--host", "--port", "--served-model-name"},
-    "eagle3_assets/core/serving/deployment.py": {"--served-model-name", "--speculative-config"},
+    "eagle3_assets/core/serving/vllm_launcher.py": {"--host", "--port"},
 }
 
 

@@ -143,6 +143,7 @@ def main() -> None:
             num_speculative_tokens=best.k,
             chosen_by="recommended by draft_evaluation: " + ("measured throughput" if measure_each else "acceptance and the cost model"),
             curve_markdown=table + "\n\n" + rule,
+            profile=job.serving,
         )
         passed, severity, message = judge(trained.mean_acceptance_length, baseline.mean_acceptance_length, job.floor)
         pipes.log.info(f"{STAGE}: {message}")

@@ -159,7 +159,9 @@ def export_and_gate(job: TrainingJob, result: dict, log) -> dict:
     # The serving notes name the weights' hash (the alias production servers answer to) and a
     # first num_speculative_tokens; draft_evaluation rewrites them with the k it recommends.
     k = job.vllm_check_num_speculative_tokens
-    serving = write_serving_notes(export_dir, target=config.target_path, num_speculative_tokens=k)
+    serving = write_serving_notes(
+        export_dir, target=config.target_path, num_speculative_tokens=k, profile=job.gates.serving if job.gates else None
+    )
     gates = run_gates(export_dir, config.target_path, job.gates, k, log) if job.gates else {}
     return {
         **gates,

@@ -156,6 +156,10 @@ class VLLMLaunch:
         ``--flag`` / ``--no-flag``, objects as JSON, lists as several values."""
         return engine_cli_args(self.engine_args)
 
+    def vllm_serve_command(self) -> list[str]:
+        """The same start as ``vllm serve MODEL ...``: the command a user runs (a draft's SERVING.md gives it)."""
+        return ["vllm", "serve", self.model, *engine_cli_args({k: v for k, v in self.engine_args.items() if k != "model"})]
+
 
 def engine_cli_args(engine_args: Mapping[str, Any]) -> list[str]:
     """``EngineArgs`` keyword arguments spelled as vLLM's CLI spells them (``EngineArgs.add_cli_args``)."""
