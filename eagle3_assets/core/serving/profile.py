@@ -8,7 +8,7 @@ platform starts for the target takes its arguments from this profile, through
 - the vLLM extraction backend's engine (:mod:`eagle3_assets.core.extraction.vllm_backend`);
 - ``loads_in_vllm``, the draft's blocking gate (:func:`eagle3_assets.core.draft.export.check_loads_in_vllm`);
 - evaluation, the target alone and with each draft (:mod:`eagle3_assets.core.evaluation.acceptance`);
-- the demo's generation server (:mod:`eagle3_assets.demo.serve`, :mod:`eagle3_assets.core.serving.vllm_launcher`).
+- a generation server the platform starts itself (:mod:`eagle3_assets.core.serving.vllm_launcher`, the built-in targets' server).
 
 :func:`vllm_launch` returns vLLM's ``EngineArgs`` keyword arguments (what
 ``vllm.LLM(**kwargs)`` takes) and :meth:`VLLMLaunch.cli_args` spells the same
@@ -43,7 +43,7 @@ from eagle3_assets.core.settings.job_schema import JobSchema, setting
 from eagle3_assets.core.target.description import TargetError, context_length, read_config, text_config
 from eagle3_assets.core.target.serving import CPU_MLA_COMPILATION_CONFIG, SERVING_CONTEXT_CAP, uses_mla
 
-# Written by the platform's own target builder (eagle3_assets/demo/target_building.py) into every model it builds.
+# Written by the platform's own target builder into every model it builds (the embedded default's targets).
 BUILT_IN_MARKER = "build_info.json"
 FAST_START_TIMEOUT_S = 600.0
 CPU_KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"  # GiB of KV cache on a CPU host
@@ -52,7 +52,7 @@ MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 
 
 class ServingProfile(JobSchema):
-    """How vLLM serves the target, for every vLLM the platform starts (extraction, ``loads_in_vllm``, evaluation, the demo server)."""
+    """How vLLM serves the target, for every vLLM the platform starts (extraction, ``loads_in_vllm``, evaluation, a generation server)."""
 
     tensor_parallel_size: int = setting(
         variables.TENSOR_PARALLEL_SIZE.get(), "GPUs each pipeline stage is split over (vLLM's --tensor-parallel-size)", gt=0)
@@ -120,7 +120,7 @@ PROFILE_ENGINE_ARGS = frozenset(
 
 
 def is_built_in(target: Path | str) -> bool:
-    """A model directory this platform built itself (the demo's targets): the only ones that get the fast start."""
+    """A model directory this platform built itself (the built-in targets): the only ones that get the fast start."""
     return (Path(target) / BUILT_IN_MARKER).is_file()
 
 
