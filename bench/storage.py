@@ -128,6 +128,7 @@ def train_bounded_mode(shard_paths: list[Path], mapping: Path, target: Path, wor
 
     from eagle3_assets.core.extraction.shard_extraction import TransformersBackend
     from eagle3_assets.core.gpu_host.stage_jobs import BoundedRun, ExtractionRecipe, StageTarget, StreamedShard
+    from eagle3_assets.core.serving.profile import ServingProfile
     from eagle3_assets.core.target.identity import target_identity
     from eagle3_assets.core.training.config import TrainConfig
     from eagle3_assets.core.training.loop import train
@@ -141,7 +142,9 @@ def train_bounded_mode(shard_paths: list[Path], mapping: Path, target: Path, wor
     run = BoundedRun(
         shards=[StreamedShard(key=p.stem, traces=str(p), data_version="bench") for p in shard_paths],
         window_dir=str(work / "streamed_states"),
-        target=StageTarget(path=str(target), trust_remote_code=False, aux_layer_ids=list(LAYER_IDS), config_hash=target_identity(target).config_hash),
+        target=StageTarget(path=str(target), trust_remote_code=False, aux_layer_ids=list(LAYER_IDS), config_hash=target_identity(target).config_hash,
+            serving=ServingProfile(),
+        ),
         extraction=ExtractionRecipe(dtype=dtype),
         window_shards=window,
     )  # fmt: skip

@@ -40,7 +40,7 @@ def main() -> int:
 
     from dagster import DagsterInstance, RunConfig, materialize
 
-    from eagle3_assets.core.target.serving import vllm_serving
+    from eagle3_assets.core.serving.profile import ServingProfile
     from eagle3_assets.core.serving.vllm_launcher import VLLMServer
     from eagle3_assets.demo.plugin import SAMPLING
     from eagle3_assets.graph import PER_SHARD_ASSETS, deployment_resources
@@ -57,7 +57,6 @@ def main() -> int:
     fail_dead_runs(instance, log=print)
     ensure_generation_pool_limit(instance)
     ensure_gpu_pool_limit(instance)
-    serving = vllm_serving(target, trust_remote_code=args.trust_remote_code)
     log_path = Path(args.data) / "vllm.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     resources = deployment_resources(
@@ -66,7 +65,8 @@ def main() -> int:
     )
     keys = resources["prompt_dataset"].shard_keys()
     register_shards(instance, keys)
-    with VLLMServer(target, served_model_name=args.served_model_name, reasoning_parser=args.reasoning_parser, log_path=log_path, **serving) as server:
+    profile = ServingProfile(trust_remote_code=args.trust_remote_code, reasoning_parser=args.reasoning_parser)
+    with VLLMServer(target, args.served_model_name, log_path=log_path, profile=profile) as server:
         resources["vllm_server"] = VLLMServerResource(base_urls=[server.base_url], served_model_name=args.served_model_name, **SAMPLING)
         for key in keys:
             result = materialize(PER_SHARD_ASSETS, partition_key=key, resources=resources, instance=instance, raise_on_error=False)

@@ -66,7 +66,7 @@ def train_and_export(label: str, recipe: dict, data: Path, target: Path, work: P
 
 def main() -> None:
     from eagle3_assets.core.evaluation.acceptance import evaluate, load_conversations
-    from eagle3_assets.core.target.serving import vllm_serving
+    from eagle3_assets.core.serving.profile import ServingProfile
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", default=str(REPO / "data"), help="data directory holding hidden_states/ and vocab_mapping/")
@@ -97,7 +97,7 @@ def main() -> None:
 
     results = evaluate(
         target, drafts, conversations, num_speculative_tokens=args.num_speculative_tokens, include_reference=False,
-        server_log_dir=work, serving=vllm_serving(target, args.trust_remote_code),
+        server_log_dir=work, profile=ServingProfile(trust_remote_code=args.trust_remote_code),
     )  # fmt: skip
     acceptance = {label: results[label].mean_acceptance_length for label in drafts}
     best_label = max(acceptance, key=acceptance.get)

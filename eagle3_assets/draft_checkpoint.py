@@ -46,7 +46,8 @@ from dagster import (
 from pydantic import Field
 
 from eagle3_assets.check_results import Gate, Gates
-from eagle3_assets.core.gpu_host.stage_requirements import StageRequirements
+from eagle3_assets.core.draft.export import LOAD_CHECK_CONTEXT
+from eagle3_assets.core.gpu_host.stage_requirements import StageRequirements, with_serving_need
 from eagle3_assets.core.reporting.checks import CheckOutcome
 from eagle3_assets.core.storage.shard_paths import SIDECAR, DatasetPaths, ShardPaths
 from eagle3_assets.core.gpu_host.stage_jobs import (
@@ -270,12 +271,14 @@ def draft_checkpoint(
         gates=ExportGates(
             aux_layer_ids=layer_ids,
             target_vocab_size=states.vocab_size,
-            trust_remote_code=target_model.trust_remote_code,
             log_path=str(paths.loads_in_vllm_log),
+            serving=target_model.serving_profile(),
         ),
         **values_of(config, TrainingStageRecipe),
     )
-    invocation = gpu_host.run_stage(context, STAGE, job.to_dict(), requirements=states.requirements)
+    # loads_in_vllm serves the target (and bounded mode's vLLM backend extracts) as its profile says: checked first.
+    requirements = with_serving_need(states.requirements or TRAIN_DRAFT_REQUIREMENTS, target_model.gpu_need(LOAD_CHECK_CONTEXT))
+    invocation = gpu_host.run_stage(context, STAGE, job.to_dict(), requirements=requirements)
     reported = invocation.get_materialize_result()
     stage_metadata = dict(reported.metadata or {})
     problems = list(stage_metadata.pop("config_problems").value)

@@ -28,7 +28,7 @@ from pydantic import Field
 from eagle3_assets.check_results import Gate, Gates
 from eagle3_assets.core.evaluation.acceptance import load_conversations
 from eagle3_assets.core.prompts.heldout import held_out_prompts, question_text
-from eagle3_assets.core.gpu_host.stage_requirements import StageRequirements
+from eagle3_assets.core.gpu_host.stage_requirements import StageRequirements, with_serving_need
 from eagle3_assets.core.storage.shard_files import read_shard_parquet
 from eagle3_assets.core.draft.export import CONFIG_FILE
 from eagle3_assets.core.storage.shard_paths import RESULT_FILE, DatasetPaths, training_shards
@@ -45,7 +45,9 @@ GATES = Gates(
     "draft_evaluation",
     [Gate("acceptance_above_floor", False, "ERROR below the floor; WARN when the trained draft does not beat the baseline")],
 )
-register_stage(STAGE, StageRequirements(modules=["vllm", "torch", "openai", "dagster_pipes"], output_dirs=["draft_evaluation"]))
+EVALUATION_REQUIREMENTS = register_stage(
+    STAGE, StageRequirements(modules=["vllm", "torch", "openai", "dagster_pipes"], output_dirs=["draft_evaluation"])
+)
 
 
 class DraftEvaluationConfig(EvaluationRecipe, Config):
@@ -125,11 +127,13 @@ def draft_evaluation(
     context.log.info(f"baseline draft: {baseline}")
     job = EvaluationJob(
         target_dir=str(target_model.resolved_path()),
-        target_trust_remote_code=target_model.trust_remote_code,
+        serving=target_model.serving_profile(),
         draft_dir=str(draft_dir),
         eval_prompts=eval_prompts,
         report_path=str(DatasetPaths().evaluation_report),
         **{**values_of(config, EvaluationRecipe), "k_values": validated_k_values(config.k_values), "baseline": baseline},
     )
-    invocation = gpu_host.run_stage(context, STAGE, job.model_dump())
+    # The stage serves the target as its profile says: its GPUs and their free memory are checked before anything starts.
+    requirements = with_serving_need(EVALUATION_REQUIREMENTS, target_model.gpu_need())
+    invocation = gpu_host.run_stage(context, STAGE, job.model_dump(), requirements=requirements)
     return invocation.get_materialize_result()

@@ -28,7 +28,7 @@ from dagster import (
 from eagle3_assets.check_results import Gate, Gates
 from eagle3_assets.core.reporting.checks import CheckOutcome
 from eagle3_assets.core.extraction.needs import EXTRACTION_MODULES, EXTRACTION_STAGE, TRACES, disk_estimate
-from eagle3_assets.core.gpu_host.stage_requirements import StageRequirements
+from eagle3_assets.core.gpu_host.stage_requirements import StageRequirements, with_serving_need
 from eagle3_assets.core.storage.shard_paths import ShardPaths
 from eagle3_assets.core.gpu_host.stage_jobs import ExtractionJob, StageTarget, shard_check_seed
 from eagle3_assets.core.extraction.state_layout import BACKENDS, STORAGE_DTYPE_BYTES
@@ -113,6 +113,8 @@ def hidden_states(
         disk_bytes=disk_bytes,
         disk_note=f"offline mode, the states stay on disk: {disk_note}",  # bounded mode: draft_checkpoint_bounded.py
     )
+    if config.backend == "vllm":  # the engine serves the target as its profile says: its GPUs and memory, checked first
+        requirements = with_serving_need(requirements, target_model.gpu_need())
     context.log.info(f"{key}: extracting hidden states at layer ids {layer_ids} with the {config.backend} backend into {output}")
     invocation = gpu_host.run_stage(context, STAGE, job.model_dump(), requirements=requirements)
     reported = invocation.get_materialize_result()

@@ -98,24 +98,34 @@ GATES = Gates(
 def raw_responses(context: AssetExecutionContext, vllm_server: VLLMServerResource, target_model: TargetModel) -> MaterializeResult:
     """The target's reasoning and answer for every prompt of the shard, regenerated through vLLM; resumable after a crash."""
     key = context.partition_key
+    max_tokens = vllm_server.max_tokens or default_max_tokens(context, target_model, key)
     # Everything the later stages will ask of the target, checked before hours of generation depend on it.
-    problems = target_model.preflight_problems(max_tokens=vllm_server.max_tokens, eval_max_tokens=EVAL_MAX_TOKENS)
+    problems = target_model.preflight_problems(max_tokens=max_tokens, eval_max_tokens=EVAL_MAX_TOKENS)
     if problems:
         raise Failure(f"raw_responses {key}: the target pre-flight failed, nothing was sent:\n" + "\n".join(f"- {p}" for p in problems))
     paths = ShardPaths("raw_responses", key)
     # One writer per shard: a second run of this shard fails here, naming the run that holds it, before any request.
     with ShardLease(paths.asset_dir, key, asset="raw_responses", run_id=context.run.run_id, log=context.log.info):
-        return _generate(context, vllm_server, paths)
+        return _generate(context, vllm_server, paths, max_tokens)
 
 
-def _generate(context: AssetExecutionContext, vllm_server: VLLMServerResource, paths: ShardPaths) -> MaterializeResult:
+def default_max_tokens(context: AssetExecutionContext, target_model: TargetModel, key: str) -> int:
+    """``vllm_server.max_tokens`` unset: what the target's context leaves beside the shard's longest prompt (up to 8,192)."""
+    prompts_path = ShardPaths("prompts", key).parquet
+    messages = read_shard_parquet(prompts_path, asset="prompts", shard=key, columns=["messages"])["messages"].to_list() if prompts_path.is_file() else []
+    budget = target_model.completion_budget(messages)
+    context.log.info(f"{key}: vllm_server.max_tokens unset: {budget} ({target_model.context_length()}-token context, the shard's prompts)")
+    return budget
+
+
+def _generate(context: AssetExecutionContext, vllm_server: VLLMServerResource, paths: ShardPaths, max_tokens: int) -> MaterializeResult:
     key = paths.shard
     prompts_path = ShardPaths("prompts", key, paths.root).parquet
     if not prompts_path.is_file():
         raise Failure(f"raw_responses {key}: the shard's prompts are missing ({prompts_path}); materialise `prompts` for {key} first")
     prompt_rows = read_shard_parquet(prompts_path, asset="prompts", shard=key, columns=["id", "messages"])
     samples = [Sample(r["id"], r["messages"]) for r in prompt_rows.iter_rows(named=True)]
-    config = vllm_server.generation_config()
+    config = vllm_server.generation_config(max_tokens)
     if vllm_server.credentials_in_config():
         context.log.warning(
             "vllm_server.base_urls carries credentials in run config, which Dagster stores with the run; "

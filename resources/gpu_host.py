@@ -125,6 +125,12 @@ class GPUHost(ConfigurableResource):
     remove_partial_files: bool = Field(default=False, description="delete partial files left by an aborted run instead of failing the pre-flight")
     preflight_timeout_s: float = Field(default=300.0, description="limit for the pre-flight (imports of large modules included)")
     termination_grace_s: float = Field(default=20.0, description="time a stage gets to stop after the run is terminated, before SIGKILL")
+    serving_unit: str = Field(
+        default="",
+        description="the systemd unit of the generation server on the host (e.g. vllm-kimi.service): when the GPU pre-flight "
+        "finds a stage's GPUs held, it names this unit as what to stop",
+    )
+    nvidia_smi: str = Field(default="nvidia-smi", description="the nvidia-smi the pre-flight runs on the host (a path where it is not on PATH)")
     hf_token: str | None = Field(
         default=None,
         description=f"Hugging Face token for a gated or private target on the hub, given to every stage as ${HF_TOKEN_ENV} on the "
@@ -187,6 +193,8 @@ class GPUHost(ConfigurableResource):
             partial_suffix=PARTIAL_SUFFIX,
             remove_partial_files=self.remove_partial_files,
             cpu_allowed_by_host=self.allow_cpu,
+            nvidia_smi=self.nvidia_smi,
+            serving_unit=self.serving_unit,
         )
         connection = self.connection()
         base = {"stage": stage, "host": connection.label, "python": self.python, "lock": {"path": spec["lock_path"]}}
@@ -317,6 +325,10 @@ def preflight_metadata(report: Mapping[str, Any]) -> dict[str, Any]:
         rows = ["| GPU | used MiB | total MiB | free MiB |", "| --- | --- | --- | --- |"]
         rows += [f"| {g['index']} | {g['used_mib']} | {g['total_mib']} | {g['free_mib']} |" for g in report["gpus"]]
         metadata["gpu_host/gpus"] = MetadataValue.md("\n".join(rows) if report["gpus"] else f"no GPU ({report.get('gpu_note')})")
+    if report.get("gpu_processes"):
+        rows = ["| GPU | PID | process | used MiB |", "| --- | --- | --- | --- |"]
+        rows += [f"| {p['gpu_index']} | {p['pid']} | {p['name']} | {p['used_mib']} |" for p in report["gpu_processes"]]
+        metadata["gpu_host/gpu_processes"] = MetadataValue.md("\n".join(rows))
     lock = report.get("lock") or {}
     if lock.get("path"):
         metadata["gpu_host/lock"] = MetadataValue.path(lock["path"])
@@ -348,7 +360,7 @@ def gpu_host_from_env() -> GPUHost:
         fields["python"] = env_vars.GPU_HOST_PYTHON.get()
     for variable in (
         env_vars.GPU_HOST_WORKDIR, env_vars.GPU_HOST_DATA_DIR, env_vars.SSH_IDENTITY_FILE, env_vars.SSH_KNOWN_HOSTS,
-        env_vars.SSH_KNOWN_HOSTS_FILE, env_vars.GPU_HOST_ALLOW_CPU,
+        env_vars.SSH_KNOWN_HOSTS_FILE, env_vars.GPU_HOST_ALLOW_CPU, env_vars.SERVING_UNIT,
     ):  # fmt: skip
         if variable.is_set():
             (field_name,) = [g.split(".", 1)[1] for g in variable.gives]

@@ -6,7 +6,8 @@ environment, like the servers' (:mod:`resources.vllm_server`):
 
 - ``EAGLE3_TARGET_MODEL``: the HF model directory;
 - ``EAGLE3_TRUST_REMOTE_CODE``: ``1`` to let the target's own code load (Kimi's tokenizer is remote code);
-- ``EAGLE3_AUX_LAYER_IDS``: three comma-separated ids in vLLM's convention.
+- ``EAGLE3_AUX_LAYER_IDS``: three comma-separated ids in vLLM's convention;
+- the serving profile's ``EAGLE3_TENSOR_PARALLEL_SIZE``, ``EAGLE3_QUANTIZATION``, ... (docs/configuration.md).
 
 They are the *schema's* defaults, read when the code location loads: Dagster's
 run config for a resource replaces every field given in Python, so a launchpad
@@ -23,9 +24,12 @@ from pydantic import Field, PrivateAttr
 
 from eagle3_assets.core.target import description as core_target
 from eagle3_assets.core.target.identity import TargetIdentity, config_hash, target_identity
-from eagle3_assets.core.target.preflight import TargetSettings, preflight_problems
+from eagle3_assets.core.target.preflight import TargetSettings, completion_budget, preflight_problems
 from eagle3_assets.core.target.tokenizer import load_tokenizer
+from eagle3_assets.core.serving.profile import GPUNeed, ServingProfile, gpu_need
+from eagle3_assets.core.target.serving import SERVING_CONTEXT_CAP
 from eagle3_assets.core.settings.environment import AUX_LAYER_IDS, TARGET_MODEL, TRUST_REMOTE_CODE
+from eagle3_assets.core.settings.job_schema import values_of
 
 PATH_ENV = TARGET_MODEL.name
 
@@ -42,18 +46,18 @@ def layer_ids_from_env() -> list[int] | None:
     return AUX_LAYER_IDS.get()
 
 
-class TargetModel(ConfigurableResource):
-    """The target as stages load it: a local HF model directory."""
+class TargetModel(ServingProfile, ConfigurableResource):
+    """The target as stages load it (a local HF model directory), and how every vLLM the platform starts serves it.
+
+    The serving settings are :class:`~eagle3_assets.core.serving.profile.ServingProfile` itself (tensor parallel size,
+    quantization, CUDA graphs, start-up limit, ...: their one default, from the ``EAGLE3_*`` serving variables,
+    description and limits); this class adds where the target is and what the draft reads of it.
+    """
 
     # Required unless the environment names the deployment's target.
     path: str = Field(
         default=path_from_env() or ...,
         description=f"HF model directory on the hosts that run the stages (default: ${PATH_ENV})",
-    )
-    trust_remote_code: bool = Field(
-        default=trust_remote_code_from_env(),
-        description="let the target's own Python code (auto_map) run in every tokenizer, config, model and vLLM load; "
-        f"needed for Kimi-K2's tokenizer. Off unless set (default: ${TRUST_REMOTE_CODE.name})",
     )
     aux_layer_ids: list[int] | None = Field(
         default=layer_ids_from_env(),
@@ -132,8 +136,30 @@ class TargetModel(ConfigurableResource):
 
         return ChatRenderer(self.load_tokenizer(), self.think_open, self.think_close, self.end_of_turn)
 
+    def completion_budget(self, conversations: list[list[dict]]) -> int:
+        """``max_tokens`` when none is set: what the context leaves beside the longest of these prompts, as the target's
+        chat template renders them (:func:`eagle3_assets.core.target.preflight.completion_budget`)."""
+        lengths = []
+        if conversations:
+            try:
+                tokenizer = self.load_tokenizer()
+                lengths = [len(tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]) for m in conversations]
+            except Exception:  # noqa: BLE001 - the target pre-flight names a tokenizer or template that fails; room for a short prompt here
+                lengths = []
+        return completion_budget(self.context_length(), lengths)
+
     def preflight_problems(self, *, max_tokens: int, eval_max_tokens: int) -> list[str]:
         return preflight_problems(self.settings(), max_tokens=max_tokens, eval_max_tokens=eval_max_tokens)
+
+    def serving_profile(self) -> ServingProfile:
+        """How vLLM serves this target: the serving settings of this resource, as the GPU stages receive them."""
+        return ServingProfile(**values_of(self, ServingProfile))
+
+    def gpu_need(self, context: int | None = None) -> GPUNeed:
+        """What one start of this target as profiled needs of each GPU (``context``: the longest sequence the use serves;
+        default: the target's context up to 16,384): the GPU pre-flight's requirement for the stages that start it."""
+        length = context or min(self.context_length() or SERVING_CONTEXT_CAP, SERVING_CONTEXT_CAP)
+        return gpu_need(self.serving_profile(), self.resolved_path(), length)
 
     def stage_extras(self) -> dict:
         """What a GPU stage needs to load this target exactly as configured."""
@@ -142,4 +168,5 @@ class TargetModel(ConfigurableResource):
             "trust_remote_code": self.trust_remote_code,
             "aux_layer_ids": self.layer_ids(),
             "config_hash": self.config_hash(),
+            "serving": self.serving_profile().model_dump(),
         }

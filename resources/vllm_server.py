@@ -53,6 +53,7 @@ from eagle3_assets.core.settings import environment as env_vars
 from eagle3_assets.core.generation.shard_run import DEFAULT_PROGRESS_INTERVAL_S
 from eagle3_assets.core.generation.client import DEFAULT_CANARY_MAX_TOKENS, DEFAULT_CANARY_PROMPT
 from eagle3_assets.core.generation.config import GenerationConfig, GenerationSettings, Sampling
+from eagle3_assets.core.target.preflight import DEFAULT_MAX_TOKENS
 from eagle3_assets.core.settings.job_schema import values_of
 from eagle3_assets.core.generation.openai_client import async_openai_client, openai_client
 from eagle3_assets.core.generation.redaction import has_credentials, redact_url
@@ -167,14 +168,18 @@ class VLLMServerResource(Sampling, GenerationSettings, ConfigurableResource):
             )
         return listed[0]
 
-    def generation_config(self) -> GenerationConfig:
+    def generation_config(self, max_tokens: int | None = None) -> GenerationConfig:
+        """The client's settings; ``max_tokens`` where this resource leaves it unset (what the target's context leaves)."""
         return GenerationConfig(
             base_urls=tuple(self.request_urls()),
             model=self.model_name(),
             sampling=self.sampling(),
-            # The rest by name: concurrency, max_tokens, timeouts, retries, what a rerun resends.
-            **{**values_of(self, GenerationSettings), "api_key": self.request_api_key(), "extra_body": dict(self.extra_body)},
-        )
+            # The rest by name: concurrency, timeouts, retries, what a rerun resends.
+            **{
+                **values_of(self, GenerationSettings), "api_key": self.request_api_key(), "extra_body": dict(self.extra_body),
+                "max_tokens": self.max_tokens or max_tokens or DEFAULT_MAX_TOKENS,
+            },
+        )  # fmt: skip
 
 
 def ensure_generation_pool_limit(instance: DagsterInstance, limit: int | None = None) -> int:

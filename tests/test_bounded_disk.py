@@ -26,6 +26,7 @@ from dagster import DagsterInstance, RunConfig, materialize
 
 from eagle3_assets.core.extraction.shard_extraction import TransformersBackend, read_traces
 from eagle3_assets.core.gpu_host.stage_jobs import BoundedModeError, TrainingJob
+from eagle3_assets.core.serving.profile import ServingProfile
 from eagle3_assets.core.extraction.state_layout import FP8_DTYPE, bytes_per_token
 from eagle3_assets.core.storage.files import write_json_atomic
 from eagle3_assets.core.training.checkpoints import JOURNAL, read_journal
@@ -69,7 +70,9 @@ def run_settings(tiny_target, streamed, work: Path, *, dtype="bfloat16", epochs=
         epochs=epochs, learning_rate=2e-3, warmup_ratio=0.1, ttt_steps=2, batch_tokens=96, max_seq_len=32, seed=3, log_every=1,
     )  # fmt: skip
     shards = [{"key": key, "traces": str(path), "data_version": f"v-{key}"} for key, path in streamed["traces"].items()]
-    target = {"path": str(tiny_target), "trust_remote_code": False, "aux_layer_ids": LAYER_IDS, "config_hash": target_identity(tiny_target).config_hash}
+    target = {"path": str(tiny_target), "trust_remote_code": False, "aux_layer_ids": LAYER_IDS, "config_hash": target_identity(tiny_target).config_hash,
+        "serving": ServingProfile().model_dump(),
+    }  # fmt: skip
     extraction = dict(
         backend="transformers", cpu_threads=1, dtype=dtype, part_size_bytes=20_000,
         logits_check_samples=3, logits_check_positions=256, aux_check_samples=2,

@@ -101,7 +101,8 @@ def test_generation_runs_in_its_pool_against_the_servers_named_in_the_environmen
     monkeypatch.setenv("EAGLE3_TARGET_MODEL", "/models/kimi-k2")
     server = default_resources()["vllm_server"]
     assert server.base_urls == ["http://gpu-a:8000", "http://gpu-b:8000"] and server.served_model_name == "kimi-k2"
-    assert (server.concurrency, server.max_tokens, server.read_timeout_s, server.api_key) == (128, 8192, 1800.0, None)
+    # max_tokens unset: each shard's run takes what the target's context leaves, up to 8,192 (raw_responses.default_max_tokens).
+    assert (server.concurrency, server.max_tokens, server.read_timeout_s, server.api_key) == (128, None, 1800.0, None)
     # The demo's target (`make dev` beside `make serve-demo`): its sampling, within its 4,096-token context.
     monkeypatch.setenv("EAGLE3_TARGET_MODEL", "demo")
     demo = default_resources()["vllm_server"]

@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 from dagster import AssetMaterialization, DagsterInstance, build_sensor_context
 
-from eagle3_assets.core.serving.deployment import alias_args, draft_weights_hash
-from eagle3_assets.core.evaluation.acceptance import load_conversations, run_pass, speculative_args, untrained_twin
+from eagle3_assets.core.serving.deployment import draft_alias, draft_weights_hash, speculative_config
+from eagle3_assets.core.evaluation.acceptance import load_conversations, run_pass, untrained_twin
 from eagle3_assets.core.training.checkpoints import export_trained_draft
 from eagle3_assets.core.training.launch import run_training
 from eagle3_assets.core.serving.vllm_launcher import VLLMServer, free_port
@@ -76,8 +76,8 @@ def test_watch_records_the_servers_window_and_alerts_on_silence_a_stale_draft_an
         return {k: getattr(v, "value", v) for k, v in event.metadata.items()}
 
     def serve(draft: Path, weights_hash: str, log: str) -> VLLMServer:
-        extra = speculative_args(draft, K) + alias_args("tiny-reasoner", weights_hash)
-        return VLLMServer(tiny_target, port=port, extra_args=extra, log_path=tmp_path / log, **TINY_SERVING)
+        served = {**TINY_SERVING, "served_model_name": ["tiny-reasoner", draft_alias(weights_hash)]}
+        return VLLMServer(tiny_target, port=port, site_args={"speculative_config": speculative_config(str(draft), K)}, log_path=tmp_path / log, **served)
 
     def send_traffic() -> None:
         result = run_pass("traffic", url, "tiny-reasoner", traffic, max_tokens=64, speculative=False)

@@ -316,7 +316,7 @@ def vllm_backend(tiny_target, tmp_path_factory):
 
     with in_process_vllm_environment():
         backend = VLLMBackend(
-            tiny_target, LAYER_IDS, ExtractionRecipe(vllm_dtype="float32"), max_model_len=512, scratch_dir=tmp_path_factory.mktemp("vllm-scratch")
+            tiny_target, LAYER_IDS, ExtractionRecipe(), max_model_len=512, scratch_dir=tmp_path_factory.mktemp("vllm-scratch")
         )
         yield backend
         backend.close()

@@ -31,9 +31,9 @@ import torch
 from dagster import AssetKey, RunConfig, materialize
 
 from eagle3_assets.core.draft.forms import DEEPSEEK_MLA, LLAMA
-from eagle3_assets.core.draft.export import ARCHITECTURES, LOAD_CHECK_CONTEXT, check_loads_in_vllm, export_draft
+from eagle3_assets.core.draft.export import ARCHITECTURES, check_loads_in_vllm, export_draft
 from eagle3_assets.core.extraction.shard_extraction import iter_samples, read_sidecar
-from eagle3_assets.core.target.serving import vllm_serving
+from eagle3_assets.demo.kimi_target import KIMI_PROFILE
 from eagle3_assets.core.serving.vllm_launcher import VLLMServer
 from eagle3_assets.core.serving.vllm_platform import host_serving_facts
 from eagle3_assets.demo.kimi_target import kimi_serving
@@ -105,7 +105,7 @@ def test_the_vllm_backend_stores_the_states_transformers_stores(kimi_graph, tmp_
         register_shards(separate, [key])
         result = materialize(
             [hidden_states], partition_key=key, instance=separate, resources=demo_resources("http://127.0.0.1:0", "unused", KIMI),
-            run_config=RunConfig(ops={"hidden_states": HiddenStatesConfig(backend="vllm", vllm_max_model_len=1024)}),
+            run_config=RunConfig(ops={"hidden_states": HiddenStatesConfig(backend="vllm")}),
             raise_on_error=False,
         )  # fmt: skip
     checks = {e.check_name: e.passed for e in result.get_asset_check_evaluations()}
@@ -199,6 +199,6 @@ def test_the_llama_form_is_served_only_where_vllm_reports_a_common_block_size(
     draft = random_draft(kimi_target, draft_vocab_size=256, seed=0, form=LLAMA)
     draft_dir = export_draft(draft, tmp_path / "llama-draft", dtype="bfloat16", target_embedding=draft.embed_tokens.weight)
     report = check_loads_in_vllm(
-        kimi_target, draft_dir, log_path=tmp_path / "vllm.log", serving=vllm_serving(kimi_target, True, cap=LOAD_CHECK_CONTEXT)
+        kimi_target, draft_dir, log_path=tmp_path / "vllm.log", profile=KIMI_PROFILE
     )
     assert not report.passed and "No common block size" in report.detail, report.detail

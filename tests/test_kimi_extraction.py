@@ -34,7 +34,7 @@ from eagle3_assets.core.gpu_host.stage_jobs import ExtractionRecipe
 from eagle3_assets.core.target.head import TargetHead
 from eagle3_assets.core.target.identity import config_hash
 from eagle3_assets.core.target.tokenizer import load_tokenizer
-from eagle3_assets.core.target.serving import vllm_engine_overrides
+from eagle3_assets.demo.kimi_target import KIMI_PROFILE
 from eagle3_assets.demo.prompt_set import make_traces
 from tests.extraction_helpers import in_process_vllm_environment
 
@@ -62,8 +62,8 @@ def vllm_extraction(kimi_target, kimi_traces, tmp_path_factory):
 
     with in_process_vllm_environment():
         backend = VLLMBackend(
-            kimi_target, LAYER_IDS, ExtractionRecipe(vllm_dtype="bfloat16"), max_model_len=1024, trust_remote_code=True,
-            scratch_dir=tmp_path_factory.mktemp("kimi-vllm-scratch"), engine_kwargs=vllm_engine_overrides(kimi_target),
+            kimi_target, LAYER_IDS, ExtractionRecipe(), max_model_len=1024, serving=KIMI_PROFILE,
+            scratch_dir=tmp_path_factory.mktemp("kimi-vllm-scratch"),
         )  # fmt: skip
         shard = tmp_path_factory.mktemp("kimi-states") / "shard"
         try:

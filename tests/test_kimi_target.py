@@ -157,14 +157,15 @@ def test_eagle3_llama_draft_against_the_kimi_target_on_vllm_cpu(kimi_target, tmp
     """
     import torch
 
-    from eagle3_assets.core.evaluation.acceptance import run_pass, speculative_args
+    from eagle3_assets.core.evaluation.acceptance import run_pass
+    from eagle3_assets.core.serving.deployment import speculative_config
     from eagle3_assets.core.draft.export import export_draft
     from eagle3_assets.core.serving.vllm_launcher import VLLMServer
     from tests.test_draft_model import random_draft
 
     draft = random_draft(kimi_target, draft_vocab_size=300, seed=0)
     draft_dir = export_draft(draft, tmp_path / "draft", dtype="bfloat16", target_embedding=draft.embed_tokens.weight)
-    serving = kimi_serving(*speculative_args(draft_dir, num_speculative_tokens=3))
+    serving = kimi_serving(speculative_config=speculative_config(str(draft_dir), 3))
     server = VLLMServer(kimi_target, served_model_name="kimi-tiny", log_path=tmp_path / "server.log", **serving)
     if not torch.cpu._is_amx_tile_supported():
         with pytest.raises(RuntimeError, match="exited with code"):

@@ -83,10 +83,11 @@ def test_qwen3_model_writes_its_own_think_block(qwen3_target):
 
 @pytest.fixture(scope="module")
 def qwen3_vllm_server(qwen3_target, tmp_path_factory):
+    from eagle3_assets.core.serving.profile import ServingProfile
     from eagle3_assets.core.serving.vllm_launcher import VLLMServer
 
     log = tmp_path_factory.mktemp("vllm-qwen3") / "server.log"
-    with VLLMServer(qwen3_target, served_model_name="qwen3-tiny", log_path=log, reasoning_parser=QWEN3_REASONING_PARSER) as server:
+    with VLLMServer(qwen3_target, served_model_name="qwen3-tiny", log_path=log, profile=ServingProfile(reasoning_parser=QWEN3_REASONING_PARSER)) as server:
         yield server
 
 

@@ -14,6 +14,7 @@ from dagster import AssetExecutionContext, DagsterEventType, DagsterInstance, as
 
 from eagle3_assets.core.generation.config import GenerationConfig, GenerationSettings, Sampling
 from eagle3_assets.core.settings.job_schema import setting_names
+from eagle3_assets.core.serving.profile import ServingProfile
 from eagle3_assets.core.gpu_host.stage_requirements import StageRequirements
 from eagle3_assets.core.gpu_host.stage_jobs import (
     BoundedRun,
@@ -55,7 +56,8 @@ SOURCES = [
     (DraftEvaluationConfig, [EvaluationJob], {"eval_prompts", "max_eval_prompts"}, set()),
     (
         VLLMServerResource,
-        [GenerationConfig, Sampling],
+        # The resource's own bases; GenerationConfig takes max_tokens resolved (unset here: what the target's context leaves).
+        [GenerationSettings, Sampling],
         {"base_urls", "served_model_name", "canary_prompt", "canary_max_tokens", "progress_interval_s"},
         {"sampling"},  # shown field by field (Sampling)
     ),
@@ -114,7 +116,7 @@ def test_the_launchpad_shows_the_schema_defaults_and_descriptions():
     recipe = ExtractionRecipe.model_fields["max_batch_tokens"]
     assert fields["max_batch_tokens"].default_value == recipe.default == 16384
     assert fields["max_batch_tokens"].description == recipe.description
-    assert fields["recompute"].default_value is False and fields["vllm_enforce_eager"].default_value is None
+    assert fields["recompute"].default_value is False and fields["cpu_threads"].default_value == 0
     with pytest.raises(ValueError, match="max_batch_tokens"):
         HiddenStatesConfig(max_batch_tokens=0)  # the model's limit holds in the launchpad's config too
 
@@ -122,7 +124,7 @@ def test_the_launchpad_shows_the_schema_defaults_and_descriptions():
 def test_a_config_with_no_overrides_makes_the_stage_job_with_the_one_defaults():
     job = ExtractionJob(
         shard="shard-00000", traces="t.parquet", output="out", data_version="v", check_seed=1,
-        target=StageTarget(path="/t", trust_remote_code=False, aux_layer_ids=[1, 2, 3], config_hash="h"),
+        target=StageTarget(path="/t", trust_remote_code=False, aux_layer_ids=[1, 2, 3], config_hash="h", serving=ServingProfile()),
     )  # fmt: skip
     assert ExtractionJob(**{**job.model_dump(), **HiddenStatesConfig().model_dump()}) == job
     assert job.max_batch_tokens == HiddenStatesConfig().max_batch_tokens == 16384  # one default, whichever backend
@@ -131,17 +133,20 @@ def test_a_config_with_no_overrides_makes_the_stage_job_with_the_one_defaults():
 def test_a_job_survives_json_to_the_stage_and_back():
     train = TrainConfig(hidden_state_dirs=["a", "b"], vocab_mapping="v", target_path="t", training_dir="d", epochs=3)
     job = TrainingJob(
-        train=train, export_dir="e", gates=ExportGates(aux_layer_ids=[2, 3, 4], target_vocab_size=640, trust_remote_code=False, log_path=None)
+        train=train, export_dir="e", gates=ExportGates(aux_layer_ids=[2, 3, 4], target_vocab_size=640, log_path=None, serving=ServingProfile(tensor_parallel_size=8))
     )
     back = TrainingJob.from_json(job.model_dump_json())
     assert back == job and back.train.betas == (0.9, 0.95) and isinstance(back.gates, ExportGates)
-    evaluation = EvaluationJob(target_dir="t", target_trust_remote_code=True, draft_dir="d", eval_prompts="p.jsonl", report_path="r.json")
+    evaluation = EvaluationJob(
+        target_dir="t", draft_dir="d", eval_prompts="p.jsonl", report_path="r.json",
+        serving=ServingProfile(tensor_parallel_size=8, trust_remote_code=True, extra_engine_args={"enable_expert_parallel": True}),
+    )  # fmt: skip
     assert EvaluationJob.from_json(evaluation.model_dump_json()) == evaluation
     bounded = TrainingJob(
         train=train, export_dir="e",
         bounded=BoundedRun(
             shards=[StreamedShard(key="s", traces="s.parquet", data_version="v")], window_dir="w",
-            target=StageTarget(path="/t", trust_remote_code=False, aux_layer_ids=[2, 3, 4], config_hash="h"),
+            target=StageTarget(path="/t", trust_remote_code=False, aux_layer_ids=[2, 3, 4], config_hash="h", serving=ServingProfile()),
             extraction=ExtractionRecipe(dtype="float8_e4m3fn"),
         ),
     )  # fmt: skip
@@ -152,7 +157,7 @@ def test_a_job_survives_json_to_the_stage_and_back():
 def extraction_extras(**changes) -> dict:
     raw = {
         "shard": "shard-00000", "traces": "validated_traces/shard-00000.parquet", "output": "hidden_states/shard-00000",
-        "target": {"path": "/t", "trust_remote_code": False, "aux_layer_ids": [2, 3, 4], "config_hash": "h"},
+        "target": {"path": "/t", "trust_remote_code": False, "aux_layer_ids": [2, 3, 4], "config_hash": "h", "serving": ServingProfile().model_dump()},
         "data_version": "v", "check_seed": 7,
     }  # fmt: skip
     return {**raw, **changes}
@@ -165,12 +170,12 @@ def extraction_extras(**changes) -> dict:
         (extraction_extras(max_batch_tokens="16384"), "setting ExtractionJob.max_batch_tokens is '16384': Input should be a valid integer"),
         (extraction_extras(recompute="yes"), "setting ExtractionJob.recompute is 'yes': Input should be a valid boolean"),
         (
-            extraction_extras(vllm_gpu_memory_utilization=1.5),
-            "setting ExtractionJob.vllm_gpu_memory_utilization is 1.5: Input should be less than or equal to 1",
+            extraction_extras(target={**extraction_extras()["target"], "serving": {**ServingProfile().model_dump(), "gpu_memory_utilization": 1.5}}),
+            "setting ExtractionJob.target.serving.gpu_memory_utilization is 1.5: Input should be less than or equal to 1",
         ),
         ({k: v for k, v in extraction_extras().items() if k != "shard"}, "ExtractionJob: missing setting(s) ['shard']"),
         (
-            extraction_extras(target={"path": "/t", "trust_remote_code": False, "aux_layer_ids": [2, "x"], "config_hash": "h"}),
+            extraction_extras(target={**extraction_extras()["target"], "aux_layer_ids": [2, "x"]}),
             "setting ExtractionJob.target.aux_layer_ids[1] is 'x': Input should be a valid integer",
         ),
     ],

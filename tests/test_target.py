@@ -24,7 +24,7 @@ from eagle3_assets.core.target.identity import config_hash
 from eagle3_assets.core.target.tokenizer import load_tokenizer
 from eagle3_assets.core.target.description import TargetDescription, TargetError, default_aux_layer_ids
 from eagle3_assets.core.target.preflight import TargetSettings, preflight_problems
-from eagle3_assets.core.target.serving import vllm_serving
+from eagle3_assets.core.serving.profile import ServingProfile, vllm_launch
 from eagle3_assets.partitions import register_shards
 from resources.target_model import TargetModel
 
@@ -129,12 +129,11 @@ def test_the_preflight_refuses_repeated_ids_a_short_context_and_remote_code_with
     assert preflight_problems(TargetSettings(str(remote), trust_remote_code=True), max_tokens=256, eval_max_tokens=128) == []
 
 
-def test_the_target_preflight_stops_generation_before_any_request(tiny_target, tmp_path, data_dir):
-    """Repeated ids used to be refused only at extraction, after generation and validation; now nothing is sent."""
+def generate_one_shard(tmp_path: Path, vllm_server, target_model: TargetModel):
+    """``prompts`` and ``raw_responses`` of one shard of four short questions: (the run's result, its instance)."""
     from eagle3_assets.prompts import prompts
     from eagle3_assets.raw_responses import raw_responses
     from resources.prompt_dataset import PromptDataset
-    from resources.vllm_server import VLLMServerResource
 
     source = tmp_path / "prompts.jsonl"
     source.write_text("".join(json.dumps({"id": f"q{i}", "question": f"What is {i} + {i}?"}) + "\n" for i in range(4)))
@@ -142,16 +141,47 @@ def test_the_target_preflight_stops_generation_before_any_request(tiny_target, t
     register_shards(instance, [SHARD])
     resources = {
         "prompt_dataset": PromptDataset(source=str(source), shard_size=4, holdout_share=0.0),
-        # Nothing listens there: the pre-flight must fail before the client is even opened.
-        "vllm_server": VLLMServerResource(base_urls=["http://127.0.0.1:9"], served_model_name="m", max_tokens=256),
-        "target_model": TargetModel(path=str(tiny_target), aux_layer_ids=[2, 3, 3]),
+        "vllm_server": vllm_server,
+        "target_model": target_model,
     }
-    result = materialize([prompts, raw_responses], partition_key=SHARD, resources=resources, instance=instance, raise_on_error=False)
+    return materialize([prompts, raw_responses], partition_key=SHARD, resources=resources, instance=instance, raise_on_error=False), instance
+
+
+def test_the_target_preflight_stops_generation_before_any_request(tiny_target, tmp_path, data_dir):
+    """Repeated ids used to be refused only at extraction, after generation and validation; now nothing is sent."""
+    from resources.vllm_server import VLLMServerResource
+
+    # Nothing listens there: the pre-flight must fail before the client is even opened.
+    server = VLLMServerResource(base_urls=["http://127.0.0.1:9"], served_model_name="m", max_tokens=256)
+    result, _ = generate_one_shard(tmp_path, server, TargetModel(path=str(tiny_target), aux_layer_ids=[2, 3, 3]))
     assert not result.success
     (failure,) = [e for e in result.all_events if e.is_step_failure]
     text = failure.step_failure_data.error.to_string()
     assert "target pre-flight failed, nothing was sent" in text and "repeated id" in text and "EAGLE3_AUX_LAYER_IDS" in text
     assert not (data_dir / "raw_responses" / f"{SHARD}.journal.jsonl").exists()
+
+
+def test_max_tokens_defaults_to_what_a_short_context_leaves_instead_of_refusing(tiny_target, tmp_path, data_dir):
+    """A 2,048-token target with defaults only: the target pre-flight used to refuse every shard ("max_tokens=8192
+    leaves under 256 tokens for the prompt"); now max_tokens is what the context leaves beside the shard's prompts."""
+    from eagle3_assets.core.target.preflight import DEFAULT_MAX_TOKENS, MIN_PROMPT_ROOM, completion_budget
+    from resources.vllm_server import VLLMServerResource
+
+    assert completion_budget(262144, [900, 4000]) == DEFAULT_MAX_TOKENS  # the story's target: 8,192
+    assert completion_budget(2048, [40, 60]) == 2048 - MIN_PROMPT_ROOM
+    assert completion_budget(2048, [700]) == 2048 - 700
+    assert completion_budget(2048, [1900]) == 1024  # one outlier prompt does not shrink every answer below half the context
+    short = variant(tiny_target, tmp_path / "short", max_position_embeddings=2048)
+    # max_tokens left unset; nothing listens at this URL, so the run stops at the server, after the target pre-flight.
+    server = VLLMServerResource(base_urls=["http://127.0.0.1:9"], served_model_name="m", max_retries=0)
+    assert server.max_tokens is None
+    result, instance = generate_one_shard(tmp_path, server, TargetModel(path=str(short)))
+    (failure,) = [e for e in result.all_events if e.is_step_failure]
+    assert "target pre-flight failed" not in failure.step_failure_data.error.to_string()
+    logs = [e.message for e in instance.all_logs(result.run_id) if e.message]
+    expected = 2048 - MIN_PROMPT_ROOM  # the shard's questions are far shorter than the prompt room
+    assert any(f"vllm_server.max_tokens unset: {expected} (2048-token context" in line for line in logs), logs
+    assert any(line.endswith(f"in flight, max_tokens {expected}") for line in logs), logs  # what the requests carry
 
 
 def test_hidden_states_refuses_another_model_than_the_one_that_rendered_the_traces(tiny_target, tmp_path, data_dir):
@@ -180,13 +210,16 @@ def test_hidden_states_refuses_another_model_than_the_one_that_rendered_the_trac
 
 
 def test_serving_follows_the_target(tiny_target, tmp_path):
-    assert vllm_serving(tiny_target) == {"max_model_len": 4096, "dtype": "float32", "trust_remote_code": False, "extra_args": []}
+    """The serving profile's launch reads the target: its dtype, its context, remote code as set."""
+    launch = vllm_launch(ServingProfile(), tiny_target, on_cpu=True).engine_args
+    assert (launch["max_model_len"], launch["dtype"], launch["trust_remote_code"]) == (4096, "float32", False)
+    assert "compilation_config" not in launch  # only an MLA target on a CPU host needs vLLM's PyTorch rotary
     short = variant(tiny_target, tmp_path / "short", max_position_embeddings=2048)
-    assert vllm_serving(short, trust_remote_code=True)["max_model_len"] == 2048
+    assert vllm_launch(ServingProfile(trust_remote_code=True), short, on_cpu=True).engine_args["max_model_len"] == 2048
     with pytest.raises(TargetError, match="exceeds the target's 2048-token context"):
-        vllm_serving(short, max_model_len=4096)
+        vllm_launch(ServingProfile(max_model_len=4096), short, on_cpu=True)
     bf16 = variant(tiny_target, tmp_path / "bf16", dtype="bfloat16")
-    assert vllm_serving(bf16)["dtype"] == "auto"  # never cast a half-precision or quantised checkpoint
+    assert vllm_launch(ServingProfile(), bf16, on_cpu=True).engine_args["dtype"] == "auto"  # never cast a half-precision or quantised checkpoint
 
 
 def materialised_prompts(source: Path, questions: list[str], data_dir: Path, holdout_share: float) -> tuple[pl.DataFrame, pl.DataFrame]:

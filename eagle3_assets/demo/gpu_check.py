@@ -112,6 +112,7 @@ def _reset_peak(device: str) -> None:
 
 def extraction(ctx: Context, backend: str) -> Row:
     from eagle3_assets.core.gpu_host.stage_jobs import ExtractionJob, StageTarget
+    from eagle3_assets.core.serving.profile import ServingProfile
     from eagle3_assets.core.target.identity import target_identity
     from eagle3_assets.demo.tiny_target import ensure_tiny_target
     from eagle3_assets.demo.validated_traces import write_validated_traces
@@ -126,7 +127,9 @@ def extraction(ctx: Context, backend: str) -> Row:
     ctx.state["traces"] = traces
     job = ExtractionJob(
         shard="shard-00000", traces=str(traces), output=str(ctx.work / "data" / f"hidden_states-{backend}" / "shard-00000"),
-        target=StageTarget(path=str(target), trust_remote_code=False, aux_layer_ids=LAYER_IDS, config_hash=target_identity(target).config_hash),
+        target=StageTarget(path=str(target), trust_remote_code=False, aux_layer_ids=LAYER_IDS, config_hash=target_identity(target).config_hash,
+            serving=ServingProfile(),
+        ),
         data_version="gpu-check", check_seed=1, backend=backend, dtype="bfloat16", recompute=True,
     )  # fmt: skip
     _reset_peak(ctx.device)

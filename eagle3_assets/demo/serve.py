@@ -17,19 +17,20 @@ from eagle3_assets.demo.plugin import BUILT_IN
 from eagle3_assets.demo.targets import DEMO_TARGETS
 
 
+def demo_server(model: str = "tiny", port: int = 8000) -> VLLMServer:
+    """The generation server of a built-in target: its name and serving profile (``DemoTarget.serving``), nothing else."""
+    built_in = DEMO_TARGETS["tiny" if model == BUILT_IN else model]
+    return VLLMServer(str(built_in.model_dir()), port=port, **built_in.serving)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m eagle3_assets.demo.serve", description="Serve a built-in target (default: the tiny one) with vLLM until Ctrl-C."
     )
     parser.add_argument("--model", default="tiny", choices=[*DEMO_TARGETS, BUILT_IN], help=f"a built-in target ('{BUILT_IN}' is the tiny one)")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--max-model-len", type=int, default=4096)
-    parser.add_argument("extra", nargs=argparse.REMAINDER, help="arguments passed to vLLM after --")
     args = parser.parse_args(argv)
-    built_in = DEMO_TARGETS["tiny" if args.model == BUILT_IN else args.model]
-    serving = dict(built_in.serving)
-    serving["extra_args"] = [*serving.get("extra_args", []), *(a for a in args.extra if a != "--")]
-    serve_until_stopped(VLLMServer(str(built_in.model_dir()), port=args.port, max_model_len=args.max_model_len, **serving))
+    serve_until_stopped(demo_server(args.model, args.port))
 
 
 if __name__ == "__main__":

@@ -37,11 +37,12 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
+from eagle3_assets.core.serving.profile import BUILT_IN_MARKER
 from eagle3_assets.core.storage.files import staging_dir, write_json_atomic
 from eagle3_assets.demo.prompt_set import demo_prompts, eval_prompts, training_traces
 from eagle3_assets.demo.environment import ACCEPT_TARGET_FINGERPRINT
 
-BUILD_INFO = "build_info.json"
+BUILD_INFO = BUILT_IN_MARKER  # its presence gives a target the fast start (core/serving/profile.py)
 RECORDED_FINGERPRINTS = Path(__file__).with_name("target_fingerprints.json")
 ACCEPT_UNRECORDED_ENV = ACCEPT_TARGET_FINGERPRINT.name  # 1: use a build whose greedy outputs differ from the recorded
 

@@ -19,13 +19,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from eagle3_assets.core.serving.profile import ServingProfile
 from resources.target_model import TargetModel
 
 from eagle3_assets.demo.environment import DEMO_TARGET
 
 DEMO_TARGET_ENV = DEMO_TARGET.name
 # How the tiny target is served: its name in the demo's requests, and the parser of its <think> markup.
-TINY_SERVING = {"served_model_name": "tiny-reasoner", "reasoning_parser": "deepseek_r1"}
+TINY_SERVING = {"served_model_name": "tiny-reasoner", "profile": ServingProfile(reasoning_parser="deepseek_r1")}
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,7 @@ class DemoTarget:
     name: str
     model_dir: Callable[[], Path]  # builds (once, cached) and returns the model directory
     target_model: Callable[[], TargetModel]  # the target_model resource of the graph's runs
-    serving: dict = field(default_factory=dict)  # VLLMServer options of the generation server
+    serving: dict = field(default_factory=dict)  # VLLMServer options of the generation server: its name and serving profile
     holdout_share: float = 0.0  # demo prompts kept out of training for draft_evaluation
 
 

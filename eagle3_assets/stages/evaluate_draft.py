@@ -73,7 +73,6 @@ def main() -> None:
     from eagle3_assets.core.serving.deployment import draft_weights_hash, write_serving_notes
     from eagle3_assets.core.evaluation.acceptance import evaluate, load_conversations, render_positions, untrained_twin
     from eagle3_assets.core.storage.files import stable_hash, write_json_atomic
-    from eagle3_assets.core.target.serving import vllm_serving
 
     with open_dagster_pipes() as pipes:
         job = EvaluationJob.from_dict(dict(pipes.extras or {}))
@@ -108,7 +107,7 @@ def main() -> None:
             concurrency=job.concurrency,
             server_log_dir=work,
             log=pipes.log.info,
-            serving=vllm_serving(job.target_dir, job.target_trust_remote_code, job.max_model_len),
+            profile=job.serving,
             k_by_label=k_by_label,
         )
         trained, baseline, reference = results["trained"], results["baseline"], results["reference"]
@@ -144,6 +143,7 @@ def main() -> None:
             num_speculative_tokens=best.k,
             chosen_by="recommended by draft_evaluation: " + ("measured throughput" if measure_each else "acceptance and the cost model"),
             curve_markdown=table + "\n\n" + rule,
+            profile=job.serving,
         )
         passed, severity, message = judge(trained.mean_acceptance_length, baseline.mean_acceptance_length, job.floor)
         pipes.log.info(f"{STAGE}: {message}")

@@ -79,19 +79,11 @@ def make_backend(job: ExtractionRecipe, target: StageTarget, traces):
             trust_remote_code=target.trust_remote_code,
         )
     if job.backend == "vllm":
-        from eagle3_assets.core.target.serving import vllm_engine_overrides
         from eagle3_assets.core.extraction.vllm_backend import VLLMBackend
 
         longest = max(t.num_tokens for t in traces)
-        max_model_len = job.vllm_max_model_len or -(-(longest + 1) // 16) * 16
-        return VLLMBackend(
-            target.path,
-            target.aux_layer_ids,
-            job,
-            max_model_len=max_model_len,
-            trust_remote_code=target.trust_remote_code,
-            engine_kwargs=vllm_engine_overrides(target.path),
-        )
+        # The context this use needs (the target's serving profile may set its own max_model_len).
+        return VLLMBackend(target.path, target.aux_layer_ids, job, max_model_len=-(-(longest + 1) // 16) * 16, serving=target.serving)
     raise ValueError(f"backend {job.backend!r}: one of transformers, vllm")
 
 

@@ -128,8 +128,7 @@ def _train_streamed(job: TrainingJob, on_event) -> dict:
 
 def run_gates(export_dir: Path, target_path: str, gates: ExportGates, num_speculative_tokens: int, log) -> dict:
     """``config_complete``'s problems, then (only when there are none) ``loads_in_vllm``: vLLM on this host."""
-    from eagle3_assets.core.draft.export import LOAD_CHECK_CONTEXT, check_loads_in_vllm, config_problems
-    from eagle3_assets.core.target.serving import vllm_serving
+    from eagle3_assets.core.draft.export import check_loads_in_vllm, config_problems
 
     problems = config_problems(export_dir, gates.aux_layer_ids, target_vocab_size=gates.target_vocab_size)
     report = None
@@ -140,7 +139,7 @@ def run_gates(export_dir: Path, target_path: str, gates: ExportGates, num_specul
             export_dir,
             num_speculative_tokens=num_speculative_tokens,
             log_path=Path(gates.log_path) if gates.log_path else None,
-            serving=vllm_serving(target_path, gates.trust_remote_code, cap=LOAD_CHECK_CONTEXT),
+            profile=gates.serving,
         )
         log(f"{STAGE}: loads_in_vllm: {report.detail}")
     loads = (
@@ -162,7 +161,9 @@ def export_and_gate(job: TrainingJob, result: dict, log) -> dict:
     # The serving notes name the weights' hash (the alias production servers answer to) and a
     # first num_speculative_tokens; draft_evaluation rewrites them with the k it recommends.
     k = job.vllm_check_num_speculative_tokens
-    serving = write_serving_notes(export_dir, target=config.target_path, num_speculative_tokens=k)
+    serving = write_serving_notes(
+        export_dir, target=config.target_path, num_speculative_tokens=k, profile=job.gates.serving if job.gates else None
+    )
     gates = run_gates(export_dir, config.target_path, job.gates, k, log) if job.gates else {}
     return {
         **gates,

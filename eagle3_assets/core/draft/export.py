@@ -356,6 +356,33 @@ LOAD_CHECK_CONTEXT = 2048  # one short chat completion: a longer context only co
 SPEC_COUNTER = re.compile(r"^(vllm:spec_decode_num_(?:drafts|accepted_tokens|draft_tokens)_total)\{[^}]*\}\s+([0-9.eE+-]+)$", re.M)
 
 
+def loads_in_vllm_server(
+    target_dir: Path,
+    draft_dir: Path,
+    *,
+    num_speculative_tokens: int = 3,
+    profile=None,
+    python: str | None = None,
+    log_path: Path | None = None,
+    startup_timeout_s: float | None = None,
+):
+    """The server of ``loads_in_vllm``: the target as its serving profile says, this draft as its speculative model."""
+    import sys
+
+    from eagle3_assets.core.serving.deployment import speculative_config
+    from eagle3_assets.core.serving.vllm_launcher import VLLMServer
+
+    return VLLMServer(
+        target_dir,
+        profile=profile,
+        context=LOAD_CHECK_CONTEXT,
+        site_args={"speculative_config": speculative_config(str(Path(draft_dir).resolve()), num_speculative_tokens)},
+        python=python or sys.executable,
+        log_path=log_path,
+        startup_timeout_s=startup_timeout_s,
+    )
+
+
 def check_loads_in_vllm(
     target_dir: Path,
     draft_dir: Path,
@@ -363,34 +390,21 @@ def check_loads_in_vllm(
     num_speculative_tokens: int = 3,
     python: str | None = None,
     log_path: Path | None = None,
-    serving: dict | None = None,
-    startup_timeout_s: float = 900.0,
+    profile=None,
+    startup_timeout_s: float | None = None,
     prompt: str = "What is 12 plus 30?",
 ) -> VLLMLoadReport:
     """Serve the target with this draft as vLLM's speculative model and ask one chat completion.
 
     Passes when the server comes up, answers, and its ``/metrics`` show that
     the draft proposed tokens (a draft that loads but is never run would not
-    prove anything). ``serving``: the target's ``VLLMServer`` options
-    (:func:`eagle3_assets.core.target.serving.vllm_serving`); by default from its config.
+    prove anything). ``profile``: the target's serving profile
+    (:class:`~eagle3_assets.core.serving.profile.ServingProfile`; default: the environment's).
     """
-    import sys
-
-    from eagle3_assets.core.target.serving import vllm_serving
-    from eagle3_assets.core.serving.vllm_launcher import VLLMServer
-
-    spec = {"method": "eagle3", "model": str(Path(draft_dir).resolve()), "num_speculative_tokens": num_speculative_tokens}
-    serving = dict(serving or vllm_serving(target_dir, cap=LOAD_CHECK_CONTEXT))
-    target_args = serving.pop("extra_args", [])
-    server = VLLMServer(
-        target_dir,
-        reasoning_parser=None,
-        **serving,
-        extra_args=[*target_args, "--speculative-config", json.dumps(spec)],
-        python=python or sys.executable,
-        log_path=log_path,
-        startup_timeout_s=startup_timeout_s,
-    )
+    server = loads_in_vllm_server(
+        target_dir, draft_dir, num_speculative_tokens=num_speculative_tokens, profile=profile, python=python,
+        log_path=log_path, startup_timeout_s=startup_timeout_s,
+    )  # fmt: skip
     try:
         server.start()
     except (RuntimeError, TimeoutError) as exc:

@@ -13,7 +13,6 @@ figure, acceptance length is the portable one.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -21,7 +20,8 @@ from pathlib import Path
 
 from eagle3_assets.core.generation.openai_client import async_openai_client
 from eagle3_assets.core.gpu_host.stage_jobs import EVAL_MAX_TOKENS
-from eagle3_assets.core.target.serving import vllm_serving
+from eagle3_assets.core.serving.deployment import speculative_config
+from eagle3_assets.core.serving.profile import ServingProfile
 from eagle3_assets.core.serving.vllm_launcher import VLLMServer
 from eagle3_assets.core.serving.vllm_metrics import SpecDecodeCounters, fetch_metrics_text
 
@@ -90,9 +90,37 @@ def run_pass(
     )
 
 
-def speculative_args(draft_dir: Path, num_speculative_tokens: int) -> list[str]:
-    config = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": num_speculative_tokens}
-    return ["--speculative-config", json.dumps(config)]
+def evaluation_servers(
+    target_dir: Path,
+    drafts: dict[str, Path],
+    num_speculative_tokens: int = 3,
+    *,
+    profile: ServingProfile | None = None,
+    context: int | None = None,
+    include_reference: bool = True,
+    server_log_dir: Path | None = None,
+    k_by_label: dict[str, int] | None = None,
+) -> list[tuple[str, VLLMServer]]:
+    """The servers evaluation starts, one after the other: the target alone (``reference``), then with each draft.
+
+    Each from the target's serving ``profile``; a draft adds only its ``speculative_config``.
+    """
+    k_by_label = k_by_label or {}
+    setups: list[tuple[str, dict]] = [("reference", {})] if include_reference else []
+    setups += [
+        (label, {"speculative_config": speculative_config(str(path), k_by_label.get(label, num_speculative_tokens))})
+        for label, path in drafts.items()
+    ]
+    return [
+        (
+            label,
+            VLLMServer(
+                target_dir, profile=profile, context=context, site_args=site_args,
+                log_path=(server_log_dir / f"vllm-{label}.log") if server_log_dir else None,
+            ),
+        )
+        for label, site_args in setups
+    ]  # fmt: skip
 
 
 def evaluate(
@@ -105,27 +133,25 @@ def evaluate(
     include_reference: bool = True,
     server_log_dir: Path | None = None,
     log: Callable[[str], None] = print,
-    serving: dict | None = None,
+    profile: ServingProfile | None = None,
     k_by_label: dict[str, int] | None = None,
 ) -> dict[str, PassResult]:
     """Serve the target alone (``reference``) and with each draft in turn; one pass each.
 
-    ``serving``: the target's ``VLLMServer`` options (remote code, dtype, context:
-    :func:`eagle3_assets.core.target.serving.vllm_serving`); by default from its config.
-    ``k_by_label``: a draft's own ``num_speculative_tokens`` where it differs from
+    ``profile``: how vLLM serves the target (:class:`~eagle3_assets.core.serving.profile.ServingProfile`,
+    default: the environment's). ``k_by_label``: a draft's own ``num_speculative_tokens`` where it differs from
     the common one (the same draft served at several k, each under its label).
     """
-    serving = dict(serving or vllm_serving(target_dir))
-    target_args = serving.pop("extra_args", [])
-    k_by_label = k_by_label or {}
     results: dict[str, PassResult] = {}
-    setups: list[tuple[str, list[str]]] = [("reference", [])] if include_reference else []
-    setups += [(label, speculative_args(path, k_by_label.get(label, num_speculative_tokens))) for label, path in drafts.items()]
-    for label, extra in setups:
+    servers = evaluation_servers(
+        target_dir, drafts, num_speculative_tokens, profile=profile, include_reference=include_reference,
+        server_log_dir=server_log_dir, k_by_label=k_by_label,
+    )  # fmt: skip
+    for label, server in servers:
         log(f"evaluation: serving the target for '{label}'")
-        log_path = (server_log_dir / f"vllm-{label}.log") if server_log_dir else None
-        with VLLMServer(target_dir, extra_args=[*target_args, *extra], log_path=log_path, **serving) as server:
-            results[label] = run_pass(label, server.base_url, server.served_model_name, conversations, max_tokens, concurrency, speculative=bool(extra))
+        speculative = "speculative_config" in server.launch.engine_args
+        with server:
+            results[label] = run_pass(label, server.base_url, server.served_model_name, conversations, max_tokens, concurrency, speculative=speculative)
         r = results[label]
         acceptance = f", acceptance length {r.mean_acceptance_length:.2f}" if r.mean_acceptance_length is not None else ""
         log(f"evaluation: {label}: {r.output_tokens} tokens in {r.wall_s:.1f}s ({r.output_tokens_per_s:.0f} tok/s){acceptance}")

@@ -38,7 +38,6 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
@@ -50,12 +49,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 
 from eagle3_assets.core.extraction.shard_extraction import TargetFacts, validate_layer_ids
 from eagle3_assets.core.gpu_host.stage_jobs import ExtractionRecipe
+from eagle3_assets.core.serving.profile import MULTIPROCESSING_ENV, ServingProfile, VLLMLaunch, vllm_launch
 
 CONNECTOR_MODULE = __name__
 CONNECTOR_CLASS = "SyncHiddenStatesConnector"
-_MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
-_CPU_KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"  # GiB of KV cache on a CPU host
-CPU_KV_CACHE_GIB = 1
+_MULTIPROCESSING_ENV = MULTIPROCESSING_ENV
 
 
 class _CopyDone:
@@ -93,6 +91,32 @@ class SyncHiddenStatesConnector(ExampleHiddenStatesConnector):
         self._req_copy_events[pending.req_id] = _CopyDone()
 
 
+def extraction_launch(
+    target_path: Path | str, engine_layer_ids: Sequence[int], scratch_dir: Path | str, serving: ServingProfile | None,
+    *, context: int, seed: int = 0,
+) -> VLLMLaunch:
+    """The extraction engine's arguments: the target's serving profile (TP, quantization, dtype, CUDA graphs...), and what
+    only this site adds: vLLM's hidden-states method at ``engine_layer_ids``, the connector that writes them, no prefix
+    cache (a cached prefix is not recomputed, so its states would never reach the connector), no tokenizer."""
+    site_args = {
+        "enable_prefix_caching": False,
+        "skip_tokenizer_init": True,
+        "seed": seed,
+        "speculative_config": {
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(engine_layer_ids)}},
+        },
+        "kv_transfer_config": {
+            "kv_connector": CONNECTOR_CLASS,
+            "kv_connector_module_path": CONNECTOR_MODULE,
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"shared_storage_path": str(scratch_dir)},
+        },
+    }
+    return vllm_launch(serving or ServingProfile(), target_path, context=context, site_args=site_args)
+
+
 class VLLMBackend:
     """Hidden states through a vLLM engine in this process, at the configured ids plus ``L`` (pre-norm)."""
 
@@ -110,8 +134,7 @@ class VLLMBackend:
         scratch_dir: Path | str | None = None,
         seed: int = 0,
         engine_in_process: bool | None = None,
-        engine_kwargs: dict[str, Any] | None = None,
-        trust_remote_code: bool = False,
+        serving: ServingProfile | None = None,
     ):
         from vllm import LLM
 
@@ -122,54 +145,27 @@ class VLLMBackend:
         self.aux_layer_ids = validate_layer_ids(aux_layer_ids, facts.num_layers)
         # vLLM returns the states in layer order; the final state is id L.
         self.engine_layer_ids = sorted(set(self.aux_layer_ids) | {facts.num_layers})
-        self.max_model_len = int(max_model_len)
-        recipe = recipe or ExtractionRecipe()  # dtype, batching, parallelism: the stage's settings, with their one default
+        recipe = recipe or ExtractionRecipe()  # batching: the stage's settings, with their one default
         self.max_batch_tokens = recipe.max_batch_tokens
         self.max_batch_requests = int(max_batch_requests)
         self._owns_scratch = scratch_dir is None
         self.scratch_dir = Path(scratch_dir or tempfile.mkdtemp(prefix="eagle3-vllm-hidden-states-"))
         self.scratch_dir.mkdir(parents=True, exist_ok=True)
-        on_cpu = not torch.cuda.is_available()
-        engine_args: dict[str, Any] = {
-            "model": str(self.target_path),
-            "dtype": recipe.vllm_dtype,
-            "max_model_len": self.max_model_len,
-            "tensor_parallel_size": recipe.vllm_tensor_parallel_size,
-            "gpu_memory_utilization": recipe.vllm_gpu_memory_utilization,
-            # A cached prefix is not recomputed, so its states would never reach the connector.
-            "enable_prefix_caching": False,
-            "enforce_eager": on_cpu if recipe.vllm_enforce_eager is None else recipe.vllm_enforce_eager,
-            "skip_tokenizer_init": True,
-            "trust_remote_code": trust_remote_code,
-            "seed": seed,
-            "speculative_config": {
-                "method": "extract_hidden_states",
-                "num_speculative_tokens": 1,
-                "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": self.engine_layer_ids}},
-            },
-            "kv_transfer_config": {
-                "kv_connector": CONNECTOR_CLASS,
-                "kv_connector_module_path": CONNECTOR_MODULE,
-                "kv_role": "kv_producer",
-                "kv_connector_extra_config": {"shared_storage_path": str(self.scratch_dir)},
-            },
-            **(engine_kwargs or {}),
-        }
-        in_process = engine_in_process if engine_in_process is not None else on_cpu
+        launch = extraction_launch(self.target_path, self.engine_layer_ids, self.scratch_dir, serving, context=max_model_len, seed=seed)
+        self.max_model_len = int(launch.engine_args["max_model_len"])
+        in_process = engine_in_process if engine_in_process is not None else launch.fast_start
         # In process: no engine-core process to spawn (and import vLLM in again), faster to start on a CPU host.
-        # The variable is read when the engine is made and restored after, so servers started later are unaffected.
+        # The variables are read when the engine is made and restored after, so servers started later are unaffected.
         environ_before = dict(os.environ)
         # An in-process CPU worker binds its threads and replaces torch.set_num_threads with a no-op
         # for as long as it lives; close() gives the process its own back.
         self._torch_threads = (torch.set_num_threads, torch.get_num_threads())
+        # On a CPU host the launch bounds vLLM's KV cache (unset, it reserves most of the host's memory and refuses to
+        # start beside other processes); extraction runs one prompt chunk at a time.
+        os.environ.update(launch.environment(os.environ))
         os.environ[_MULTIPROCESSING_ENV] = "0" if in_process else "1"
-        if on_cpu:
-            # Unset, vLLM's CPU backend reserves gpu_memory_utilization (0.9) of the host's memory for its KV
-            # cache and refuses to start when other processes hold more than a tenth. Extraction runs one
-            # prompt chunk at a time: a small cache is all it needs, and it leaves the host its memory.
-            os.environ.setdefault(_CPU_KV_CACHE_ENV, str(CPU_KV_CACHE_GIB))
         try:
-            self.llm = LLM(**engine_args)
+            self.llm = LLM(**launch.engine_args)
         finally:
             # vLLM sets process-wide variables while it starts (LD_PRELOAD, thread and cache settings);
             # they are put back when the engine is closed, so that processes this one starts later
@@ -177,7 +173,7 @@ class VLLMBackend:
             self._environ_changes = {
                 key: environ_before.get(key) for key in set(environ_before) | set(os.environ) if environ_before.get(key) != os.environ.get(key)
             }
-            _restore_environ({name: environ_before.get(name) for name in (_MULTIPROCESSING_ENV, _CPU_KV_CACHE_ENV)})
+            _restore_environ({name: environ_before.get(name) for name in {_MULTIPROCESSING_ENV, *launch.env, *launch.env_defaults}})
         from vllm.v1.engine.core_client import InprocClient
 
         # With the engine core in this process nothing steps it between our calls, so the

@@ -11,6 +11,7 @@ from pydantic import ConfigDict
 from eagle3_assets.core.settings.job_schema import JobSchema, given, setting
 from eagle3_assets.core.generation.redaction import has_credentials, redact_url
 from eagle3_assets.core.generation.response_rules import DEFAULT_MAX_ATTEMPTS_PER_SAMPLE
+from eagle3_assets.core.target.preflight import DEFAULT_MAX_TOKENS
 
 
 class Sampling(JobSchema):
@@ -40,7 +41,12 @@ class GenerationSettings(JobSchema):
     # Never printed, never part of a fingerprint.
     api_key: str | None = setting(None, "bearer token; set it with EnvVar('VLLM_API_KEY'), never as a literal", repr=False)
     concurrency: int = setting(128, "requests in flight per run (per shard being generated)", gt=0)
-    max_tokens: int = setting(8192, "completion token limit per request, reasoning included", gt=0)
+    max_tokens: int | None = setting(
+        None,
+        f"completion token limit per request, reasoning included; unset: what the target's context leaves for the shard's "
+        f"prompts, at most {DEFAULT_MAX_TOKENS:,}",
+        gt=0,
+    )
     extra_body: Mapping[str, Any] = setting({}, "merged into every request body, e.g. {'chat_template_kwargs': {'thinking': true}}")
     connect_timeout_s: float = setting(10.0, "to open a connection; failures are retried", gt=0)
     read_timeout_s: float = setting(1800.0, "for one whole generation; a read timeout is not retried", gt=0)
@@ -80,6 +86,8 @@ class GenerationConfig(GenerationSettings):
     """Everything the client needs; the Dagster resource builds one (``VLLMServerResource.generation_config``)."""
 
     base_urls: tuple[str, ...] = given("base URLs of the servers (no /v1); requests are spread over them")
+    # Resolved by the resource (vllm_server.max_tokens, else what the target's context leaves): always a number here.
+    max_tokens: int = setting(DEFAULT_MAX_TOKENS, "completion token limit per request, reasoning included", gt=0)
     model: str = given("the model name the server serves (vLLM's --served-model-name)")
     sampling: Mapping[str, Any] = setting(Sampling().request_fields(), "sampling fields of every request (see Sampling)")
 

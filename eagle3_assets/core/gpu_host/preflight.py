@@ -157,6 +157,93 @@ def evaluate_gpus(
     return failures
 
 
+# --------------------------------------------------------------------------- who holds the GPUs' memory
+
+NVIDIA_SMI_UUID_QUERY = ["--query-gpu=index,uuid", "--format=csv"]
+NVIDIA_SMI_APPS_QUERY = ["--query-compute-apps=gpu_uuid,pid,process_name,used_memory", "--format=csv"]
+
+
+@dataclass(frozen=True)
+class GPUProcess:
+    """One line of ``nvidia-smi --query-compute-apps=gpu_uuid,pid,process_name,used_memory --format=csv``, with its GPU's index."""
+
+    gpu_index: int | None  # None: a uuid the GPU list did not name
+    pid: int
+    name: str
+    used_mib: int | None
+
+
+def _csv_rows(text: str, header: list[str], what: str) -> list[list[str]]:
+    """The rows of an nvidia-smi CSV with exactly ``header``; a row of another width is an error, never skipped."""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    if not lines or [h.strip() for h in lines[0].split(",")] != header:
+        raise ValueError(f"nvidia-smi {what} header {lines[0] if lines else ''!r}: expected {', '.join(header)!r}")
+    rows = []
+    for number, line in enumerate(lines[1:], start=2):
+        # A process name may hold commas: the first two fields and the last are fixed, the name is what is between.
+        cells = [c.strip() for c in line.split(",")]
+        if len(cells) < len(header) or (len(cells) > len(header) and "process_name" not in header):
+            raise ValueError(f"nvidia-smi {what} line {number} {line!r}: expected {len(header)} fields")
+        if len(cells) > len(header):
+            cells = cells[:2] + [", ".join(cells[2:-1])] + cells[-1:]
+        rows.append(cells)
+    return rows
+
+
+def parse_gpu_uuids_csv(text: str) -> dict[str, int]:
+    """``nvidia-smi --query-gpu=index,uuid --format=csv``: uuid -> index."""
+    return {uuid: int(index) for index, uuid in _csv_rows(text, ["index", "uuid"], "--query-gpu=index,uuid")}
+
+
+def parse_compute_apps_csv(text: str, uuids: Mapping[str, int]) -> list[GPUProcess]:
+    """Every process ``--query-compute-apps`` lists (header ``gpu_uuid, pid, process_name, used_gpu_memory [MiB]``)."""
+    header = ["gpu_uuid", "pid", "process_name", "used_gpu_memory [MiB]"]
+    processes = []
+    for number, (uuid, pid, name, used) in enumerate(_csv_rows(text, header, "--query-compute-apps"), start=2):
+        try:
+            processes.append(GPUProcess(uuids.get(uuid), int(pid), name, _mib(used)))
+        except ValueError:
+            raise ValueError(f"nvidia-smi --query-compute-apps line {number}: not 'uuid, pid, name, N MiB'") from None
+    return processes
+
+
+def query_gpu_processes(nvidia_smi: str = "nvidia-smi", timeout_s: float = 30.0) -> tuple[list[GPUProcess], str | None]:
+    """The processes holding GPU memory on the host, or none and why."""
+    outputs = []
+    for query in (NVIDIA_SMI_UUID_QUERY, NVIDIA_SMI_APPS_QUERY):
+        try:
+            done = subprocess.run([nvidia_smi, *query], capture_output=True, text=True, timeout=timeout_s)
+        except (FileNotFoundError, subprocess.TimeoutExpired) as exc:
+            return [], f"{nvidia_smi} {query[0]}: {type(exc).__name__}"
+        if done.returncode != 0:
+            return [], f"{nvidia_smi} {query[0]} failed (exit {done.returncode}): {_first_line(done.stdout + done.stderr)}"
+        outputs.append(done.stdout)
+    try:
+        return parse_compute_apps_csv(outputs[1], parse_gpu_uuids_csv(outputs[0])), None
+    except ValueError as exc:
+        return [], str(exc)
+
+
+def gpu_memory_holders_line(
+    processes: Sequence[GPUProcess], short_gpus: Sequence[int], serving_unit: str | None, reason_unknown: str | None = None
+) -> str:
+    """What to do about GPUs without the free memory a stage needs: the processes holding it, and the unit to stop."""
+    holders = [p for p in processes if p.gpu_index is None or p.gpu_index in short_gpus]
+    if holders:
+        listed = "; ".join(
+            f"PID {p.pid} {p.name} ({p.used_mib if p.used_mib is not None else '?'} MiB on GPU {p.gpu_index if p.gpu_index is not None else '?'})"
+            for p in holders[:16]
+        ) + (f"; and {len(holders) - 16} more" if len(holders) > 16 else "")
+        held = f"GPU memory on GPU(s) {', '.join(map(str, short_gpus))} is held by {listed}"
+    else:
+        held = f"no process listed as holding memory on GPU(s) {', '.join(map(str, short_gpus))} ({reason_unknown or 'nvidia-smi --query-compute-apps listed none'})"
+    if serving_unit:
+        action = f"stop the generation server first: sudo systemctl stop {serving_unit} (gpu_host.serving_unit), then run the stage again"
+    else:
+        action = "stop those processes (a generation server: stop its service) and run the stage again; set gpu_host.serving_unit to have its unit named here"
+    return f"{held}: {action}"
+
+
 # --------------------------------------------------------------------------- the stage lock
 
 def lock_holder(path: str) -> dict | None:
@@ -403,7 +490,7 @@ def run_preflight(spec: Mapping[str, Any]) -> dict:
     report["gpu_note"] = reason_none
     report["cpu_allowed"] = spec["cpu_allowed"]
     report["cpu_allowed_by"] = spec.get("cpu_allowed_by")
-    failures += evaluate_gpus(
+    gpu_failures = evaluate_gpus(
         gpus,
         reason_none,
         stage=stage,
@@ -412,6 +499,7 @@ def run_preflight(spec: Mapping[str, Any]) -> dict:
         min_free_mib=spec["min_free_gpu_memory_mib"],
         gpu_indices=spec.get("gpu_indices"),
     )
+    failures += gpu_failures + explain_gpu_memory_shortfall(spec, gpus, gpu_failures, report)
 
     outputs = [os.path.abspath(d) for d in spec["output_dirs"]]
     if outputs:
@@ -456,6 +544,22 @@ def run_preflight(spec: Mapping[str, Any]) -> dict:
     report["ok"] = not failures
     report["duration_s"] = round(time.monotonic() - started, 3)
     return report
+
+
+def explain_gpu_memory_shortfall(spec: Mapping[str, Any], gpus: Sequence[GPUMemory], gpu_failures: Sequence[str], report: dict) -> list[str]:
+    """Where GPUs lack the free memory the stage needs: what the estimate counts, who holds the memory, what to stop."""
+    short = [g.index for g in gpus if g.free_mib is not None and spec["min_free_gpu_memory_mib"] > 0 and g.free_mib < spec["min_free_gpu_memory_mib"]]
+    wanted = spec.get("gpu_indices")
+    short = [i for i in short if wanted is None or i in wanted]
+    if not short or not gpu_failures:
+        return []
+    processes, reason = query_gpu_processes(spec.get("nvidia_smi", "nvidia-smi"))
+    report["gpu_processes"] = [dataclasses.asdict(p) for p in processes]
+    lines = []
+    if spec.get("gpu_memory_note"):
+        lines.append(f"GPU memory: stage {spec['stage']} needs {spec['min_free_gpu_memory_mib']} MiB free on each GPU ({spec['gpu_memory_note']})")
+    lines.append(gpu_memory_holders_line(processes, short, spec.get("serving_unit"), reason))
+    return lines
 
 
 def _human(n: int) -> str:

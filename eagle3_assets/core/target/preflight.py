@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from eagle3_assets.core.target.description import TargetDescription, TargetError, context_length, read_config
@@ -9,6 +10,21 @@ from eagle3_assets.core.target.tokenizer import load_tokenizer
 
 # Room a prompt needs beside the completion in the target's context (a chat template adds tokens too).
 MIN_PROMPT_ROOM = 256
+# The story's completion limit: long reasoning fits in it; the default where the target's context has room for it.
+DEFAULT_MAX_TOKENS = 8192
+
+
+def completion_budget(context: int | None, prompt_tokens: Sequence[int], cap: int = DEFAULT_MAX_TOKENS) -> int:
+    """``max_tokens`` when none is set: what the target's context leaves beside the longest prompt, at most ``cap``.
+
+    The prompt's room is the longest of ``prompt_tokens`` (rendered with the chat template), at least
+    :data:`MIN_PROMPT_ROOM` and at most half the context: one outlier prompt does not shrink every answer (vLLM
+    itself gives such a prompt what its context leaves, and one that does not fit at all is settled unsent).
+    """
+    if not context:
+        return cap
+    room = min(max(max(prompt_tokens, default=0), MIN_PROMPT_ROOM), context // 2)
+    return max(1, min(cap, context - room))
 
 
 @dataclass(frozen=True)
