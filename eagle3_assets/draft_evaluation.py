@@ -111,7 +111,7 @@ def draft_evaluation(
     if not (draft_dir / CONFIG_FILE).is_file():
         raise FileNotFoundError(f"no exported draft at {draft_dir}: materialise draft_checkpoint first")
     job = EvaluationJob(
-        target_dir=str(target_model.resolved_path()),
+        target_dir=target_model.host_path(),
         target_trust_remote_code=target_model.trust_remote_code,
         draft_dir=str(draft_dir),
         eval_prompts=eval_prompts,

@@ -48,7 +48,7 @@ class TargetModel(ConfigurableResource):
     # Required unless the environment names the deployment's target.
     path: str = Field(
         default=path_from_env() or ...,
-        description=f"HF model directory on the hosts that run the stages (default: ${PATH_ENV})",
+        description=f"HF model directory, on this machine and (unless gpu_host_path is set) on the GPU host (default: ${PATH_ENV})",
     )
     trust_remote_code: bool = Field(
         default=trust_remote_code_from_env(),
@@ -58,6 +58,11 @@ class TargetModel(ConfigurableResource):
     aux_layer_ids: list[int] | None = Field(
         default=layer_ids_from_env(),
         description=f"three EAGLE-3 auxiliary layer ids in vLLM's convention; default (2, L//2, L-3) when distinct (default: ${AUX_LAYER_IDS.name})",
+    )
+    gpu_host_path: str = Field(
+        default="",
+        description="the same model's directory on the GPU host, where it differs from path: the orchestrator then needs only "
+        "the tokenizer, chat template, config and the weights' index (model.safetensors.index.json) at path; empty: path",
     )
     think_open: str | None = Field(default=None, description="start-of-thinking marker; default: found in the tokenizer/template")
     think_close: str | None = Field(default=None, description="end-of-thinking marker; default: found in the tokenizer/template")
@@ -80,6 +85,10 @@ class TargetModel(ConfigurableResource):
     def model_dir(self) -> Path:
         """Where ``path`` points; a subclass may build or fetch the model here (called once per resource)."""
         return Path(self.path).expanduser()
+
+    def host_path(self) -> str:
+        """Where the GPU stages load the model: ``gpu_host_path``, else the same directory as here."""
+        return self.gpu_host_path or str(self.resolved_path())
 
     def builtin_eval_prompts(self) -> str | None:
         """A held-out prompt set that comes with the target (a JSONL/Parquet path), or None: a user's target has none."""
@@ -138,7 +147,7 @@ class TargetModel(ConfigurableResource):
     def stage_extras(self) -> dict:
         """What a GPU stage needs to load this target exactly as configured."""
         return {
-            "path": str(self.resolved_path()),
+            "path": self.host_path(),
             "trust_remote_code": self.trust_remote_code,
             "aux_layer_ids": self.layer_ids(),
             "config_hash": self.config_hash(),
