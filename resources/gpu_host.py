@@ -123,6 +123,11 @@ class GPUHost(ConfigurableResource):
     )
     allow_cpu: bool = Field(default=True, description="let every stage run on CPU when the host has no GPU (small local targets, tests); false: only stages that declare cpu_allowed")
     remove_partial_files: bool = Field(default=False, description="delete partial files left by an aborted run instead of failing the pre-flight")
+    check_code_version: bool = Field(
+        default=True,
+        description="refuse a stage when the host's eagle3-assets (package version and a hash of the code the stages run) is "
+        "not this machine's; false only to run a deliberate difference",
+    )
     preflight_timeout_s: float = Field(default=300.0, description="limit for the pre-flight (imports of large modules included)")
     termination_grace_s: float = Field(default=20.0, description="time a stage gets to stop after the run is terminated, before SIGKILL")
     hf_token: str | None = Field(
@@ -188,6 +193,8 @@ class GPUHost(ConfigurableResource):
             remove_partial_files=self.remove_partial_files,
             cpu_allowed_by_host=self.allow_cpu,
         )
+        if self.check_code_version:  # the host compares its own code with this one's
+            spec["code_version"] = preflight_module.code_version(str(Path(preflight_module.__file__).parents[2]))
         connection = self.connection()
         base = {"stage": stage, "host": connection.label, "python": self.python, "lock": {"path": spec["lock_path"]}}
         source = Path(preflight_module.__file__).read_text(encoding="utf-8")
@@ -317,6 +324,9 @@ def preflight_metadata(report: Mapping[str, Any]) -> dict[str, Any]:
         rows = ["| GPU | used MiB | total MiB | free MiB |", "| --- | --- | --- | --- |"]
         rows += [f"| {g['index']} | {g['used_mib']} | {g['total_mib']} | {g['free_mib']} |" for g in report["gpus"]]
         metadata["gpu_host/gpus"] = MetadataValue.md("\n".join(rows) if report["gpus"] else f"no GPU ({report.get('gpu_note')})")
+    if report.get("code_version"):
+        code = report["code_version"]
+        metadata["gpu_host/code_version"] = f"{code.get('version')} (code {code.get('code_hash')}, {code.get('package_dir')})"
     lock = report.get("lock") or {}
     if lock.get("path"):
         metadata["gpu_host/lock"] = MetadataValue.path(lock["path"])
