@@ -25,7 +25,7 @@ from eagle3_assets.core.target import description as core_target
 from eagle3_assets.core.target.identity import TargetIdentity, config_hash, target_identity
 from eagle3_assets.core.target.preflight import TargetSettings, preflight_problems
 from eagle3_assets.core.target.tokenizer import load_tokenizer
-from eagle3_assets.core.settings.environment import AUX_LAYER_IDS, TARGET_MODEL, TRUST_REMOTE_CODE
+from eagle3_assets.core.settings.environment import AUX_LAYER_IDS, GPU_HOST_TARGET_MODEL, TARGET_MODEL, TRUST_REMOTE_CODE
 
 PATH_ENV = TARGET_MODEL.name
 
@@ -60,9 +60,10 @@ class TargetModel(ConfigurableResource):
         description=f"three EAGLE-3 auxiliary layer ids in vLLM's convention; default (2, L//2, L-3) when distinct (default: ${AUX_LAYER_IDS.name})",
     )
     gpu_host_path: str = Field(
-        default="",
+        default=GPU_HOST_TARGET_MODEL.get() or "",
         description="the same model's directory on the GPU host, where it differs from path: the orchestrator then needs only "
-        "the tokenizer, chat template, config and the weights' index (model.safetensors.index.json) at path; empty: path",
+        "the tokenizer, chat template, config and the weights' index (model.safetensors.index.json) at path; "
+        f"empty: path (default: ${GPU_HOST_TARGET_MODEL.name})",
     )
     think_open: str | None = Field(default=None, description="start-of-thinking marker; default: found in the tokenizer/template")
     think_close: str | None = Field(default=None, description="end-of-thinking marker; default: found in the tokenizer/template")
@@ -74,7 +75,10 @@ class TargetModel(ConfigurableResource):
     @classmethod
     def from_env(cls, **overrides) -> TargetModel:
         """The deployment's target: ``EAGLE3_TARGET_MODEL``, ``EAGLE3_TRUST_REMOTE_CODE``, ``EAGLE3_AUX_LAYER_IDS``, read now."""
-        fields = {"path": path_from_env(), "trust_remote_code": trust_remote_code_from_env(), "aux_layer_ids": layer_ids_from_env()}
+        fields = {
+            "path": path_from_env(), "trust_remote_code": trust_remote_code_from_env(), "aux_layer_ids": layer_ids_from_env(),
+            "gpu_host_path": GPU_HOST_TARGET_MODEL.get(),
+        }  # fmt: skip
         return cls(**{**{k: v for k, v in fields.items() if v is not None}, **overrides})
 
     def resolved_path(self) -> Path:
