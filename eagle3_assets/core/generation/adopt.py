@@ -53,7 +53,7 @@ import polars as pl
 
 from eagle3_assets.core.generation.completions import REASONING_FIELDS, Sample, parse_completion
 from eagle3_assets.core.generation.response_rules import content_failures
-from eagle3_assets.core.storage.files import write_json_atomic
+from eagle3_assets.core.storage.files import file_hash, write_json_atomic
 from eagle3_assets.core.storage.journal import ShardJournal, parquet_fingerprint
 
 MATCH_MODES = ("auto", "id", "content")
@@ -170,7 +170,7 @@ def adopt_responses(
     path = Path(source).expanduser()
     if not path.is_file():
         raise AdoptionError(f"adopting responses: {path} does not exist or is not a file")
-    report = AdoptionReport(str(path), _sha256(path), _format_of(path), match)
+    report = AdoptionReport(str(path), file_hash(path, length=64), _format_of(path), match)
     if parquet_fingerprint(parquet_path) == fingerprint:
         report.shard_finished = True
         log(f"{Path(parquet_path).name} is finished with these prompts and settings: nothing adopted from {path.name}")
@@ -393,14 +393,6 @@ def lineage(parquet_path: Path) -> dict[str, Any]:
     record = read_import_record(parquet_path)
     taken = sorted(h for h, entry in (record or {}).get("imports", {}).items() if entry.get("rows_taken"))
     return {"adopted_from": taken} if taken else {}
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _int_or_none(value: Any) -> int | None:
