@@ -259,7 +259,7 @@ def draft_checkpoint(
     train = TrainConfig(
         hidden_state_dirs=[str(d) for d in states.shard_dirs],
         vocab_mapping=str(mapping_file),
-        target_path=str(target_model.resolved_path()),
+        target_path=target_model.host_path(),
         training_dir=str(training_dir),
         **values_of(config, TrainingRecipe),
     )

@@ -126,7 +126,7 @@ def draft_evaluation(
     baseline = resolve_baseline(config.baseline, DatasetPaths().training_dir / RESULT_FILE)
     context.log.info(f"baseline draft: {baseline}")
     job = EvaluationJob(
-        target_dir=str(target_model.resolved_path()),
+        target_dir=target_model.host_path(),
         serving=target_model.serving_profile(),
         draft_dir=str(draft_dir),
         eval_prompts=eval_prompts,

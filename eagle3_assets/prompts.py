@@ -61,7 +61,8 @@ def prompts(context: AssetExecutionContext, prompt_dataset: PromptDataset) -> Ma
     """The questions of one shard, normalised to ``id`` and chat ``messages``; bad rows kept apart with a reason."""
     key = context.partition_key
     shard = prompt_dataset.load_shard(key)
-    training, held_out = split_held_out(shard.accepted, prompt_dataset.holdout_share)
+    holdout = prompt_dataset.holdout_plan()  # the share that holds out at least holdout_min_prompts over the dataset
+    training, held_out = split_held_out(shard.accepted, holdout.share)
     paths = ShardPaths("prompts", key)
     with ShardLease(paths.asset_dir, key, asset="prompts", run_id=context.run.run_id, log=context.log.info):
         for written in (paths.parquet, paths.heldout, paths.rejected):
@@ -88,6 +89,7 @@ def prompts(context: AssetExecutionContext, prompt_dataset: PromptDataset) -> Ma
             "accepted": accepted,
             "held_out": held_out.height,
             "holdout_share": prompt_dataset.holdout_share,
+            **holdout.as_metadata(),
             "rejected": rejected,
             "rejected_by_reason": MetadataValue.json(reasons),
             # what reading this shard cost: a "built" index is the one-off pass over the dataset

@@ -8,7 +8,9 @@ sends only what is not durable yet, plus the rows that ended in an error and
 the rows whose response validation would reject for a reason a new generation
 can fix (up to ``vllm_server.max_attempts_per_sample`` requests per sample). A
 finished shard made with other settings is kept under ``superseded/``, never
-overwritten.
+overwritten. An existing file of responses (run config ``adopt_from``) seeds the
+journal first (:mod:`eagle3_assets.raw_responses_adoption`): only what it lacks
+or what validation would reject is then sent.
 
 Its blocking ``reasoning_present`` check stops the run before validation when
 the answered rows lack reasoning (the story's failure), with the canary's
@@ -53,6 +55,7 @@ from eagle3_assets.partitions import sample_shards
 from eagle3_assets.lineage import upstream_version
 from resources.target_model import TargetModel
 from resources.vllm_server import GENERATION_POOL, VLLMServerResource
+from eagle3_assets.raw_responses_adoption import RawResponsesConfig, adopt_existing, adoption_lineage, adoption_metadata
 
 
 
@@ -95,7 +98,9 @@ GATES = Gates(
     kinds={"vllm", "parquet"},
     check_specs=GATES.specs(),
 )
-def raw_responses(context: AssetExecutionContext, vllm_server: VLLMServerResource, target_model: TargetModel) -> MaterializeResult:
+def raw_responses(
+    context: AssetExecutionContext, config: RawResponsesConfig, vllm_server: VLLMServerResource, target_model: TargetModel
+) -> MaterializeResult:
     """The target's reasoning and answer for every prompt of the shard, regenerated through vLLM; resumable after a crash."""
     key = context.partition_key
     max_tokens = vllm_server.max_tokens or default_max_tokens(context, target_model, key)
@@ -106,7 +111,7 @@ def raw_responses(context: AssetExecutionContext, vllm_server: VLLMServerResourc
     paths = ShardPaths("raw_responses", key)
     # One writer per shard: a second run of this shard fails here, naming the run that holds it, before any request.
     with ShardLease(paths.asset_dir, key, asset="raw_responses", run_id=context.run.run_id, log=context.log.info):
-        return _generate(context, vllm_server, paths, max_tokens)
+        return _generate(context, vllm_server, paths, max_tokens, config)
 
 
 def default_max_tokens(context: AssetExecutionContext, target_model: TargetModel, key: str) -> int:
@@ -118,7 +123,9 @@ def default_max_tokens(context: AssetExecutionContext, target_model: TargetModel
     return budget
 
 
-def _generate(context: AssetExecutionContext, vllm_server: VLLMServerResource, paths: ShardPaths, max_tokens: int) -> MaterializeResult:
+def _generate(
+    context: AssetExecutionContext, vllm_server: VLLMServerResource, paths: ShardPaths, max_tokens: int, adoption: RawResponsesConfig
+) -> MaterializeResult:
     key = paths.shard
     prompts_path = ShardPaths("prompts", key, paths.root).parquet
     if not prompts_path.is_file():
@@ -135,6 +142,7 @@ def _generate(context: AssetExecutionContext, vllm_server: VLLMServerResource, p
     parquet_path = paths.parquet
     # A finished Parquet that no longer decodes is moved aside; the journal's rows are kept and the rest is sent again.
     quarantine_if_corrupt(parquet_path, context.log.warning)
+    adopt_existing(context, adoption, samples, paths, config)  # rows of an existing file first: only the rest is sent
     context.log.info(
         f"{key}: {len(samples)} prompts -> {config.model} on {len(config.servers)} server(s), "
         f"{config.concurrency} in flight, max_tokens {config.max_tokens}"
@@ -177,7 +185,7 @@ def _generate(context: AssetExecutionContext, vllm_server: VLLMServerResource, p
         f"finish reasons {summary['finish_reasons']}"
     )
 
-    version = stable_hash({"prompts": upstream_version(context, "prompts", key, prompts_path), "generation": config.identity()})
+    version = stable_hash({"prompts": upstream_version(context, "prompts", key, prompts_path), "generation": config.identity(), **adoption_lineage(paths)})
     return MaterializeResult(
         data_version=DataVersion(version),
         metadata={
@@ -218,6 +226,7 @@ def _generate(context: AssetExecutionContext, vllm_server: VLLMServerResource, p
             "latency_p50_s": summary["latency_p50_s"],
             "latency_p95_s": summary["latency_p95_s"],
             "completion_lengths": MetadataValue.md(completion_length_histogram(frame["completion_tokens"].to_list())),
+            **adoption_metadata(paths, frame),
         },
         check_results=GATES.results(
             SimpleNamespace(

@@ -123,6 +123,11 @@ class GPUHost(ConfigurableResource):
     )
     allow_cpu: bool = Field(default=True, description="let every stage run on CPU when the host has no GPU (small local targets, tests); false: only stages that declare cpu_allowed")
     remove_partial_files: bool = Field(default=False, description="delete partial files left by an aborted run instead of failing the pre-flight")
+    check_code_version: bool = Field(
+        default=True,
+        description="refuse a stage when the host's eagle3-assets (package version and a hash of the code the stages run) is "
+        "not this machine's; false only to run a deliberate difference",
+    )
     preflight_timeout_s: float = Field(default=300.0, description="limit for the pre-flight (imports of large modules included)")
     termination_grace_s: float = Field(default=20.0, description="time a stage gets to stop after the run is terminated, before SIGKILL")
     serving_unit: str = Field(
@@ -196,6 +201,8 @@ class GPUHost(ConfigurableResource):
             nvidia_smi=self.nvidia_smi,
             serving_unit=self.serving_unit,
         )
+        if self.check_code_version:  # the host compares its own code with this one's
+            spec["code_version"] = preflight_module.code_version(str(Path(preflight_module.__file__).parents[2]))
         connection = self.connection()
         base = {"stage": stage, "host": connection.label, "python": self.python, "lock": {"path": spec["lock_path"]}}
         source = Path(preflight_module.__file__).read_text(encoding="utf-8")
@@ -329,6 +336,9 @@ def preflight_metadata(report: Mapping[str, Any]) -> dict[str, Any]:
         rows = ["| GPU | PID | process | used MiB |", "| --- | --- | --- | --- |"]
         rows += [f"| {p['gpu_index']} | {p['pid']} | {p['name']} | {p['used_mib']} |" for p in report["gpu_processes"]]
         metadata["gpu_host/gpu_processes"] = MetadataValue.md("\n".join(rows))
+    if report.get("code_version"):
+        code = report["code_version"]
+        metadata["gpu_host/code_version"] = f"{code.get('version')} (code {code.get('code_hash')}, {code.get('package_dir')})"
     lock = report.get("lock") or {}
     if lock.get("path"):
         metadata["gpu_host/lock"] = MetadataValue.path(lock["path"])

@@ -8,6 +8,8 @@ defaults: a launchpad override of one field keeps the others
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from pathlib import Path
 
 from dagster import ConfigurableResource
@@ -15,12 +17,19 @@ from pydantic import Field
 
 from eagle3_assets.core.settings.environment import PROMPTS, SHARD_SIZE
 from eagle3_assets.core.prompts.loading import ShardPrompts, count_rows, load_shard
+from eagle3_assets.core.prompts.heldout import HoldoutPlan, dataset_questions, plan_holdout
 from eagle3_assets.core.prompts.sharding import DEFAULT_SHARD_SIZE, shard_keys_for
+from eagle3_assets.core.storage.files import stable_hash, write_json_atomic
+from eagle3_assets.core.storage.shard_paths import data_dir
+
+HOLDOUT_PLAN_FILE = ".holdout_plan.json"  # the plan of the dataset's current file version, under <data>/prompts/
 
 SOURCE_ENV = PROMPTS.name
 SHARD_SIZE_ENV = SHARD_SIZE.name
 # 1 %: 100 evaluation prompts from the story's 10,000, and a draft trained on the other 99 %.
 DEFAULT_HOLDOUT_SHARE = 0.01
+# A figure over fewer prompts says little: 1 % of 640 prompts held out 3. 32 is the least the README's figures use.
+DEFAULT_HOLDOUT_MIN_PROMPTS = 32
 
 
 def shard_size_from_env() -> int | None:
@@ -45,6 +54,13 @@ class PromptDataset(ConfigurableResource):
         ge=0,
         lt=1,
         description="share of prompts kept out of training (chosen by a hash of the question, so repeats stay together) for draft_evaluation's held-out set",
+    )
+
+    holdout_min_prompts: int = Field(
+        default=DEFAULT_HOLDOUT_MIN_PROMPTS,
+        ge=0,
+        description="the least number of prompts held out, across the dataset: where holdout_share holds out fewer, the share "
+        "is raised until it does, unless that takes more than 10 % of the dataset; prompts' metadata says how the held-out set was reached",
     )
 
     @classmethod
@@ -73,3 +89,19 @@ class PromptDataset(ConfigurableResource):
     def load_shard(self, key: str) -> ShardPrompts:
         return load_shard(self.resolved_source(), key, self.shard_size)
 
+
+    def holdout_plan(self) -> HoldoutPlan:
+        """The held-out share over the whole dataset and how it was reached; cached per file version beside the prompts."""
+        version = self.file_version()
+        cache = data_dir() / "prompts" / HOLDOUT_PLAN_FILE
+        key = stable_hash({"file": version, "share": self.holdout_share, "min": self.holdout_min_prompts})
+        if version is not None and cache.is_file():
+            cached = json.loads(cache.read_text())
+            if cached.get("key") == key:
+                return HoldoutPlan(**cached["plan"])
+        if self.holdout_share <= 0:
+            return plan_holdout([], 0.0, self.holdout_min_prompts)
+        plan = plan_holdout(dataset_questions(self.resolved_source()), self.holdout_share, self.holdout_min_prompts)
+        if version is not None:
+            write_json_atomic(cache, {"key": key, "plan": dataclasses.asdict(plan)})
+        return plan

@@ -28,7 +28,7 @@ from eagle3_assets.core.target.preflight import TargetSettings, completion_budge
 from eagle3_assets.core.target.tokenizer import load_tokenizer
 from eagle3_assets.core.serving.profile import GPUNeed, ServingProfile, gpu_need
 from eagle3_assets.core.target.serving import SERVING_CONTEXT_CAP
-from eagle3_assets.core.settings.environment import AUX_LAYER_IDS, TARGET_MODEL, TRUST_REMOTE_CODE
+from eagle3_assets.core.settings.environment import AUX_LAYER_IDS, GPU_HOST_TARGET_MODEL, TARGET_MODEL, TRUST_REMOTE_CODE
 from eagle3_assets.core.settings.job_schema import values_of
 
 PATH_ENV = TARGET_MODEL.name
@@ -57,11 +57,17 @@ class TargetModel(ServingProfile, ConfigurableResource):
     # Required unless the environment names the deployment's target.
     path: str = Field(
         default=path_from_env() or ...,
-        description=f"HF model directory on the hosts that run the stages (default: ${PATH_ENV})",
+        description=f"HF model directory, on this machine and (unless gpu_host_path is set) on the GPU host (default: ${PATH_ENV})",
     )
     aux_layer_ids: list[int] | None = Field(
         default=layer_ids_from_env(),
         description=f"three EAGLE-3 auxiliary layer ids in vLLM's convention; default (2, L//2, L-3) when distinct (default: ${AUX_LAYER_IDS.name})",
+    )
+    gpu_host_path: str = Field(
+        default=GPU_HOST_TARGET_MODEL.get() or "",
+        description="the same model's directory on the GPU host, where it differs from path: the orchestrator then needs only "
+        "the tokenizer, chat template, config and the weights' index (model.safetensors.index.json) at path; "
+        f"empty: path (default: ${GPU_HOST_TARGET_MODEL.name})",
     )
     think_open: str | None = Field(default=None, description="start-of-thinking marker; default: found in the tokenizer/template")
     think_close: str | None = Field(default=None, description="end-of-thinking marker; default: found in the tokenizer/template")
@@ -73,7 +79,10 @@ class TargetModel(ServingProfile, ConfigurableResource):
     @classmethod
     def from_env(cls, **overrides) -> TargetModel:
         """The deployment's target: ``EAGLE3_TARGET_MODEL``, ``EAGLE3_TRUST_REMOTE_CODE``, ``EAGLE3_AUX_LAYER_IDS``, read now."""
-        fields = {"path": path_from_env(), "trust_remote_code": trust_remote_code_from_env(), "aux_layer_ids": layer_ids_from_env()}
+        fields = {
+            "path": path_from_env(), "trust_remote_code": trust_remote_code_from_env(), "aux_layer_ids": layer_ids_from_env(),
+            "gpu_host_path": GPU_HOST_TARGET_MODEL.get(),
+        }  # fmt: skip
         return cls(**{**{k: v for k, v in fields.items() if v is not None}, **overrides})
 
     def resolved_path(self) -> Path:
@@ -84,6 +93,10 @@ class TargetModel(ServingProfile, ConfigurableResource):
     def model_dir(self) -> Path:
         """Where ``path`` points; a subclass may build or fetch the model here (called once per resource)."""
         return Path(self.path).expanduser()
+
+    def host_path(self) -> str:
+        """Where the GPU stages load the model: ``gpu_host_path``, else the same directory as here."""
+        return self.gpu_host_path or str(self.resolved_path())
 
     def builtin_eval_prompts(self) -> str | None:
         """A held-out prompt set that comes with the target (a JSONL/Parquet path), or None: a user's target has none."""
@@ -164,7 +177,7 @@ class TargetModel(ServingProfile, ConfigurableResource):
     def stage_extras(self) -> dict:
         """What a GPU stage needs to load this target exactly as configured."""
         return {
-            "path": str(self.resolved_path()),
+            "path": self.host_path(),
             "trust_remote_code": self.trust_remote_code,
             "aux_layer_ids": self.layer_ids(),
             "config_hash": self.config_hash(),

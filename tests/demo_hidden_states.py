@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import save_file
 
 from eagle3_assets.core.storage.files import stable_hash
+from eagle3_assets.core.target.identity import config_hash
 from eagle3_assets.demo.prompt_set import make_traces
 from eagle3_assets.demo.tiny_target import response_text
 
@@ -113,7 +114,8 @@ def write_demo_hidden_states(
 def cached_demo_hidden_states(target_dir: Path, shards: int = 2, count: int = 24, **options) -> list[Path]:
     """Shard directories ``shard-0000k`` (seed k), built once and cached under ``.cache/`` across test runs."""
     build_info = json.loads((Path(target_dir) / "build_info.json").read_text())
-    key = stable_hash({"target": build_info["fingerprint"], "shards": shards, "count": count, "options": repr(sorted(options.items())), "format": CACHE_FORMAT})
+    # The identity too: the sidecars record it, and a cache written under another definition of it is stale.
+    key = stable_hash({"target": build_info["fingerprint"], "identity": config_hash(target_dir), "shards": shards, "count": count, "options": repr(sorted(options.items())), "format": CACHE_FORMAT})
     root = REPO / ".cache" / "test_hidden_states" / key
     if not (root / "complete").is_file():
         root.parent.mkdir(parents=True, exist_ok=True)

@@ -78,6 +78,8 @@ class DemoPromptDataset(PromptDataset):
     shard_size: int = Field(default=shard_size_from_env() or SHARD_SIZE, gt=0, description="rows per sample shard; changing it re-keys every shard")
     # The built-in prompts come with the tiny target's own held-out set: nothing of theirs is held out.
     holdout_share: float = Field(default=0.0, ge=0, lt=1, description=PromptDataset.model_fields["holdout_share"].description)
+    # The demo's held-out sets are sized by their own settings (targets.py): their measured figures stand on them.
+    holdout_min_prompts: int = Field(default=0, ge=0, description=PromptDataset.model_fields["holdout_min_prompts"].description)
 
     def resolved_source(self) -> str:
         if self.source == BUILT_IN:

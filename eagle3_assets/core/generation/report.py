@@ -18,7 +18,7 @@ def shard_summary(frame: pl.DataFrame) -> dict[str, Any]:
     too_long = errors.filter(pl.col("error").str.starts_with(f"{PROMPT_TOO_LONG}:"))
     ok = frame.filter(pl.col("error").is_null())
     no_reasoning = ok.filter(pl.col("reasoning").fill_null("").str.strip_chars() == "")
-    latency = ok["latency_s"]
+    latency = ok["latency_s"].drop_nulls()  # adopted rows have no latency: no request was timed
     return {
         "rows": frame.height,
         "errors": errors.height,
@@ -35,8 +35,8 @@ def shard_summary(frame: pl.DataFrame) -> dict[str, Any]:
         # Answered rows that carry the server's generated ids (validation checks the supervised tokens against them).
         "rows_with_token_ids": ok.filter(pl.col("output_token_ids").is_not_null()).height if "output_token_ids" in ok.columns else 0,
         "completion_tokens": int(ok["completion_tokens"].fill_null(0).sum()),
-        "latency_p50_s": float(latency.quantile(0.5, "nearest")) if ok.height else None,
-        "latency_p95_s": float(latency.quantile(0.95, "nearest")) if ok.height else None,
+        "latency_p50_s": float(latency.quantile(0.5, "nearest")) if latency.len() else None,
+        "latency_p95_s": float(latency.quantile(0.95, "nearest")) if latency.len() else None,
     }
 
 

@@ -11,6 +11,8 @@ Before a GPU stage starts, the host is asked, in the Python the stage will use:
   no GPU the stage fails unless CPU is allowed;
 - does the output directory have room for the stage's estimate, and does it
   hold partial files left by an aborted run?
+- does the host run the orchestrator's code (the package version and a hash of
+  the code the stages run), and not a checkout copied by hand some weeks ago?
 
 Each failure is one line that names the thing. The checks run on the host:
 this file is sent to the host's Python on stdin (``python - <spec json>``) and
@@ -30,8 +32,10 @@ from __future__ import annotations
 import dataclasses
 import errno
 import fcntl
+import hashlib
 import importlib
 import importlib.metadata
+import importlib.util
 import json
 import os
 import shutil
@@ -444,6 +448,62 @@ def import_module_version(name: str) -> tuple[str | None, str | None]:
     return version, None
 
 
+# --------------------------------------------------------------------------- the project's code
+
+PROJECT_DISTRIBUTION = "eagle3-assets"
+PROJECT_PACKAGE = "eagle3_assets"
+# What the stages run: they import nothing of the package outside these two (tests/test_import_graph.py).
+STAGE_CODE_DIRS = ("core", "stages")
+
+
+def code_version(package_dir: str | None = None) -> dict:
+    """This machine's eagle3-assets as the stages would run it: its version, a hash of the code, per-file hashes.
+
+    ``package_dir`` defaults to where this Python finds the package (from the
+    stage's working directory first), without importing it.
+    """
+    if package_dir is None:
+        found = importlib.util.find_spec(PROJECT_PACKAGE)
+        if found is None or not found.submodule_search_locations:
+            return {"version": None, "code_hash": None, "package_dir": None, "files": {}}
+        package_dir = list(found.submodule_search_locations)[0]
+    try:
+        version = importlib.metadata.version(PROJECT_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        version = "not installed"
+    files = {}
+    for part in STAGE_CODE_DIRS:
+        root = os.path.join(package_dir, part)
+        for directory, subdirs, names in os.walk(root):
+            subdirs[:] = sorted(d for d in subdirs if d != "__pycache__")
+            for name in sorted(n for n in names if n.endswith(".py")):
+                path = os.path.join(directory, name)
+                with open(path, "rb") as fh:
+                    files[os.path.relpath(path, package_dir).replace(os.sep, "/")] = hashlib.sha256(fh.read()).hexdigest()[:16]
+    code_hash = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:16]
+    return {"version": version, "code_hash": code_hash, "package_dir": os.path.abspath(package_dir), "files": files}
+
+
+def code_version_problem(host: Mapping[str, Any], expected: Mapping[str, Any], python: str) -> str | None:
+    """The failure line when the host's code is not the orchestrator's, naming both (None when they agree)."""
+    if host.get("code_hash") is None:
+        return f"code: {PROJECT_PACKAGE} is not found by {python} on the host; install the orchestrator's checkout there ({_code_label(expected)})"
+    if host["code_hash"] == expected.get("code_hash") and host["version"] == expected.get("version"):
+        return None
+    theirs, ours = host.get("files") or {}, expected.get("files") or {}
+    differing = sorted(name for name in set(theirs) | set(ours) if theirs.get(name) != ours.get(name))
+    shown = ", ".join(differing[:5]) + (f" and {len(differing) - 5} more" if len(differing) > 5 else "")
+    return (
+        f"code: the GPU host runs {_code_label(host)}, the orchestrator {_code_label(expected)}"
+        + (f"; they differ in {shown}" if differing else "")
+        + ": deploy the orchestrator's checkout on the host (or set gpu_host.check_code_version to false to run a deliberate difference)"
+    )
+
+
+def _code_label(version: Mapping[str, Any]) -> str:
+    return f"{PROJECT_DISTRIBUTION} {version.get('version')} (code {version.get('code_hash')}, {version.get('package_dir')})"
+
+
 # --------------------------------------------------------------------------- the whole pre-flight
 
 
@@ -539,6 +599,13 @@ def run_preflight(spec: Mapping[str, Any]) -> dict:
             f"partial files: {len(partial)} left by an aborted run under {', '.join(outputs)} "
             f"(e.g. {partial[0]}); remove them or set remove_partial_files"
         )
+
+    if spec.get("code_version"):
+        host_code = code_version()
+        report["code_version"] = {k: v for k, v in host_code.items() if k != "files"}
+        problem = code_version_problem(host_code, spec["code_version"], sys.executable)
+        if problem:
+            failures.append(problem)
 
     report["failures"] = failures
     report["ok"] = not failures

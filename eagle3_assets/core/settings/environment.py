@@ -149,12 +149,23 @@ VLLM_API_KEY = Variable(
 GENERATION_POOL_LIMIT = Variable(
     "EAGLE3_GENERATION_POOL_LIMIT", "int", 1, "limit given to the `vllm_generation` pool when it has none (`make dev`)"
 )
+ADOPT_RESPONSES = Variable(
+    "EAGLE3_ADOPT_RESPONSES", "str", None,
+    "an existing file of responses (JSONL of chat completions, or a `raw_responses` Parquet of another instance) whose rows "
+    "`raw_responses` adopts for each shard's prompts before it generates the rest; the default of its run config `adopt_from`",
+    unset="unset: nothing adopted",
+)  # fmt: skip
 
 # -- the target
 TARGET_MODEL = Variable("EAGLE3_TARGET_MODEL", "str", None, "the target's HF model directory", unset="the embedded default's target", gives=("target_model.path",))
 TRUST_REMOTE_CODE = Variable(
     "EAGLE3_TRUST_REMOTE_CODE", "bool", False, "`1` lets the target's own code run", gives=("target_model.trust_remote_code",)
 )
+GPU_HOST_TARGET_MODEL = Variable(
+    "EAGLE3_GPU_HOST_TARGET_MODEL", "str", None,
+    "the target's directory on the GPU host, where it is not `EAGLE3_TARGET_MODEL` (which then needs only tokenizer, template, config and weights index)",
+    unset="`EAGLE3_TARGET_MODEL`", gives=("target_model.gpu_host_path",),
+)  # fmt: skip
 AUX_LAYER_IDS = Variable(
     "EAGLE3_AUX_LAYER_IDS", "int list", None, "three layer ids in vLLM's convention, e.g. `2,30,58`",
     unset="`(2, L//2, L-3)`", gives=("target_model.aux_layer_ids",),
