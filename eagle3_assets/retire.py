@@ -16,11 +16,11 @@ again, and ``vocab_mapping`` / ``draft_checkpoint`` list it among the shards
 left out with its reason. Exit status: 0 done, 2 bad input.
 """
 
-from __future__ import annotations
 
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import Optional
 
 from dagster import Config, DagsterInstance, OpExecutionContext, job, op
 from pydantic import Field
@@ -57,7 +57,7 @@ def apply(instance: DagsterInstance, shards: list[str], reason: str, restore: bo
     return line + (f"; already retired: {kept}" if kept else "")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m eagle3_assets.retire", description="Retire (or restore) sample shards: files kept, reason recorded.")
     parser.add_argument("shards", nargs="*", help="shard keys, e.g. shard-00003")
     parser.add_argument("--reason", default="", help="why the shards are retired (required to retire)")

@@ -30,13 +30,18 @@ def _has_output(asset: str) -> Callable[[str], bool]:
     return lambda key: ShardPaths(asset, key).parquet.is_file()
 
 
+def records_filter(asset: str, keys: Sequence[str]) -> AssetRecordsFilter:
+    """The materialisations of ``asset`` for ``keys``; of every shard when they are many (a query's parameters are bounded: SQLite's 32,766)."""
+    return AssetRecordsFilter(asset_key=AssetKey(asset), asset_partitions=list(keys) if len(keys) <= PAGE else None)
+
+
 def latest_materializations(instance: DagsterInstance, asset: str, keys: Sequence[str]) -> dict[str, int]:
     """Shard -> storage id of its latest materialisation of ``asset``, for the shards that have one."""
     latest: dict[str, int] = {}
     wanted = set(keys)
     cursor = None
     while wanted - set(latest):
-        page = instance.fetch_materializations(AssetRecordsFilter(asset_key=AssetKey(asset), asset_partitions=list(keys)), limit=PAGE, cursor=cursor)
+        page = instance.fetch_materializations(records_filter(asset, keys), limit=PAGE, cursor=cursor)
         for record in page.records:  # newest first
             if record.partition_key in wanted and record.partition_key not in latest:
                 latest[record.partition_key] = record.storage_id
