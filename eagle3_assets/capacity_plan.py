@@ -304,6 +304,14 @@ def capacity_plan(
     figures = plan.as_metadata()
     refusal = plan.states_refusal()
     short = [need.describe() for need in plan.needs if need.fits is False]
+    if short:
+        verdict, severity, description = False, AssetCheckSeverity.ERROR, refusal or "; ".join(short)
+    elif not plan.projected:
+        # Nothing to project from yet: said as a warning, not as a pass.
+        verdict, severity = False, AssetCheckSeverity.WARN
+        description = "cannot project the run: no shard is validated yet; validate one, or configure sample_tokens"
+    else:
+        verdict, severity, description = True, AssetCheckSeverity.ERROR, None
     return MaterializeResult(
         metadata={
             "plan": MetadataValue.md(plan.markdown()),
@@ -312,9 +320,9 @@ def capacity_plan(
         check_results=[
             AssetCheckResult(
                 check_name="run_fits",
-                passed=not short,
-                severity=AssetCheckSeverity.ERROR,
-                description=(refusal or "; ".join(short)) if short else None,
+                passed=verdict,
+                severity=severity,
+                description=description,
                 metadata={
                     "volumes": MetadataValue.json(figures["volumes"]),
                     "hidden_states_bytes_to_write_8bit": plan.states_to_write_8bit,

@@ -168,6 +168,11 @@ class CapacityPlan:
         return all(need.fits is not False for need in self.needs)
 
     @property
+    def projected(self) -> bool:
+        """Whether every shard's tokens are known or estimated (False: no shard validated and no configured mean)."""
+        return self.tokens_per_prompt is not None or self.validated == self.shards
+
+    @property
     def remaining_hours(self) -> float | None:
         known = [h for h in self.hours.values() if h is not None]
         return sum(known) if len(known) == len(self.hours) else None
@@ -344,7 +349,8 @@ def plan_capacity(
     gpu_items = {"hidden states": states_to_write, "checkpoints": checkpoints}
     data_items = {"raw responses + traces": responses_to_write}
     if gpu_host.device and gpu_host.device == data_volume.device:
-        needs = [Need(gpu_host, {**gpu_items, **data_items})]
+        one_disk = Volume(f"{gpu_host.name} and {data_volume.name} (one disk)", gpu_host.path, gpu_host.free_bytes, gpu_host.device)
+        needs = [Need(one_disk, {**gpu_items, **data_items})]
     else:
         needs = [Need(gpu_host, gpu_items), Need(data_volume, data_items)]
 
