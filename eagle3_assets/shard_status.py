@@ -21,6 +21,7 @@ from eagle3_assets.core.storage.shard_paths import ShardPaths
 from eagle3_assets.partitions import SAMPLE_SHARDS
 
 PAGE = 1000
+DESCRIPTION_CHARS = 240  # of a failed gate's words, per shard left out: the check itself holds the rest
 
 
 def _has_output(asset: str) -> Callable[[str], bool]:
@@ -70,6 +71,10 @@ def gate_outcomes(instance: DagsterInstance, asset: str, check: str, targets: se
     return found
 
 
+def _shortened(text: str, limit: int = DESCRIPTION_CHARS) -> str:
+    return text if len(text) <= limit else text[: limit - 3].rstrip() + "..."
+
+
 def shard_verdicts(instance: DagsterInstance, asset: str, blocking_checks: Sequence[str], keys: Sequence[str]) -> dict[str, ShardVerdict]:
     """Each shard's verdict for ``asset``: green, blocked by a failed blocking gate (its words), or missing."""
     has_output = _has_output(asset)
@@ -89,7 +94,7 @@ def shard_verdicts(instance: DagsterInstance, asset: str, blocking_checks: Seque
             if passed is None:
                 failed.append(f"{check} not evaluated on the latest materialisation")
             elif not passed:
-                failed.append(f"{check} failed" + (f" ({description})" if description else ""))
+                failed.append(f"{check} failed" + (f" ({_shortened(description)})" if description else ""))
         verdicts[key] = ShardVerdict(BLOCKED, "; ".join(failed)) if failed else ShardVerdict(GREEN)
     return verdicts
 

@@ -46,12 +46,12 @@ def retired_shards(root: Path | None = None) -> dict[str, dict]:
 
 def retire(keys: list[str], reason: str, root: Path | None = None, by: str | None = None) -> dict[str, dict]:
     """Record ``keys`` as retired for ``reason``; the records written (a key retired before keeps its first record)."""
-    if not reason.strip():
-        raise ValueError("retiring a shard needs a reason (it is shown wherever the shard is left out)")
     if not keys:
         raise ValueError("no shard named to retire")
     for key in keys:
         shard_index(key)  # refuses a malformed key, naming it
+    if not reason.strip():
+        raise ValueError("retiring a shard needs a reason (it is shown wherever the shard is left out)")
     shards = retired_shards(root)
     added = {}
     for key in keys:
