@@ -155,15 +155,18 @@ def _files_bytes(*paths: Path) -> int:
     return sum(p.stat().st_size for p in paths if p.is_file())
 
 
-def shard_facts(keys: list[str], prompts: dict[str, int], states: dict[str, dict]) -> list[ShardFacts]:
-    """What is done of each shard, read from its files here (and the states' size from their materialisation when they live on the GPU host)."""
+def shard_facts(keys: list[str], prompts: dict[str, int], states: dict[str, dict], responses: bool = True) -> list[ShardFacts]:
+    """What is done of each shard, read from its files here (and the states' size from their materialisation when they live on the GPU host).
+
+    ``responses=False`` leaves out what only the full plan needs (generated tokens, the responses' bytes): one file read per shard less.
+    """
     facts = []
     for key in keys:
         tokens = shard_tokens(key)
-        responses = None
-        if tokens is not None:
+        written = None
+        if tokens is not None and responses:
             traces = ShardPaths(TRACES, key).parquet
-            responses = _files_bytes(ShardPaths("raw_responses", key).parquet, traces, traces.with_name(f"{key}.rejected.parquet"))
+            written = _files_bytes(ShardPaths("raw_responses", key).parquet, traces, traces.with_name(f"{key}.rejected.parquet"))
         state_dir = ShardPaths("hidden_states", key)
         if state_dir.sidecar.is_file():
             states_bytes = sum(f.stat().st_size for f in state_dir.directory.iterdir() if f.is_file())
@@ -174,8 +177,8 @@ def shard_facts(keys: list[str], prompts: dict[str, int], states: dict[str, dict
                 key=key,
                 prompts=prompts.get(key, 0),
                 validated_tokens=tokens,
-                completion_tokens=_column_sum("raw_responses", key, "completion_tokens"),
-                responses_bytes=responses,
+                completion_tokens=_column_sum("raw_responses", key, "completion_tokens") if responses else None,
+                responses_bytes=written,
                 states_bytes=int(states_bytes) if states_bytes is not None else None,
             )
         )
@@ -348,7 +351,7 @@ def refuse_unless_run_fits(context: AssetExecutionContext, target_model: TargetM
     """
     keys = sorted(context.instance.get_dynamic_partitions(SAMPLE_SHARDS))
     states = latest_metadata(context.instance, "hidden_states", keys)
-    facts = shard_facts(keys, prompts_from_files(keys), states)
+    facts = shard_facts(keys, prompts_from_files(keys), states, responses=False)
     volume = volume_at("GPU host", os.path.join(gpu_host.host_data_dir(), "hidden_states"), gpu_host)
     unknown = Rate(None, "not needed for the refusal")
     plan = plan_capacity(
@@ -359,6 +362,16 @@ def refuse_unless_run_fits(context: AssetExecutionContext, target_model: TargetM
         {"generation": unknown, "extraction": unknown, "training": unknown},
     )
     refusal = plan.states_refusal()
+    shards = _partitions(context)
     if refusal:
-        raise Failure(description=f"hidden_states {context.partition_key}: {refusal}", allow_retries=False)
-    context.log.info(f"{context.partition_key}: the run's remaining hidden states fit: {plan.needs[0].describe()}")
+        raise Failure(description=f"hidden_states {shards}: {refusal}", allow_retries=False)
+    context.log.info(f"{shards}: the run's remaining hidden states fit: {plan.needs[0].describe()}")
+
+
+def _partitions(context: AssetExecutionContext) -> str:
+    """The run's shard, or its first and last (a run of several shards)."""
+    if context.has_partition_key_range:
+        span = context.partition_key_range
+        if span.start != span.end:
+            return f"{span.start}..{span.end}"
+    return context.partition_key
