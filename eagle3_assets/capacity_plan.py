@@ -54,7 +54,6 @@ from eagle3_assets.core.planning.capacity import (
 )
 from eagle3_assets.core.storage.shard_files import read_shard_parquet
 from eagle3_assets.core.storage.shard_paths import ShardPaths, data_dir
-from eagle3_assets.core.training.schedule import DEFAULT_EPOCHS
 from eagle3_assets.partitions import SAMPLE_SHARDS
 from eagle3_assets.shard_status import PAGE, records_filter
 from resources.gpu_host import GPUHost
@@ -89,7 +88,7 @@ class CapacityPlanConfig(Config):
     responses_bytes_per_token: Optional[float] = Field(
         default=None, description="bytes of raw responses and validated traces per token; unset: measured on the shards written"
     )
-    epochs: int = Field(default=DEFAULT_EPOCHS, gt=0, description="training epochs (the fitted schedule's for a large run)")
+    epochs: Optional[int] = Field(default=None, gt=0, description="training epochs; unset: the schedule fitted to the projected tokens (10 for a large run)")
     ttt_steps: int = Field(default=7, gt=0, description="training-time-test depth, for the training's FLOPs per token")
     draft_vocab_size: int = Field(default=32000, gt=0, description="the draft vocabulary, for its size and FLOPs")
     window_shards: int = Field(default=2, gt=0, description="bounded-disk mode's window, for the way-out figure")

@@ -56,6 +56,7 @@ def test_the_story_run_projects_its_states_from_tokens_and_bytes_per_token():
     assert plan.states_to_write_8bit == 40_000_000 * bytes_per_token(7168, FP8_DTYPE) < plan.states_bytes * 0.51
     assert plan.checkpoint_bytes == checkpoint_bytes(1_000_000, 2) == 1_000_000 * (12 * 2 + 2)
     assert plan.fits and plan.states_refusal() is None
+    assert plan.epochs == 10  # fitted to 40 M tokens: 16k-token batches, 2,442 steps an epoch, the default 10 epochs
     assert [n.volume.name for n in plan.needs] == ["GPU host", "data volume"]  # two disks: each its own items
     assert set(plan.needs[0].items) == {"hidden states", "checkpoints"} and set(plan.needs[1].items) == {"raw responses + traces"}
 
@@ -66,7 +67,7 @@ def test_measured_shards_replace_the_configured_mean_and_what_is_done_is_not_nee
         ShardFacts("shard-00001", 10, validated_tokens=3000, completion_tokens=1800, responses_bytes=60_000),
         ShardFacts("shard-00002", 10),
     ]
-    settings = PlanSettings(hidden_size=64, sample_tokens=99_999)
+    settings = PlanSettings(hidden_size=64, sample_tokens=99_999, epochs=10)
     rates = {
         "generation": measured_rate([(600, 6.0), (1800, 12.0)], "raw_responses"),
         "extraction": Rate(100.0, "configured"),
@@ -97,6 +98,13 @@ def test_a_run_that_does_not_fit_is_refused_with_both_numbers_and_the_ways_out()
     assert f"{FP8_DTYPE}" in refusal and "and fit" in refusal  # 2.87 TB in 8-bit: under 3 TB
     assert "hidden_states_mode: bounded" in refusal and "window_shards: 2" in refusal
     assert "EAGLE3_MAX_SAMPLES" in refusal and "python -m eagle3_assets.retire" in refusal
+
+
+def test_a_small_run_is_fitted_more_epochs_as_training_would():
+    settings = PlanSettings(hidden_size=64, sample_tokens=100)
+    plan = plan_capacity(story_shards(300, 64), settings, disk(10**12), disk(10**12), {**UNKNOWN, "training": Rate(1000.0, "configured")})
+    assert plan.epochs == 14  # 30,000 tokens: 1,024-token batches, 30 steps an epoch, 14 epochs for 400 steps (core/training/schedule.py)
+    assert plan.gpu_hours["training"] == pytest.approx(30_000 * 14 / 1000 / 3600)
 
 
 def test_nothing_to_project_from_is_said_not_passed():

@@ -31,11 +31,13 @@ Dagster-free: the asset ``capacity_plan`` gathers the facts.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from eagle3_assets.core.extraction.state_layout import DEFAULT_DTYPE, FP8_DTYPE, bytes_per_token
+from eagle3_assets.core.training.schedule import fit_schedule
 
 # Raw responses (text, token counts, timings) and validated traces (text again, int32 input_ids, int8 loss_mask)
 # per token, before a shard of this run is measured: a first guess (about 4 bytes of text per token twice, 5 of ids
@@ -107,7 +109,7 @@ class PlanSettings:
     responses_bytes_per_token: float | None = None  # configured; else measured, else DEFAULT_RESPONSES_BYTES_PER_TOKEN
     draft_parameters: int = 0  # trainable parameters of the draft (its step checkpoints and export)
     keep_checkpoints: int = DEFAULT_KEEP_CHECKPOINTS
-    epochs: int = 10  # the training's epochs (the fitted schedule's default for a large run)
+    epochs: int | None = None  # the training's epochs; None: the schedule fitted to the projected tokens (10 for a large run)
     window_shards: int = 2  # bounded-disk mode's window, for the way-out figure
     generation_gpus: int = 1
     extraction_gpus: int = 1
@@ -161,6 +163,7 @@ class CapacityPlan:
     rates: dict[str, Rate]
     hours: dict[str, float | None]  # stage -> wall hours of what remains (training: the whole training)
     gpu_hours: dict[str, float | None]
+    epochs: int = 0  # the training's, as set or fitted
     unknown: list[str] = field(default_factory=list)  # what the plan could not estimate, and what would tell it
     made_at: float = field(default_factory=time.time)
 
@@ -229,6 +232,7 @@ class CapacityPlan:
             ],
             "rates_tokens_per_s": {stage: {"tokens_per_s": r.tokens_per_s and round(r.tokens_per_s, 1), "source": r.source} for stage, r in self.rates.items()},
             "hours": {stage: h and round(h, 2) for stage, h in self.hours.items()},
+            "training_epochs": self.epochs,
             "gpu_hours": {stage: h and round(h, 2) for stage, h in self.gpu_hours.items()},
             "eta": self.eta(),
             "fits": self.fits,
@@ -253,7 +257,7 @@ class CapacityPlan:
             free = human(need.volume.free_bytes) if need.volume.free_bytes is not None else f"unknown ({need.volume.note})"
             verdict = {True: "yes", False: "**NO**", None: "unknown"}[need.fits]
             rows.append(f"| {need.volume.name} `{need.volume.path}` | {human(need.bytes)} | {free} | {verdict} |")
-        rows += ["", "| stage | tokens/s | source | hours left | GPU-hours left |", "| --- | --- | --- | --- | --- |"]
+        rows += ["", f"| stage | tokens/s | source | hours left | GPU-hours left (training: {self.epochs} epochs) |", "| --- | --- | --- | --- | --- |"]
         for stage, rate in self.rates.items():
             tps = f"{rate.tokens_per_s:,.0f}" if rate.tokens_per_s else "unknown"
             hours, gpu = self.hours[stage], self.gpu_hours[stage]
@@ -356,10 +360,11 @@ def plan_capacity(
     else:
         needs = [Need(gpu_host, gpu_items), Need(data_volume, data_items)]
 
+    epochs = settings.epochs or training_epochs(tokens, settings.hidden_size, settings.training_gpus)
     hours = {
         "generation": rates["generation"].hours(completion_to_generate),
         "extraction": rates["extraction"].hours(tokens_to_extract),
-        "training": rates["training"].hours(tokens * settings.epochs),
+        "training": rates["training"].hours(tokens * epochs),
     }
     gpus = {"generation": settings.generation_gpus, "extraction": settings.extraction_gpus, "training": settings.training_gpus}
     # Rates are per GPU for extraction and training (a run on n GPUs is n times as fast);
@@ -399,8 +404,19 @@ def plan_capacity(
         rates=dict(rates),
         hours=hours,
         gpu_hours=gpu_hours,
+        epochs=epochs,
         unknown=unknown,
     )
+
+
+def training_epochs(tokens: int, hidden_size: int, gpus: int) -> int:
+    """The epochs the training's schedule fits to ``tokens`` when none are set (core/training/schedule.py)."""
+    if tokens <= 0:
+        return 0
+    return fit_schedule(
+        total_tokens=tokens, supervised_tokens=tokens, hidden_size=hidden_size, world_size=gpus,
+        steps_per_epoch_for=lambda batch: math.ceil(tokens / max(1, gpus) / batch),
+    ).epochs  # fmt: skip
 
 
 def estimated_training_rate(step_flops_per_token: float, device_tflops: float, share: float) -> Rate:
