@@ -31,6 +31,7 @@ from eagle3_assets.partitions import register_shards
 from resources.gpu_host import GPUHost
 from resources.prompt_dataset import PromptDataset
 from resources.target_model import TargetModel
+from tests.test_gpu_host import sshd  # noqa: F401  (the real sshd fixture)
 
 TB = 10**12
 UNKNOWN = {"generation": Rate(None, "-"), "extraction": Rate(None, "-"), "training": Rate(None, "-")}
@@ -188,3 +189,15 @@ def test_capacity_plan_asset_measures_the_validated_shard_and_checks_the_volume(
     (check,) = result.get_asset_check_evaluations()
     assert check.check_name == "run_fits" and check.passed
     assert "| hidden states (bfloat16, H = 64) |" in metadata["plan"].value
+
+
+def test_the_gpu_hosts_free_space_is_measured_by_its_own_python_over_ssh(sshd, data_dir):
+    """The GPU host behind sshd is this machine: its answer, through ssh and the host's Python, is this disk's."""
+    host = sshd.host(data_dir)
+    remote = volume_at("GPU host", str(data_dir / "hidden_states" / "not-yet"), host)
+    local = volume_at("data volume", str(data_dir))
+    assert remote.free_bytes is not None, remote.note
+    assert abs(remote.free_bytes - local.free_bytes) < 1024**3  # one disk, written to by others meanwhile
+    assert remote.device.startswith(host.connection().label) and remote.device != local.device  # never taken for the data volume
+    broken = volume_at("GPU host", str(data_dir), sshd.host(data_dir, python="/nonexistent/python3"))
+    assert broken.free_bytes is None and broken.note  # unknown, said why: the plan then says "unknown", it does not pass
