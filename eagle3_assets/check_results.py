@@ -47,6 +47,11 @@ class Gates:
     def names(self) -> list[str]:
         return list(self.by_name)
 
+    @property
+    def blocking_names(self) -> list[str]:
+        """The gates that block downstream: a shard that failed one is not trained on."""
+        return [g.name for g in self.by_name.values() if g.blocking]
+
     def specs(self) -> list[AssetCheckSpec]:
         return [AssetCheckSpec(g.name, asset=self.asset, blocking=g.blocking, description=g.description) for g in self.by_name.values()]
 

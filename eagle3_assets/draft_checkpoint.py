@@ -1,4 +1,4 @@
-"""``draft_checkpoint``: train the EAGLE-3 draft on every shard's hidden states, export it for vLLM, prove vLLM loads it.
+"""``draft_checkpoint``: train the EAGLE-3 draft on the green shards' hidden states, export it for vLLM, prove vLLM loads it.
 
 The training runs on the GPU host (stage ``train_draft``, Dagster Pipes; DDP
 under ``torchrun`` with ``nproc_per_node`` > 1). The result is
@@ -70,7 +70,11 @@ from eagle3_assets.core.training.curves import epoch_means, expected_accepted_to
 from eagle3_assets.core.training.streamed import describe_estimate
 from eagle3_assets.core.extraction.needs import EXTRACTION_MODULES, TRACES, disk_estimate
 from eagle3_assets.lineage import states_lineage
+from eagle3_assets.core.planning.shard_selection import ShardSelection
+from eagle3_assets.hidden_states import GATES as STATE_GATES
 from eagle3_assets.partitions import SAMPLE_SHARDS
+from eagle3_assets.shard_status import green_shards, selection_metadata
+from eagle3_assets.validated_traces import GATES as TRACE_GATES
 from eagle3_assets.stage_configs import HiddenStatesConfig
 from resources.gpu_host import GPU_POOL, GPUHost, register_stage
 from resources.target_model import TargetModel
@@ -135,6 +139,8 @@ class DraftTrainingConfig(BoundedWindow, HiddenStatesSource, TrainingStageRecipe
     (``HiddenStatesSource``, ``BoundedWindow``).
     """
 
+    # Which shards: the green ones (traces and, offline, states past their blocking gates), or these by key.
+    shards: list[str] = Field(default=[], description="the shards to train on, by key; empty: every registered shard that is green")
     streamed_extraction: HiddenStatesConfig = Field(
         default=HiddenStatesConfig(),
         description="bounded mode: how each streamed shard is extracted and gated (hidden_states' settings; "
@@ -177,6 +183,16 @@ def stored_states(keys: list[str], target_hash: str, target_path) -> StatesSourc
             "set target_model.path to the target they came from, or materialise their hidden_states again"
         )
     return StatesSource([s.directory for s in shards], [int(i) for i in sidecars[0]["aux_layer_ids"]], int(sidecars[0]["vocab_size"]))
+
+
+def training_shards(context: AssetExecutionContext, config: DraftTrainingConfig) -> ShardSelection:
+    """The shards to train on: green for what the mode reads (bounded mode extracts and gates the states itself)."""
+    gates = {TRACES: TRACE_GATES.blocking_names}
+    if config.hidden_states_mode != "bounded":
+        gates["hidden_states"] = STATE_GATES.blocking_names
+    selection = green_shards(context.instance, gates, config.shards)
+    context.log.info(f"draft_checkpoint: {selection.summary()}")
+    return selection
 
 
 def streamed_data_version(context: AssetExecutionContext, key: str, target_model: TargetModel, extraction: HiddenStatesConfig) -> str:
@@ -242,7 +258,8 @@ def draft_checkpoint(
 ) -> MaterializeResult:
     """The trained EAGLE-3 draft as a vLLM-native directory (config.json + model.safetensors with d2t)."""
     check_mode(config.hidden_states_mode, config.window_shards, config.checkpoint_every_steps, config.nproc_per_node)
-    keys = sorted(context.instance.get_dynamic_partitions(SAMPLE_SHARDS))
+    selection = training_shards(context, config)
+    keys = selection.used
     identity = target_model.identity()
     paths = DatasetPaths()
     out = asset_dir("draft_checkpoint")
@@ -312,6 +329,7 @@ def draft_checkpoint(
             "target": MetadataValue.json(identity.as_dict()),
             # The stage's source says the mode, the samples and which storage precision the draft learned from.
             "shards": len(keys),
+            **selection_metadata(selection),
             "epochs": (stage_metadata["schedule"].value or {}).get("epochs"),
             "steps": len(history),
             "first_epoch_loss": losses[0] if losses else None,

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dagster import Definitions, in_process_executor
 
 from eagle3_assets.core.prompts.sharding import PER_SHARD_ASSETS as PER_SHARD_ASSET_NAMES
+from eagle3_assets.capacity_plan import capacity_plan, plan_capacity_job
 from eagle3_assets.deployed_draft import deployed_draft
 from eagle3_assets.draft_checkpoint import draft_checkpoint
 from eagle3_assets.draft_evaluation import draft_evaluation
@@ -17,6 +18,7 @@ from eagle3_assets.gpu_host_ready import gpu_host_ready_job
 from eagle3_assets.hidden_states import hidden_states
 from eagle3_assets.prompts import prompts
 from eagle3_assets.raw_responses import raw_responses
+from eagle3_assets.retire import retire_shards_job
 from eagle3_assets.validated_traces import validated_traces
 from eagle3_assets.vocab_mapping import vocab_mapping
 from resources.alerts import alert_channel_from_env
@@ -64,10 +66,11 @@ def build_definitions(resources: dict) -> Definitions:
     anyway (the gpu_host resource).
     """
     return Definitions(
-        # deployed_draft is observed (sensor deployed_draft_watch), never materialised here.
-        assets=[*ASSETS, deployed_draft],
+        # deployed_draft is observed (sensor deployed_draft_watch), never materialised here; capacity_plan
+        # reads the run's state (job plan_capacity), it is no step of the run.
+        assets=[*ASSETS, capacity_plan, deployed_draft],
         resources=resources,
         sensors=ALL_SENSORS,
-        jobs=[gpu_host_ready_job],
+        jobs=[gpu_host_ready_job, plan_capacity_job, retire_shards_job],
         executor=in_process_executor,
     )

@@ -25,6 +25,7 @@ from dagster import (
     asset,
 )
 
+from eagle3_assets.capacity_plan import refuse_unless_run_fits
 from eagle3_assets.check_results import Gate, Gates
 from eagle3_assets.core.reporting.checks import CheckOutcome
 from eagle3_assets.core.extraction.needs import EXTRACTION_MODULES, EXTRACTION_STAGE, TRACES, disk_estimate
@@ -88,6 +89,7 @@ def hidden_states(
         raise ValueError(f"hidden_states config backend {config.backend!r}: one of {BACKENDS}")
     if config.dtype not in STORAGE_DTYPE_BYTES:
         raise ValueError(f"hidden_states config dtype {config.dtype!r}: one of {sorted(STORAGE_DTYPE_BYTES)}")
+    refuse_unless_run_fits(context, target_model, config.dtype, gpu_host)  # the whole run, before this shard's
     traces_file = ShardPaths(UPSTREAM, key).parquet
     if gpu_host.mode == "local" and not traces_file.is_file():
         raise FileNotFoundError(f"validated_traces for {key}: {traces_file} does not exist (materialise validated_traces for this shard first)")

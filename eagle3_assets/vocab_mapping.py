@@ -1,7 +1,9 @@
-"""``vocab_mapping``: the draft vocabulary over every shard of validated traces.
+"""``vocab_mapping``: the draft vocabulary over the green shards of validated traces.
 
 Counts target token ids where ``loss_mask == 1`` (the tokens the target wrote
-itself) over all shards, keeps the ``draft_vocab_size`` most frequent (ties by
+itself) over the shards whose validated traces passed their blocking gates (or
+the shards the config names; a blocked shard is left out, never waited for,
+and the metadata lists it with why: :mod:`eagle3_assets.shard_status`), keeps the ``draft_vocab_size`` most frequent (ties by
 id), and writes ``<data>/vocab_mapping/vocab_mapping.safetensors`` (``d2t``,
 ``t2d``) and ``vocab_mapping.json``. See :mod:`eagle3_assets.core.draft.vocab`.
 """
@@ -27,9 +29,12 @@ from eagle3_assets.core.storage.shard_files import read_shard_parquet
 from eagle3_assets.core.storage.shard_paths import ShardPaths
 from eagle3_assets.core.storage.files import asset_dir, file_hash, stable_hash
 from eagle3_assets.partitions import SAMPLE_SHARDS
+from eagle3_assets.shard_status import green_shards, selection_metadata
+from eagle3_assets.validated_traces import GATES as TRACE_GATES
 from resources.target_model import TargetModel
 
 MIN_COVERAGE = 0.95
+TRACES = "validated_traces"
 
 
 def _covers_targets(e) -> CheckOutcome:
@@ -49,6 +54,9 @@ GATES = Gates(
 
 class VocabMappingConfig(Config):
     draft_vocab_size: int = Field(default=32000, description="tokens the draft predicts over (capped at the target's vocabulary)")
+    shards: list[str] = Field(
+        default=[], description="the shards to count, by key; empty: every registered shard whose validated traces are green"
+    )
 
 
 def shard_files(asset_name: str, keys: list[str]) -> dict:
@@ -74,8 +82,10 @@ def vocab_mapping(context: AssetExecutionContext, config: VocabMappingConfig, ta
     # Here, not at the top: core.draft.vocab needs torch, and every run worker loads this module.
     from eagle3_assets.core.draft.vocab import build_vocab_mapping, count_supervised_tokens, coverage, save_vocab_mapping
 
-    keys = sorted(context.instance.get_dynamic_partitions(SAMPLE_SHARDS))
-    files = shard_files("validated_traces", keys)
+    selection = green_shards(context.instance, {TRACES: TRACE_GATES.blocking_names}, config.shards)
+    context.log.info(f"vocab_mapping: {selection.summary()}")
+    keys = selection.used
+    files = shard_files(TRACES, keys)
     target_vocab_size = int(target_model.text_config()["vocab_size"])
     draft_vocab_size = min(config.draft_vocab_size, target_vocab_size)
     if draft_vocab_size < config.draft_vocab_size:
@@ -96,7 +106,7 @@ def vocab_mapping(context: AssetExecutionContext, config: VocabMappingConfig, ta
     supervised = int(counts.sum())
     out = asset_dir("vocab_mapping")
     path = save_vocab_mapping(
-        out, mapping, {"coverage": covered, "supervised_tokens": supervised, "samples": samples, "shards": keys}
+        out, mapping, {"coverage": covered, "supervised_tokens": supervised, "samples": samples, "shards": keys, "shards_left_out": selection.left_out}
     )
 
     uncovered = (counts * ~mapping.t2d).topk(min(10, target_vocab_size))
@@ -124,6 +134,7 @@ def vocab_mapping(context: AssetExecutionContext, config: VocabMappingConfig, ta
             "distinct_supervised_tokens": distinct,
             "samples": samples,
             "shards": len(keys),
+            **selection_metadata(selection),
         },
         check_results=GATES.results(
             SimpleNamespace(covered=covered, uncovered=supervised - int(counts[mapping.t2d].sum()), uncovered_ids=uncovered_ids)

@@ -11,14 +11,15 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import Optional
 
 from dagster import ConfigurableResource
 from pydantic import Field
 
-from eagle3_assets.core.settings.environment import PROMPTS, SHARD_SIZE
+from eagle3_assets.core.settings.environment import MAX_SAMPLES, PROMPTS, SHARD_SIZE
 from eagle3_assets.core.prompts.loading import ShardPrompts, count_rows, load_shard
 from eagle3_assets.core.prompts.heldout import HoldoutPlan, dataset_questions, plan_holdout
-from eagle3_assets.core.prompts.sharding import DEFAULT_SHARD_SIZE, shard_keys_for
+from eagle3_assets.core.prompts.sharding import DEFAULT_SHARD_SIZE, rows_per_shard, shard_keys_for
 from eagle3_assets.core.storage.files import stable_hash, write_json_atomic
 from eagle3_assets.core.storage.shard_paths import data_dir
 
@@ -26,6 +27,7 @@ HOLDOUT_PLAN_FILE = ".holdout_plan.json"  # the plan of the dataset's current fi
 
 SOURCE_ENV = PROMPTS.name
 SHARD_SIZE_ENV = SHARD_SIZE.name
+MAX_SAMPLES_ENV = MAX_SAMPLES.name
 # 1 %: 100 evaluation prompts from the story's 10,000, and a draft trained on the other 99 %.
 DEFAULT_HOLDOUT_SHARE = 0.01
 # A figure over fewer prompts says little: 1 % of 640 prompts held out 3. 32 is the least the README's figures use.
@@ -49,6 +51,13 @@ class PromptDataset(ConfigurableResource):
         gt=0,
         description=f"rows per sample shard; changing it re-keys every shard (default: ${SHARD_SIZE_ENV} or {DEFAULT_SHARD_SIZE})",
     )
+    # Ramp-up: the first N prompts only (whole shards); raising it registers more shards, lowering it registers none
+    # fewer (retire shards to take them out: python -m eagle3_assets.retire).
+    max_samples: Optional[int] = Field(
+        default=MAX_SAMPLES.get(),
+        gt=0,
+        description=f"register only the shards the first max_samples prompts fill (rounded up to whole shards); raise it to grow the run; unset: every row (default: ${MAX_SAMPLES_ENV})",
+    )
     holdout_share: float = Field(
         default=DEFAULT_HOLDOUT_SHARE,
         ge=0,
@@ -66,7 +75,7 @@ class PromptDataset(ConfigurableResource):
     @classmethod
     def from_env(cls, **overrides) -> PromptDataset:
         """The deployment's prompts: ``EAGLE3_PROMPTS`` and ``EAGLE3_SHARD_SIZE`` where set, read now."""
-        fields = {"source": PROMPTS.get(), "shard_size": shard_size_from_env()}
+        fields = {"source": PROMPTS.get(), "shard_size": shard_size_from_env(), "max_samples": MAX_SAMPLES.get()}
         return cls(**{**{k: v for k, v in fields.items() if v is not None}, **overrides})
 
     def resolved_source(self) -> str:
@@ -84,7 +93,12 @@ class PromptDataset(ConfigurableResource):
         return {"path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
     def shard_keys(self) -> list[str]:
-        return shard_keys_for(count_rows(self.resolved_source()), self.shard_size)
+        """The shards to register: every one the dataset spans, or those the first ``max_samples`` rows fill."""
+        return shard_keys_for(count_rows(self.resolved_source()), self.shard_size, self.max_samples)
+
+    def shard_rows(self, keys: list[str]) -> dict[str, int]:
+        """The prompts (dataset rows) each of ``keys`` holds."""
+        return rows_per_shard(count_rows(self.resolved_source()), self.shard_size, keys)
 
     def load_shard(self, key: str) -> ShardPrompts:
         return load_shard(self.resolved_source(), key, self.shard_size)

@@ -236,7 +236,8 @@ def collect_here() -> dict:
 
     configs, seen = [], set()
     nodes = [(a.op.name, a.op) for a in defs.assets if isinstance(a, AssetsDefinition) and a.is_executable]
-    nodes += [(f"{job.name}: {node.name}", node) for job in defs.jobs for node in job.graph.node_defs]
+    # An asset job (plan_capacity) runs assets listed above: only op jobs have nodes of their own.
+    nodes += [(f"{job.name}: {node.name}", node) for job in defs.jobs if hasattr(job, "graph") for node in job.graph.node_defs]
     for where, node_def in nodes:
         if where in seen:
             continue

@@ -73,7 +73,7 @@ def test_every_asset_has_a_stage_group_and_description():
     graph = defs.resolve_asset_graph()
     for key in graph.get_all_asset_keys():
         node = graph.get(key)
-        assert node.group_name in {"generation", "validation", "extraction", "training", "evaluation", "production"}, key
+        assert node.group_name in {"planning", "generation", "validation", "extraction", "training", "evaluation", "production"}, key
         assert node.description, f"{key} has no description"
 
 

@@ -29,11 +29,24 @@ def shard_index(key: str) -> int:
     return int(match.group(1))
 
 
-def shard_keys_for(num_rows: int, shard_size: int) -> list[str]:
-    """Every shard key a dataset of ``num_rows`` rows spans."""
+def shard_keys_for(num_rows: int, shard_size: int, max_samples: int | None = None) -> list[str]:
+    """Every shard key a dataset of ``num_rows`` rows spans; with ``max_samples``, only the shards its first rows fill.
+
+    A cap rounds up to whole shards: a shard's rows never depend on the cap, so
+    raising it only adds keys (a ramp 64 -> 1,000 -> 10,000 keeps every shard
+    already done).
+    """
     if shard_size <= 0:
         raise ValueError(f"shard_size must be positive, got {shard_size}")
-    return [shard_key(i) for i in range((num_rows + shard_size - 1) // shard_size)]
+    if max_samples is not None and max_samples <= 0:
+        raise ValueError(f"max_samples must be positive, got {max_samples}")
+    rows = num_rows if max_samples is None else min(num_rows, max_samples)
+    return [shard_key(i) for i in range((rows + shard_size - 1) // shard_size)]
+
+
+def rows_per_shard(num_rows: int, shard_size: int, keys: list[str]) -> dict[str, int]:
+    """The dataset rows each of ``keys`` holds (the last shard may hold fewer); a key past the end holds 0."""
+    return {key: max(0, min(shard_size, num_rows - shard_index(key) * shard_size)) for key in keys}
 
 
 def row_range(key: str, shard_size: int) -> range:

@@ -132,6 +132,11 @@ LEASE_TAKEOVER = Variable("EAGLE3_LEASE_TAKEOVER", "list", [], "hosts (comma sep
 # -- prompts
 PROMPTS = Variable("EAGLE3_PROMPTS", "str", None, "the prompt dataset", unset="the embedded default's prompt set", gives=("prompt_dataset.source",))
 SHARD_SIZE = Variable("EAGLE3_SHARD_SIZE", "int", None, "rows per sample shard", unset="128 (the embedded default's own)", gives=("prompt_dataset.shard_size",))
+MAX_SAMPLES = Variable(
+    "EAGLE3_MAX_SAMPLES", "int", None,
+    "register only the shards that the first N prompts fill (rounded up to whole shards); raise it to grow the run by more shards",
+    unset="every row of the dataset", gives=("prompt_dataset.max_samples",),
+)  # fmt: skip
 
 # -- generation
 VLLM_URLS = Variable(
