@@ -136,6 +136,12 @@ VLLM_API_KEY = Variable(
 GENERATION_POOL_LIMIT = Variable(
     "EAGLE3_GENERATION_POOL_LIMIT", "int", 1, "limit given to the `vllm_generation` pool when it has none (`make dev`)"
 )
+SHARDS_PER_RUN = Variable(
+    "EAGLE3_SHARDS_PER_RUN", "int", 32,
+    "shards of `raw_responses` a backfill puts in one run: one pre-flight and one in-flight budget of "
+    "`vllm_server.concurrency` requests across all of them (each shard still written, checked and recorded on its own); "
+    "read when the code location loads",
+)  # fmt: skip
 
 # -- the target
 TARGET_MODEL = Variable("EAGLE3_TARGET_MODEL", "str", None, "the target's HF model directory", unset="the embedded default's target", gives=("target_model.path",))
