@@ -39,7 +39,9 @@ class GenerationSettings(JobSchema):
 
     # Never printed, never part of a fingerprint.
     api_key: str | None = setting(None, "bearer token; set it with EnvVar('VLLM_API_KEY'), never as a literal", repr=False)
-    concurrency: int = setting(128, "requests in flight per run (per shard being generated)", gt=0)
+    concurrency: int = setting(
+        128, "requests in flight per run, across all the shards of the run (the server's --max-num-seqs is the natural value)", gt=0
+    )
     max_tokens: int = setting(8192, "completion token limit per request, reasoning included", gt=0)
     extra_body: Mapping[str, Any] = setting({}, "merged into every request body, e.g. {'chat_template_kwargs': {'thinking': true}}")
     connect_timeout_s: float = setting(10.0, "to open a connection; failures are retried", gt=0)

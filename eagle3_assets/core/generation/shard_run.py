@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -148,7 +149,8 @@ class RunOutcome:
     stopped: dict[str, BaseException]  # shard -> why it is not durable (its journal keeps what is done)
 
 
-# Called as each shard becomes durable, from the run's event loop, while the other shards generate on.
+# Called as each shard becomes durable, from one reporting thread (in the order the shards became durable),
+# while the other shards generate on.
 ShardDone = Callable[[str, ShardOutcome], None]
 
 
@@ -392,9 +394,22 @@ class _RangeRun:
         self.consecutive_failures = 0
         self.abort: str | None = None
         self.started = time.perf_counter()
+        # Reporting a durable shard (its checks, its records in the orchestrator's database) takes from
+        # milliseconds to seconds; on the event loop it would hold back every response that lands meanwhile,
+        # and with it the next requests. One thread reports the shards, in the order they became durable.
+        self.reporting = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-report")
+        self.reports: list[Future] = []
 
     async def execute(self, progress_interval_s: float) -> None:
         self.started = time.perf_counter()
+        try:
+            await self._generate(progress_interval_s)
+        finally:
+            self.reporting.shutdown(wait=True)  # every durable shard reported before the run returns (or fails)
+        for report in self.reports:
+            report.result()  # a report that failed fails the run
+
+    async def _generate(self, progress_interval_s: float) -> None:
         for shard in self.shards:
             if shard.left == 0:  # nothing to send: durable at once
                 self._finish(shard)
@@ -458,7 +473,7 @@ class _RangeRun:
                 f"{len(self.outcome.finished)} of {len(self.shards)} shards done"
             )
         if self.on_shard_done is not None:
-            self.on_shard_done(shard.job.key, outcome)
+            self.reports.append(self.reporting.submit(self.on_shard_done, shard.job.key, outcome))
 
     async def _checked(self, sample: Sample, prior: int, tally: AttemptTally) -> dict[str, Any]:
         """A prompt that might not fit: count it exactly; settle it without a generation request if it does not fit."""
