@@ -2,8 +2,8 @@
 
 Through the public path: a real ``dagster dev`` (webserver + daemon, the
 instance of ``make dev``: ``deploy/dagster-dev.yaml``, the generation pool at
-its limit of 1) and ``python -m eagle3_assets.backfill --all --assets
-prompts,raw_responses --wait``, over ``--shards`` x ``--shard-size`` prompts,
+its limit of 1) and ``python -m eagle3_assets.backfill --all --assets prompts
+--wait``, then ``... --assets raw_responses --wait``, over ``--shards`` x ``--shard-size`` prompts,
 against ``bench/latency_stub.py`` (a BENCH STUB with a latency model, not
 vLLM): at most ``--concurrency`` sequences decode at once, each at
 ``max_tokens / --capped-trace-s`` tokens/s, response lengths log-normal capped
@@ -16,8 +16,8 @@ Figures, per backfill:
 - the ideal schedule: the very same lengths, in the same order, with
   ``concurrency`` always in flight (computed here, by simulation); P10 is the
   ideal over the window, goal >= 0.90;
-- the whole backfill command's wall time, the runs it took, and the most
-  run processes alive at once (sampled each second);
+- the generation backfill command's wall time, the runs it took, and the
+  most run processes alive at once (sampled each second);
 - per shard: its own window, and the gap between one shard's last response
   and the next shard's first request.
 
@@ -117,20 +117,27 @@ def one_backfill(args, per_run: int, root: Path, prompts_path: Path) -> dict:
             keys = PromptDataset(source=str(prompts_path), shard_size=args.shard_size, holdout_share=0.0).shard_keys()
             register_shards(instance, keys)
             ensure_generation_pool_limit(instance, 1)
+
+            def backfill(assets: str) -> tuple[subprocess.CompletedProcess, float]:
+                started = time.time()
+                done = subprocess.run(
+                    [sys.executable, "-m", "eagle3_assets.backfill", "--url", dev.url, "--all", "--assets", assets,
+                     "--wait", "--run-config", str(work / "run_config.json"), "--title", f"P10 {assets}, {per_run} shard(s) per run"],
+                    cwd=REPO, env={**os.environ, **env, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=args.timeout,
+                )  # fmt: skip
+                if done.returncode != 0:
+                    raise RuntimeError(f"backfill failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}\n{dev.log_tail(40)}")
+                return done, time.time() - started
+
+            # The prompts first, then the generation: one backfill of both would request the generation
+            # ranges piecemeal, as the prompts runs finish (docs/generation.md, runs over ranges of shards).
+            _, prompts_s = backfill("prompts")
             stop, most = threading.Event(), [0]
             sampler = threading.Thread(target=live_runs_sampler, args=(home, stop, most), daemon=True)
             sampler.start()
-            started = time.time()
-            done = subprocess.run(
-                [sys.executable, "-m", "eagle3_assets.backfill", "--url", dev.url, "--all", "--assets", "prompts,raw_responses",
-                 "--wait", "--run-config", str(work / "run_config.json"), "--title", f"P10, {per_run} shard(s) per run"],
-                cwd=REPO, env={**os.environ, **env, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=args.timeout,
-            )  # fmt: skip
-            command_s = time.time() - started
+            done, command_s = backfill("raw_responses")
             stop.set()
             sampler.join()
-            if done.returncode != 0:
-                raise RuntimeError(f"backfill failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}\n{dev.log_tail(40)}")
             runs = instance.get_runs(RunsFilter(tags={"dagster/backfill": done.stdout.split("launched backfill ", 1)[1].split(":", 1)[0]}))
             generation_runs = [r for r in runs if "raw_responses" in {k.to_user_string() for k in (r.asset_selection or [])}]
             assert all(r.status == DagsterRunStatus.SUCCESS for r in runs), [r.status for r in runs]
@@ -159,7 +166,7 @@ def one_backfill(args, per_run: int, root: Path, prompts_path: Path) -> dict:
         spans[key] = (min(lo, admitted), max(hi, ended))
     gaps = [spans[b][0] - spans[a][1] for a, b in zip(keys, keys[1:])]
     return {
-        "per_run": per_run, "window_s": window, "ideal_s": ideal, "p10": ideal / window, "command_s": command_s,
+        "per_run": per_run, "prompts_backfill_s": prompts_s, "window_s": window, "ideal_s": ideal, "p10": ideal / window, "command_s": command_s,
         "runs": len(runs), "generation_runs": len(generation_runs), "most_live_runs": most[0],
         "shard_window_median_s": statistics.median(hi - lo for lo, hi in spans.values()),
         "gap_median_s": statistics.median(gaps) if gaps else 0.0, "overlapping_boundaries": sum(g < 0 for g in gaps), "boundaries": len(gaps),
@@ -196,7 +203,7 @@ def main() -> None:
         f"(a capped trace {args.capped_trace_s:g} s; lengths log-normal, median {args.median:g}, sigma {args.sigma:g}; "
         f"{results[0]['capped']} capped)"
     )
-    print("| shards per run | runs of raw_responses | most run processes alive | generation window | ideal (concurrency always in flight) | P10 = ideal / window | whole backfill command | shard window (median) | gap between shards (median) |")
+    print("| shards per run | runs of raw_responses | most run processes alive | generation window | ideal (concurrency always in flight) | P10 = ideal / window | raw_responses backfill command | shard window (median) | gap between shards (median) |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in results:
         print(
