@@ -20,11 +20,19 @@ the rerun of the range finds its files and journal, and does only the rest.
 When a shard's blocking gate fails, the run still finishes the other shards and
 then fails, naming every such shard (:meth:`ShardReporter.raise_for_blocked`),
 which is what raises the UI's alert.
+
+A run of ONE shard (the UI's materialise, ``materialize(..., partition_key=)``)
+is reported through Dagster's own output instead (:meth:`ShardReporter.report`
+keeps it, :meth:`ShardReporter.results` yields it as a ``MaterializeResult``):
+an output the step does not yield makes Dagster skip every step downstream of
+it in the same run, so a one-shard run of ``prompts -> raw_responses ->
+validated_traces`` would stop after ``raw_responses``. Ranged runs come from
+backfills, which put an asset with its own backfill policy in runs of its own.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from dagster import (
@@ -35,6 +43,7 @@ from dagster import (
     BackfillPolicy,
     DataVersion,
     Failure,
+    MaterializeResult,
     MetadataValue,
 )
 from dagster._core.definitions.data_version import (  # no public names for the tags Dagster writes on its own materializations
@@ -66,6 +75,7 @@ class ShardReporter:
         self.code_version = code_version
         self.upstream = [AssetKey(name) for name in upstream]
         self.blocked: dict[str, list[str]] = {}  # shard -> the blocking gates it failed
+        self.kept: list[MaterializeResult] = []  # a one-shard run's result, yielded by results()
 
     def _input_tags(self, shard: str) -> dict[str, str]:
         """The input-provenance tags of Dagster's own materializations: the upstream partition's version and event."""
@@ -119,6 +129,28 @@ class ShardReporter:
         if failed:
             self.blocked[shard] = failed
         return failed
+
+    def report(self, shard: str, metadata: Mapping[str, Any], data_version: DataVersion | str, outcomes: Iterable[CheckOutcome]) -> None:
+        """One durable shard: recorded now in a ranged run; in a one-shard run kept for :meth:`results` (see the module)."""
+        if len(self.context.partition_keys) > 1:
+            self.materialized(shard, metadata, data_version)
+            self.checked(shard, outcomes)
+            return
+        version = data_version if isinstance(data_version, DataVersion) else DataVersion(data_version)
+        self.kept.append(
+            MaterializeResult(
+                asset_key=self.asset_key, metadata=dict(metadata), data_version=version,
+                check_results=[self.gates.result(outcome) for outcome in outcomes],
+            )
+        )  # fmt: skip
+
+    def results(self, stopped: Mapping[str, str] | None = None) -> Iterator[MaterializeResult]:
+        """Ends the step: a one-shard run's result through Dagster's own output (its blocking gates as Dagster
+        handles them); a ranged run fails here when a shard needs attention (:meth:`raise_for_blocked`)."""
+        if self.kept:
+            yield from self.kept
+        if stopped or len(self.context.partition_keys) > 1:
+            self.raise_for_blocked(stopped)
 
     def raise_for_blocked(self, stopped: Mapping[str, str] | None = None) -> None:
         """Fails the run when a shard's blocking gate failed or a shard stopped (``stopped``: shard -> why), naming each."""

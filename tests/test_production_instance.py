@@ -6,16 +6,18 @@ filled in only through the environment variables it names. ``dagster-daemon
 run`` serves the project's own workspace over that instance, and a 4-shard
 asset backfill (``prompts`` + ``raw_responses``) goes in through the instance,
 the same ``PartitionBackfill`` the UI's "Materialize" button records: the
-daemon's backfill daemon turns it into runs, the QueuedRunCoordinator launches them, and the generation steps
+daemon's backfill daemon turns it into runs, the QueuedRunCoordinator launches them, and the generation runs
 talk to the session's real vLLM server under the ``vllm_generation`` pool.
 
 What it proves: the file loads with Postgres storage from env vars alone; the
-queue lets all four runs in at once, and with the generation pool held at
-zero slots all four wait on it, in progress; once the pool gets its limit
-(2), never more generation steps than that run at once (sampled claimed
-slots, and the steps' own start/end events); the backfill finishes with every
-shard materialised; and the database password shows up in no run event and
-no daemon log line.
+backfill puts ``raw_responses`` in runs over ranges of at most
+``EAGLE3_SHARDS_PER_RUN`` (2 here) shards; with the generation pool held at
+zero slots those runs wait in the queue, without a process (the instance's
+pools are per run), while the ``prompts`` runs go on; once the pool gets its
+limit (1), never more generation runs than that run at once (sampled, and the
+steps' own start/end events); the backfill finishes with every shard
+materialised; and the database password shows up in no run event and no
+daemon log line.
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ from eagle3_assets.core.serving.vllm_launcher import read_log_tail, stop_process
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED_INSTANCE_YAML = REPO / "deploy" / "dagster.yaml"
 
-GENERATION_POOL_LIMIT = 2  # below the 4 shards, so the pool has something to hold back
+GENERATION_POOL_LIMIT = 1  # below the ranges of the 4 shards, so the pool has something to hold back
+SHARDS_PER_RUN = 2
 SHARDS = 4
 SHARD_SIZE = 16  # 4 x 16 demo prompts: quick on the CPU server, still a real backfill
 BACKFILL_TIMEOUT_S = 600
@@ -213,6 +216,14 @@ class DagsterDaemon:
 # --------------------------------------------------------------------------- helpers
 
 
+def range_of(run) -> tuple[str, str]:
+    """The shards a run materialises: its range (a ranged run), or its one partition."""
+    tags = run.tags
+    if "dagster/asset_partition_range_start" in tags:
+        return tags["dagster/asset_partition_range_start"], tags["dagster/asset_partition_range_end"]
+    return tags["dagster/partition"], tags["dagster/partition"]
+
+
 def max_overlap(intervals: list[tuple[float, float]]) -> int:
     """The largest number of intervals open at one instant (an end before a start at the same time)."""
     edges = sorted([(start, 1) for start, _ in intervals] + [(end, -1) for _, end in intervals], key=lambda e: (e[0], e[1]))
@@ -255,6 +266,7 @@ def test_backfill_through_the_production_instance(postgres, vllm_server, data_di
         "EAGLE3_SHARD_SIZE": str(SHARD_SIZE),
         "EAGLE3_DATA_DIR": str(data_dir),
         "EAGLE3_GENERATION_POOL_LIMIT": str(GENERATION_POOL_LIMIT),
+        "EAGLE3_SHARDS_PER_RUN": str(SHARDS_PER_RUN),
     }
     for name, value in env.items():
         monkeypatch.setenv(name, value)
@@ -283,9 +295,9 @@ def test_backfill_through_the_production_instance(postgres, vllm_server, data_di
         keys = DemoPromptDataset(shard_size=SHARD_SIZE).shard_keys()[:SHARDS]
         register_shards(instance, keys)
 
-        # Hold generation: no slot in the pool until every run of the backfill is in progress and
-        # waiting for one, so that four generation steps then contend for the limit's two slots
-        # (whatever the machine's speed), and nothing but the pool can keep them to two.
+        # Hold generation: no slot in the pool until every generation run of the backfill is queued,
+        # so that they then contend for the limit's one slot (whatever the machine's speed), and
+        # nothing but the pool can keep them to one at a time.
         storage = instance.event_log_storage
         storage.set_concurrency_slots(GENERATION_POOL, 0)
 
@@ -331,31 +343,41 @@ def test_backfill_through_the_production_instance(postgres, vllm_server, data_di
                 assert time.monotonic() < deadline, f"{what} not reached after {BACKFILL_TIMEOUT_S}s:\n{daemon.log_tail()}"
                 time.sleep(1)
 
-            # The queue admitted all four runs (max_concurrent_runs 16, backfill tag limit 8): they
-            # ran their prompts steps and now wait, in progress, on the pool.
-            while len(backfill_runs()) < SHARDS or storage.get_concurrency_info(GENERATION_POOL).pending_run_ids != {
-                r.run_id for r in backfill_runs()
-            }:
-                wait("four runs waiting on the generation pool")
-            waiting = storage.get_concurrency_info(GENERATION_POOL)
-            assert waiting.active_slot_count == 0
-            assert all(r.status == DagsterRunStatus.STARTED for r in backfill_runs())
+            def generation_runs() -> list:
+                return [r for r in backfill_runs() if AssetKey("raw_responses") in (r.asset_selection or set())]
 
-            # Open the pool (what `dagster instance concurrency set vllm_generation 2` does) and
-            # watch its claimed slots until the backfill is over.
+            def covered(runs) -> list[str]:
+                return sorted(k for r in runs for k in keys if range_of(r)[0] <= k <= range_of(r)[1])
+
+            # Every prompts run done, and the generation runs over all four shards requested: they wait
+            # in the queue, not as processes, while the pool has no slot.
+            while covered(generation_runs()) != sorted(keys) or any(
+                r.status != DagsterRunStatus.SUCCESS for r in backfill_runs() if r not in generation_runs()
+            ):
+                wait("the generation runs of all four shards queued")
+            time.sleep(3)  # a few dequeue intervals: nothing may start
+            assert {r.status for r in generation_runs()} == {DagsterRunStatus.QUEUED}
+
+            # Open the pool (what `dagster instance concurrency set vllm_generation 1` does) and
+            # count the generation runs alive until the backfill is over.
             storage.set_concurrency_slots(GENERATION_POOL, GENERATION_POOL_LIMIT)
-            most_claimed = 0
+            most_alive = 0
             while instance.get_backfill(backfill_id).status in (BulkActionStatus.REQUESTED, BulkActionStatus.CANCELING, BulkActionStatus.FAILING):
-                most_claimed = max(most_claimed, storage.get_concurrency_info(GENERATION_POOL).active_slot_count)
+                alive = [r for r in generation_runs() if r.status in (DagsterRunStatus.STARTING, DagsterRunStatus.STARTED)]
+                most_alive = max(most_alive, len(alive))
                 wait("the backfill's end")
         finally:
             daemon.stop()
 
         backfill = instance.get_backfill(backfill_id)
         runs = instance.get_run_records(RunsFilter(tags={"dagster/backfill": backfill_id}))
-        statuses = {r.dagster_run.tags.get("dagster/partition"): r.dagster_run.status for r in runs}
+        statuses = {range_of(r.dagster_run): r.dagster_run.status for r in runs}
         assert backfill.status == BulkActionStatus.COMPLETED_SUCCESS, f"{backfill.status}: {statuses}\n{daemon.log_tail()}"
-        assert statuses == {key: DagsterRunStatus.SUCCESS for key in keys}
+        assert set(statuses.values()) == {DagsterRunStatus.SUCCESS}
+        # raw_responses in ranges of at most SHARDS_PER_RUN shards, each shard in exactly one of them.
+        ranged = [r.dagster_run for r in runs if AssetKey("raw_responses") in (r.dagster_run.asset_selection or set())]
+        assert covered(ranged) == sorted(keys)
+        assert all(len([k for k in keys if range_of(r)[0] <= k <= range_of(r)[1]]) <= SHARDS_PER_RUN for r in ranged)
 
         # Every shard materialised, in the instance and on disk.
         for asset in ("prompts", "raw_responses"):
@@ -367,11 +389,9 @@ def test_backfill_through_the_production_instance(postgres, vllm_server, data_di
 
         # The pool held: never more claimed slots than the limit while sampled, and never more
         # generation steps running at once than the limit, by the steps' own start and end events.
-        generation_spans = [step_interval(instance, r.dagster_run.run_id, "raw_responses") for r in runs]
-        assert most_claimed <= GENERATION_POOL_LIMIT
+        generation_spans = [step_interval(instance, r.run_id, "raw_responses") for r in ranged]
+        assert most_alive <= GENERATION_POOL_LIMIT
         assert 1 <= max_overlap(generation_spans) <= GENERATION_POOL_LIMIT, generation_spans
-        # No slot is left claimed once the runs are over.
-        assert storage.get_concurrency_info(GENERATION_POOL).active_slot_count == 0
 
         # The database password is a secret: in no event of the runs, nowhere in the daemon's log.
         for run in runs:

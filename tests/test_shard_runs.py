@@ -84,3 +84,43 @@ def test_a_single_shard_is_a_range_of_one():
     result = materialize([upstream, ranged], instance=instance, selection=[AssetKey("ranged")], partition_key="s1")
     assert result.success
     assert instance.get_materialized_partitions(AssetKey("ranged")) == {"s1"}
+
+
+@multi_asset(
+    specs=[AssetSpec("reported", partitions_def=shards, deps=[AssetKey("upstream")], code_version="7")],
+    check_specs=Gates("reported", [Gate("rows_positive", True, "each shard has rows")]).specs(),
+    can_subset=True,
+    backfill_policy=shards_per_run_policy(8),
+)
+def reported(context):
+    reporter = ShardReporter(context, Gates("reported", [Gate("rows_positive", True, "each shard has rows")]), code_version="7", upstream=["upstream"])
+    for shard in context.partition_keys:
+        reporter.report(shard, {"rows": int(shard[1:])}, f"v-{shard}", [CheckOutcome("rows_positive", True, "")])
+    yield from reporter.results()
+
+
+@asset(partitions_def=shards, deps=[AssetKey("reported")])
+def downstream(context) -> MaterializeResult:
+    return MaterializeResult()
+
+
+def test_a_one_shard_run_goes_on_downstream_and_a_range_records_each_shard():
+    instance = DagsterInstance.ephemeral()
+    instance.add_dynamic_partitions("test_shards", ["s1", "s2", "s3"])
+    # One shard (the UI's materialise): Dagster's own output, so the step downstream in the same run is not skipped.
+    result = materialize([upstream, reported, downstream], instance=instance, partition_key="s1")
+    assert result.success
+    assert instance.get_materialized_partitions(AssetKey("downstream")) == {"s1"}
+    record = instance.get_latest_data_version_record(AssetKey("reported"), partition_key="s1")
+    assert record.asset_materialization.tags["dagster/data_version"] == "v-s1" and record.asset_materialization.metadata["rows"].value == 1
+    (evaluation,) = result.get_asset_check_evaluations()
+    assert evaluation.passed and evaluation.check_name == "rows_positive"
+
+    # A range: every shard recorded as its own partition, with its own version.
+    for key in ["s2", "s3"]:
+        materialize([upstream], instance=instance, partition_key=key)
+    ranged_run = materialize([upstream, reported], instance=instance, selection=[AssetKey("reported")], tags=_range_tags("s2", "s3"))
+    assert ranged_run.success
+    for key in ["s2", "s3"]:
+        tags = instance.get_latest_data_version_record(AssetKey("reported"), partition_key=key).asset_materialization.tags
+        assert tags["dagster/data_version"] == f"v-{key}" and tags["dagster/input_data_version/upstream"]

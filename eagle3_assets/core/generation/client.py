@@ -17,7 +17,7 @@ import random
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -71,6 +71,16 @@ class PreflightReport:
     canary_reasoning: str
 
 
+@dataclass
+class AttemptTally:
+    """What failover cost the samples of one shard: failed attempts per server (connection errors, retryable
+    statuses) and retries that went to another server than the attempt that failed. A run generates several
+    shards at once over one client, so each shard keeps its own."""
+
+    failed_attempts: Counter[str] = field(default_factory=Counter)
+    failovers: int = 0
+
+
 class GenerationClient:
     """One aiohttp session over every server; ``complete`` never raises for a sample's failure."""
 
@@ -84,10 +94,6 @@ class GenerationClient:
         self._down_until: dict[str, float] = {}  # servers that refused a connection and have not answered since
         self._turn = 0
         self._fields = config.request_fields()  # built once: this runs per request at thousands/s
-        # What the run's metadata shows of failover: failed attempts per server (connection errors,
-        # retryable statuses) and retries that went to another server than the attempt that failed.
-        self.failed_attempts: Counter[str] = Counter()
-        self.failovers = 0
 
     async def __aenter__(self) -> GenerationClient:
         headers = {"Content-Type": "application/json"}
@@ -276,7 +282,9 @@ class GenerationClient:
             return None
 
     # ------------------------------------------------------------ one sample
-    async def complete(self, sample: Sample, max_tokens: int | None = None, server: str | None = None, prior_attempts: int = 0) -> dict[str, Any]:
+    async def complete(
+        self, sample: Sample, max_tokens: int | None = None, server: str | None = None, prior_attempts: int = 0, tally: AttemptTally | None = None
+    ) -> dict[str, Any]:
         """One row for ``sample``: the response, or the error it ended in after the retries the error allows.
 
         ``prior_attempts`` are the requests earlier runs sent for the sample:
@@ -286,7 +294,9 @@ class GenerationClient:
 
         The row carries ``_retries_exhausted`` (dropped before it is journaled)
         so that the caller can tell a server that is gone from a bad sample.
+        Failed attempts and failovers are counted into ``tally`` (the sample's shard's).
         """
+        tally = tally if tally is not None else AttemptTally()
         fields = dict(self._fields)
         if max_tokens is not None:
             fields["max_tokens"] = max_tokens
@@ -302,7 +312,7 @@ class GenerationClient:
             failed = chosen
             chosen = server or self._pick_server(avoid=failed or None)
             if failed and chosen != failed:
-                self.failovers += 1
+                tally.failovers += 1
             started = time.perf_counter()
             retry_after: str | None = None
             self._inflight[chosen] += 1
@@ -336,7 +346,7 @@ class GenerationClient:
                 error = f"{HTTP_ERROR} {status}: {server_error_message(payload)}"
                 if not retryable_status(status):
                     return self._error_row(sample, error, chosen, attempts, latency)
-            self.failed_attempts[chosen] += 1
+            tally.failed_attempts[self._shown[chosen]] += 1
             if sent > self.config.max_retries:
                 row = self._error_row(sample, f"{error} (after {sent} attempts)", chosen, attempts, latency)
                 row["_retries_exhausted"] = True

@@ -40,7 +40,9 @@ class GenerationSettings(JobSchema):
 
     # Never printed, never part of a fingerprint.
     api_key: str | None = setting(None, "bearer token; set it with EnvVar('VLLM_API_KEY'), never as a literal", repr=False)
-    concurrency: int = setting(128, "requests in flight per run (per shard being generated)", gt=0)
+    concurrency: int = setting(
+        128, "requests in flight per run, across all the shards of the run (the server's --max-num-seqs is the natural value)", gt=0
+    )
     max_tokens: int | None = setting(
         None,
         f"completion token limit per request, reasoning included; unset: what the target's context leaves for the shard's "

