@@ -19,13 +19,12 @@ from dagster import AssetKey, RunConfig, materialize
 from safetensors.torch import load_file, save_file
 
 from eagle3_assets.core.draft.forms import DEEPSEEK_MLA, LLAMA
-from eagle3_assets.core.target.serving import vllm_serving
+from eagle3_assets.demo.kimi_target import KIMI_PROFILE
 from eagle3_assets.core.evaluation.acceptance import untrained_twin
 from eagle3_assets.core.draft.export import (  # fmt: skip
     COMMON_FIELDS,
     FORM_FIELDS,
     NORM_FLAGS,
-    LOAD_CHECK_CONTEXT,
     REQUIRED_FIELDS,
     check_loads_in_vllm,
     config_problems,
@@ -264,11 +263,8 @@ def test_vllm_serves_the_norm_flags_of_each_form(form, target_fixture, flags, re
     target = request.getfixturevalue(target_fixture)
     draft = random_draft(target, draft_vocab_size=256, seed=0, form=form, **flags)
     draft_dir = export_draft(draft, tmp_path / "draft", dtype="bfloat16", target_embedding=draft.embed_tokens.weight)
-    mla = form == DEEPSEEK_MLA
-    report = check_loads_in_vllm(
-        target, draft_dir, log_path=tmp_path / "vllm.log", startup_timeout_s=600,
-        serving=vllm_serving(target, mla, cap=LOAD_CHECK_CONTEXT),
-    )  # fmt: skip
+    profile = KIMI_PROFILE if form == DEEPSEEK_MLA else None  # the Kimi twin's remote code, bf16 and parser
+    report = check_loads_in_vllm(target, draft_dir, log_path=tmp_path / "vllm.log", startup_timeout_s=600, profile=profile)
     assert report.passed, (report.detail, report.metadata)
     assert report.metadata["num_drafts"] > 0
 
