@@ -66,7 +66,8 @@ ASSET = "capacity_plan"
 DEFAULT_DEVICE_TFLOPS = 790.0
 DEFAULT_TRAINING_FLOP_SHARE = 0.34
 
-# Free bytes and the device of the nearest existing directory of a path: run here, or with the GPU host's Python.
+# Free bytes and the device of the nearest existing directory of a path, run by an SSH GPU host's own Python
+# (volume_at reads the same figures in process for a local one).
 _FREE_SPACE = (
     "import json, os, shutil, sys\n"
     "p = os.path.abspath(sys.argv[1])\n"
