@@ -69,5 +69,5 @@ def adoption_metadata(paths: ShardPaths, frame: pl.DataFrame) -> dict[str, Any]:
         "adopted_rows": adopted.height,
         "adopted_from": MetadataValue.json({Path(e["source"]).name: e["source_sha256"] for e in record["imports"].values()}),
         "import": MetadataValue.json(record),
-        "import_record": MetadataValue.path(str(adopt.import_record_path(paths.parquet))),
+        "import_record": MetadataValue.path(str(paths.import_record)),
     }

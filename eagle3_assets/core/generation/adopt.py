@@ -55,9 +55,9 @@ from eagle3_assets.core.generation.completions import REASONING_FIELDS, Sample, 
 from eagle3_assets.core.generation.response_rules import content_failures
 from eagle3_assets.core.storage.files import file_hash, write_json_atomic
 from eagle3_assets.core.storage.journal import ShardJournal, parquet_fingerprint
+from eagle3_assets.core.storage.shard_paths import IMPORT_SUFFIX, PARQUET_SUFFIX
 
 MATCH_MODES = ("auto", "id", "content")
-IMPORT_SUFFIX = ".import.json"
 SERVER_PREFIX = "import:"  # the ``server`` of an adopted row: which file it came from
 MAX_EXAMPLES = 20
 RETOKENISED = "re-tokenised: the file carries no token ids; validated_traces builds them with the target's tokenizer"
@@ -138,7 +138,8 @@ class AdoptionReport:
 
 
 def import_record_path(parquet_path: Path) -> Path:
-    return Path(parquet_path).with_name(Path(parquet_path).name.removesuffix(".parquet") + IMPORT_SUFFIX)
+    """``<shard>.import.json`` beside the shard's Parquet (``ShardPaths.import_record``)."""
+    return Path(parquet_path).with_name(Path(parquet_path).name.removesuffix(PARQUET_SUFFIX) + IMPORT_SUFFIX)
 
 
 def read_import_record(parquet_path: Path) -> dict[str, Any] | None:

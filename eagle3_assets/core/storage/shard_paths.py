@@ -42,6 +42,7 @@ PARQUET_SUFFIX = ".parquet"
 REJECTED_SUFFIX = ".rejected.parquet"
 HELDOUT_SUFFIX = ".heldout.parquet"
 JOURNAL_SUFFIX = ".journal.jsonl"
+IMPORT_SUFFIX = ".import.json"  # raw_responses: the files of responses adopted into the shard (core.generation.adopt)
 LEASE_SUFFIX = ".lease"
 SUPERSEDED_DIR = "superseded"
 SIDECAR = "metadata.json"
@@ -133,6 +134,10 @@ class ShardPaths:
     @property
     def journal(self) -> Path:
         return self._shard_file(JOURNAL_SUFFIX)
+
+    @property
+    def import_record(self) -> Path:
+        return self._shard_file(IMPORT_SUFFIX)
 
     @property
     def lease(self) -> Path:
