@@ -21,10 +21,10 @@ import polars as pl
 import pytest
 from dagster import AssetCheckKey, AssetKey, DagsterInstance, RunConfig, materialize
 
-from eagle3_assets.core.extraction.shard_extraction import SIDECAR, read_sidecar
+from eagle3_assets.core.extraction.shard_reading import read_sidecar
 from eagle3_assets.core.extraction.shard_record import engine_builds
 from eagle3_assets.core.storage.shard_lease import lease_path
-from eagle3_assets.core.storage.shard_paths import SHARD_RECORD
+from eagle3_assets.core.storage.shard_paths import SHARD_RECORD, SIDECAR
 from eagle3_assets.partitions import register_shards
 from tests.extraction_helpers import in_process_vllm_environment, write_validated_traces
 

@@ -91,7 +91,7 @@ class Progress:
 def make_backend(job: ExtractionRecipe, target: StageTarget, traces):
     """The recipe's extraction backend for ``target``; vLLM's context sized from the longest of ``traces``."""
     if job.backend == "transformers":
-        from eagle3_assets.core.extraction.shard_extraction import TransformersBackend
+        from eagle3_assets.core.extraction.transformers_backend import TransformersBackend
 
         return TransformersBackend(
             target.path,
@@ -118,7 +118,7 @@ def make_backend(job: ExtractionRecipe, target: StageTarget, traces):
 
 def aux_reference(job: ExtractionRecipe, target: StageTarget, backend) -> tuple[Any, list]:
     """The aux gate's reference forward (or None) per ``aux_check_reference``, and any backend opened for it (to close)."""
-    from eagle3_assets.core.extraction.shard_extraction import TransformersBackend
+    from eagle3_assets.core.extraction.transformers_backend import TransformersBackend
 
     reference = job.aux_check_reference
     if reference == "auto":
@@ -167,7 +167,7 @@ def run(job: ExtractionJob, log=print, run_id: str | None = None, on_shard: Call
     import torch
 
     from eagle3_assets.core.extraction.hidden_state_checks import GATES, check_target_matches_traces
-    from eagle3_assets.core.extraction.shard_extraction import ExtractionInputError, TargetFacts, read_traces, traces_digest
+    from eagle3_assets.core.extraction.traces import ExtractionInputError, TargetFacts, read_traces, traces_digest
     from eagle3_assets.core.extraction.shard_record import reusable, reuse_key
     from eagle3_assets.core.reporting.checks import CheckOutcome
     from eagle3_assets.core.target.identity import identity_in_parquet, target_identity
@@ -227,7 +227,7 @@ def _extract_pending(job: ExtractionJob, pending: list[_Pending], facts, log, ru
     """Build the engine once, then extract, gate, record and report each pending shard in turn."""
     import torch
 
-    from eagle3_assets.core.extraction.shard_extraction import ExtractionInputError
+    from eagle3_assets.core.extraction.traces import ExtractionInputError
     from eagle3_assets.core.extraction.shard_record import record_engine_build
     from eagle3_assets.core.storage.shard_lease import ShardBusyError, ShardLease
 

@@ -11,10 +11,11 @@ materialisation's metadata, the gates' outcomes and the size of each part.
 
 A stored shard is reused when its record has the same key, every gate passed,
 its sidecar is the one the record was made with, and each part is there at
-its recorded size. The parts' bytes are not hashed again here (at the story's
-size a shard is tens of GB): the sha256 of each part is in the sidecar and
-every reader (training) verifies it, naming the part, which a rerun with
-``recompute`` then rebuilds. A shard whose gate failed is extracted and gated
+its recorded size and modification time (any write to a part changes them).
+The parts' bytes are not hashed again here (at the story's size a shard is
+tens of GB, and a rerun of finished shards should take seconds): the sha256 of
+each part is in the sidecar and every reader (training) verifies it, naming
+the part; damage that no write made (bit rot) is then rebuilt with ``recompute``. A shard whose gate failed is extracted and gated
 again (its durable parts are kept), so a fixed cause is seen at once.
 Dagster-free.
 """
@@ -65,7 +66,7 @@ class ShardRecord:
     key: str
     metadata: dict[str, Any]  # the materialisation's metadata, as first reported
     outcomes: list[CheckOutcome]
-    parts: dict[str, int] = field(default_factory=dict)  # part name -> bytes
+    parts: dict[str, list[int]] = field(default_factory=dict)  # part name -> [bytes, mtime_ns]
     sidecar_key: str = ""  # the sidecar's extraction_key when the record was written
 
     @property
@@ -79,8 +80,7 @@ class ShardRecord:
     def made(cls, shard: ExtractionShard, key: str, shard_dir: Path, metadata: dict[str, Any], outcomes: list[CheckOutcome]) -> ShardRecord:
         """The record of a shard just extracted and gated (its parts and sidecar as they are on disk now)."""
         shard_dir = Path(shard_dir)
-        parts = {path.name: path.stat().st_size for path in sorted(shard_dir.glob(PART_GLOB))}
-        return cls(shard.shard, shard.data_version, key, metadata, list(outcomes), parts, _sidecar_key(shard_dir))
+        return cls(shard.shard, shard.data_version, key, metadata, list(outcomes), _parts_on_disk(shard_dir), _sidecar_key(shard_dir))
 
     @classmethod
     def read(cls, shard_dir: Path) -> ShardRecord | None:
@@ -93,6 +93,10 @@ class ShardRecord:
             return cls(**raw)
         except (OSError, ValueError, TypeError, KeyError):
             return None
+
+
+def _parts_on_disk(shard_dir: Path) -> dict[str, list[int]]:
+    return {path.name: [(stat := path.stat()).st_size, stat.st_mtime_ns] for path in sorted(Path(shard_dir).glob(PART_GLOB))}
 
 
 def _sidecar_key(shard_dir: Path) -> str:
@@ -114,9 +118,8 @@ def reusable(shard_dir: Path, key: str) -> tuple[ShardRecord | None, str]:
         return None, "a gate failed last time: extracted and gated again"
     if not record.sidecar_key or record.sidecar_key != _sidecar_key(shard_dir):
         return None, f"its {SIDECAR} is not the one the record was made with"
-    on_disk = {path.name: path.stat().st_size for path in shard_dir.glob(PART_GLOB)}
-    if on_disk != record.parts:
-        return None, "its part files are not the recorded ones (missing, extra or of another size)"
+    if _parts_on_disk(shard_dir) != record.parts:
+        return None, "its part files are not the recorded ones (missing, extra, resized or written since)"
     return record, "complete, every gate passed, same data version and settings"
 
 
