@@ -134,7 +134,8 @@ def hidden_states(context: AssetExecutionContext, config: HiddenStatesConfig, ta
         modules=EXTRACTION_MODULES + (["vllm"] if config.backend == "vllm" else []),
         output_dirs=[ASSET],
         disk_bytes=disk_bytes,
-        disk_note=f"offline mode, the states of {len(keys)} shard(s) stay on disk: {disk_bytes} B",  # bounded mode: draft_checkpoint_bounded.py
+        disk_note="offline mode, the states stay on disk: "  # bounded mode: draft_checkpoint_bounded.py
+        + (estimates[0][1] if len(keys) == 1 else f"{len(keys)} shards, {disk_bytes} B ({config.dtype}), the first {estimates[0][1]}"),
     )
     context.log.info(
         f"{len(keys)} shard(s) ({keys[0]} .. {keys[-1]}): extracting hidden states at layer ids {layer_ids} with the "
