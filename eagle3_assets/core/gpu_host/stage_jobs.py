@@ -206,7 +206,11 @@ class EvaluationRecipe(JobSchema):
     max_tokens: int = setting(EVAL_MAX_TOKENS, "completion tokens per prompt (greedy)")
     concurrency: int = setting(8, "requests in flight")
     floor: float = setting(2.0, "acceptance_above_floor fails (ERROR) below this mean acceptance length")
-    baseline: str = setting("untrained", "'untrained' (random draft of the same shape) or the checkpoint training started from")
+    baseline: str = setting(
+        "untrained",
+        "'untrained' (random draft of the same shape), the checkpoint training started from, or 'none': no baseline "
+        "(each baseline is one more start of the target, an hour for a 1T target; the report then says it was turned off)",
+    )
 
 
 class EvaluationJob(EvaluationRecipe):
