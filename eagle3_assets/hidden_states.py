@@ -166,7 +166,15 @@ def hidden_states(context: AssetExecutionContext, config: HiddenStatesConfig, ta
             context.log.error(f"{shard}: {name} failed: {next(c.description for c in checks if c.name == name)}")
 
     # (capacity: the whole run's disk refusal, before the stage starts)
-    gpu_host.run_stage(context, STAGE, job.model_dump(), requirements=requirements, on_custom_message=on_shard)
+    try:
+        gpu_host.run_stage(context, STAGE, job.model_dump(), requirements=requirements, on_custom_message=on_shard)
+    except Exception:
+        done = sorted(reported - set(stopped))
+        context.log.error(
+            f"the stage stopped after recording {len(done)} of {len(keys)} shard(s) ({', '.join(done) or 'none'}); "
+            "a rerun of the same range reports those as stored and extracts only the rest"
+        )
+        raise
     reporter.reported_through_pipes()
     for key in keys:
         if key not in reported:

@@ -97,7 +97,7 @@ def engine_build_ids(instance, keys: list[str]) -> set[str]:
 # -- P11: a backfill's run of 20 shards builds one engine -----------------------------------------
 
 
-@pytest.mark.parametrize("backend", ["transformers", "vllm"])
+@pytest.mark.parametrize("backend", ["transformers", pytest.param("vllm", marks=pytest.mark.vllm)])
 def test_a_run_of_twenty_shards_loads_the_target_once_and_a_rerun_loads_it_never(data_dir, tiny_target, backend):
     from eagle3_assets.hidden_states import SHARDS_PER_RUN, hidden_states
 
