@@ -107,7 +107,7 @@ def hidden_states(context: AssetExecutionContext, config: HiddenStatesConfig, ta
         raise ValueError(f"hidden_states config backend {config.backend!r}: one of {BACKENDS}")
     if config.dtype not in STORAGE_DTYPE_BYTES:
         raise ValueError(f"hidden_states config dtype {config.dtype!r}: one of {sorted(STORAGE_DTYPE_BYTES)}")
-    keys = list(context.partition_keys)
+    keys = list(context.partition_keys)  # the run's range of shards (one, from the UI)
     layer_ids = target_model.layer_ids()
     lineages = {key: states_lineage(context, key, target_model, config.backend, config.dtype) for key in keys}
     job = ExtractionJob(
@@ -165,7 +165,6 @@ def hidden_states(context: AssetExecutionContext, config: HiddenStatesConfig, ta
         for name in reporter.checked(shard, checks):
             context.log.error(f"{shard}: {name} failed: {next(c.description for c in checks if c.name == name)}")
 
-    # (capacity: the whole run's disk refusal, before the stage starts)
     try:
         gpu_host.run_stage(context, STAGE, job.model_dump(), requirements=requirements, on_custom_message=on_shard)
     except Exception:

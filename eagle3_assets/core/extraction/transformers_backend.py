@@ -1,9 +1,9 @@
 """The transformers backend: the target's states captured with hooks at exactly the configured layer ids.
 
 What :func:`eagle3_assets.core.extraction.shard_extraction.extract_shard` needs
-of a backend (:class:`CaptureBackend`), the length batching both backends'
-callers use, and :class:`TransformersBackend` (the HF model, bf16 with
-``device_map="auto"`` on GPUs, fp32 on CPU). Dagster-free.
+of a backend (:class:`CaptureBackend`, which vLLM's backend meets too), and
+:class:`TransformersBackend` (the HF model, bf16 with ``device_map="auto"`` on
+GPUs, fp32 on CPU) with its padded length batching. Dagster-free.
 """
 
 from __future__ import annotations
