@@ -38,15 +38,9 @@ os.environ.setdefault("EAGLE3_TINY_TARGET_DIR", str(REPO / ".cache" / "tiny_targ
 
 import torch  # noqa: E402
 
-from eagle3_assets.core.extraction.shard_extraction import (
-    ExtractionSettings,
-    TargetFacts,
-    TransformersBackend,
-    extract_shard,
-    load_target,
-    plan_parts,
-    read_traces,
-)
+from eagle3_assets.core.extraction.shard_extraction import ExtractionSettings, extract_shard, plan_parts
+from eagle3_assets.core.extraction.traces import TargetFacts, read_traces
+from eagle3_assets.core.extraction.transformers_backend import TransformersBackend, load_target
 from eagle3_assets.core.extraction.state_layout import state_bytes_per_token  # noqa: E402
 
 LAYER_IDS = (2, 3, 4)
@@ -124,7 +118,9 @@ def p3(target: Path, traces_file: Path, rounds: int) -> list[float]:
 CHILD = """
 import json, resource, sys, torch
 from pathlib import Path
-from eagle3_assets.core.extraction.shard_extraction import ExtractionSettings, TransformersBackend, extract_shard, read_traces
+from eagle3_assets.core.extraction.shard_extraction import ExtractionSettings, extract_shard
+from eagle3_assets.core.extraction.traces import read_traces
+from eagle3_assets.core.extraction.transformers_backend import TransformersBackend
 from eagle3_assets.core.gpu_host.stage_jobs import ExtractionRecipe
 
 def vm(field):

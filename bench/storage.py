@@ -58,13 +58,9 @@ STORY_EPOCHS = 10  # the fitted schedule's default
 
 
 def extract(traces_path: Path, target: Path, out: Path, dtype: str, threads: int) -> dict:
-    from eagle3_assets.core.extraction.shard_extraction import (
-        ExtractionSettings,
-        TargetFacts,
-        TransformersBackend,
-        extract_shard,
-        read_traces,
-    )
+    from eagle3_assets.core.extraction.shard_extraction import ExtractionSettings, extract_shard
+    from eagle3_assets.core.extraction.traces import TargetFacts, read_traces
+    from eagle3_assets.core.extraction.transformers_backend import TransformersBackend
 
     torch.set_num_threads(threads)
     facts = TargetFacts.from_path(target)
@@ -126,7 +122,7 @@ def split_traces(traces_path: Path, out: Path, shards: int) -> list[Path]:
 def train_bounded_mode(shard_paths: list[Path], mapping: Path, target: Path, work: Path, dtype: str, window: int, epochs: int, threads: int) -> dict:
     from dataclasses import asdict
 
-    from eagle3_assets.core.extraction.shard_extraction import TransformersBackend
+    from eagle3_assets.core.extraction.transformers_backend import TransformersBackend
     from eagle3_assets.core.gpu_host.stage_jobs import BoundedRun, ExtractionRecipe, StageTarget, StreamedShard
     from eagle3_assets.core.serving.profile import ServingProfile
     from eagle3_assets.core.target.identity import target_identity

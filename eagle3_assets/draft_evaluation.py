@@ -1,8 +1,8 @@
 """``draft_evaluation``: the draft's mean acceptance length, measured through vLLM speculative decoding.
 
 On held-out prompts (never in a training shard), the GPU host serves the target
-alone, with the trained draft, and with a baseline draft (stage
-``evaluate_draft``), reading vLLM's spec-decode counters around each pass.
+alone, with the trained draft, and with a baseline draft unless ``baseline: none``
+(stage ``evaluate_draft``; each is one start of the target), reading vLLM's spec-decode counters around each pass.
 By default the prompts are the user's own: the rows ``prompts`` held out of
 training (``prompt_dataset.holdout_share``), written to
 ``<data>/draft_evaluation/eval_prompts.jsonl`` so the report says exactly which.

@@ -152,6 +152,17 @@ class ShardReporter:
         if stopped or len(self.context.partition_keys) > 1:
             self.raise_for_blocked(stopped)
 
+    def reported_through_pipes(self) -> None:
+        """Call after a Pipes session whose stage reported the shards: its results are the events logged here.
+
+        Opening a Pipes session makes Dagster require the step to yield every
+        selected output and check (it expects ``get_results()``); a ranged run
+        must not yield them, since Dagster would record one materialization, of
+        one data version, for the whole range. Dagster has no public way to lift
+        the requirement, so this resets the flag the session set.
+        """
+        self.context.get_step_execution_context()._requires_typed_event_stream = False
+
     def raise_for_blocked(self, stopped: Mapping[str, str] | None = None) -> None:
         """Fails the run when a shard's blocking gate failed or a shard stopped (``stopped``: shard -> why), naming each."""
         lines = [f"- {shard}: blocking check(s) failed: {', '.join(names)}" for shard, names in sorted(self.blocked.items())]

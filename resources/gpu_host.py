@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -230,6 +230,7 @@ class GPUHost(ConfigurableResource):
         extras: Mapping[str, Any],
         env: Mapping[str, str] | None = None,
         requirements: StageRequirements | None = None,
+        on_custom_message: Callable[[Any, Mapping[str, Any]], None] | None = None,
     ) -> PipesClientCompletedInvocation:
         """Pre-flight, then run ``eagle3_assets.stages.<stage>`` on the host under Pipes; what it reported.
 
@@ -238,6 +239,12 @@ class GPUHost(ConfigurableResource):
         stage's :data:`STAGE_REQUIREMENTS` entry. The pre-flight's report is
         attached to every result the stage reports (``gpu_host/...`` metadata).
         The stage finds its data directory in ``$EAGLE3_DATA_DIR`` (the host's).
+
+        ``on_custom_message(payload, preflight_metadata)`` is called with each
+        ``report_custom_message`` payload the moment it arrives (on the thread
+        that reads the stage's output), so that what the stage reports part-way
+        (a finished shard of a ranged run) is recorded even when the stage is
+        killed later; an exception it raises fails the step after the stage ends.
         """
         validate_stage_name(stage)
         requirements = self.requirements_for(stage, requirements)
@@ -267,11 +274,21 @@ class GPUHost(ConfigurableResource):
             message_reader=_RunnerStdoutMessageReader(),
             extras=dict(extras),
         ) as session:
+            callback_errors: list[BaseException] = []
+
+            def on_message(message: dict) -> None:
+                session.message_handler.handle_message(message)
+                if on_custom_message is not None and message.get("method") == "report_custom_message":
+                    try:
+                        on_custom_message((message.get("params") or {}).get("payload"), metadata)
+                    except Exception as exc:  # noqa: BLE001 - raised on the run's thread once the stage is done
+                        callback_errors.append(exc)
+
             process = StageProcess(
                 self.connection(),
                 runner,
                 env={**stage_env, **session.get_bootstrap_env_vars()},
-                on_message=session.message_handler.handle_message,
+                on_message=on_message,
                 on_output=_forward_to_stderr,
             )
             try:
@@ -289,6 +306,8 @@ class GPUHost(ConfigurableResource):
                 reason = process.runner_error() or _exit_reason(returncode, self.ssh_target() is not None)
                 tail = "\n".join(process.output_tail)
                 raise DagsterPipesExecutionError(f"stage {stage} on {label} failed: {reason}\nlast output lines:\n{tail}")
+            if callback_errors:
+                raise callback_errors[0]
         return PipesClientCompletedInvocation(session, metadata=metadata)
 
 

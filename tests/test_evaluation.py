@@ -68,6 +68,19 @@ def test_floor_is_an_error_and_not_beating_the_baseline_a_warning(trained, basel
     assert verdict[:2] == (passed, severity)
 
 
+def test_without_a_baseline_the_target_starts_once_fewer_and_only_the_floor_judges():
+    from eagle3_assets.stages.evaluate_draft import served_drafts
+
+    drafts, k_by_label = served_drafts("trained_dir", "baseline_dir", [1, 2, 3], measure_each=False)
+    assert drafts == {"trained": "trained_dir", "baseline": "baseline_dir"} and k_by_label == {}
+    drafts, _ = served_drafts("trained_dir", None, [1, 2, 3], measure_each=False)
+    assert drafts == {"trained": "trained_dir"}  # with the reference: 2 starts of the target instead of 3
+    drafts, k_by_label = served_drafts("trained_dir", None, [1, 2, 3], measure_each=True)
+    assert list(drafts) == ["trained", "trained@k1", "trained@k2"] and k_by_label == {"trained@k1": 1, "trained@k2": 2}
+    assert judge(2.4, None, floor=2.0)[:2] == (True, "ERROR") and "no baseline served" in judge(2.4, None, floor=2.0)[2]
+    assert judge(1.8, None, floor=2.0)[:2] == (False, "ERROR")
+
+
 def test_eval_prompts_with_a_bad_row_fail_naming_the_file_and_row(tmp_path):
     path = tmp_path / "eval.jsonl"
     path.write_text('{"question": "ok?"}\n{"nothing": 1}\n')
@@ -130,6 +143,7 @@ def test_the_stage_derives_on_a_cpu_and_uses_each_measured_k_where_there_is_one(
     curve, baseline_curve, host_ratio = choose_k(results, [1, 2, 3], measured_each=False, draft_cost_ratio=0.1)
     assert [round(p.acceptance_length, 2) for p in curve] == [1.8, 2.3, 2.5] and [p.source for p in curve] == ["derived", "derived", "measured"]
     assert [p.acceptance_length for p in baseline_curve] == [1.0, 1.0, 1.0]
+    assert choose_k({k: v for k, v in results.items() if k != "baseline"}, [1, 2, 3], False, 0.1)[1] == []  # baseline: none
     assert host_ratio == pytest.approx((2.5 * 100 / 90 - 1) / 3)  # recorded beside the cost model, not used by it
     assert curve[2].speedup == pytest.approx(2.5 / 1.3) and curve[2].speedup_source == "cost model"
 

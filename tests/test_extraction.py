@@ -22,17 +22,11 @@ import torch
 from dagster import AssetKey, DagsterInstance, RunConfig, asset, materialize
 from safetensors import safe_open
 
-from eagle3_assets.core.extraction.shard_extraction import (
-    SIDECAR,
-    ExtractionSettings,
-    TargetFacts,
-    Trace,
-    TransformersBackend,
-    extract_shard,
-    iter_samples,
-    read_sidecar,
-    read_traces,
-)
+from eagle3_assets.core.extraction.shard_extraction import ExtractionSettings, extract_shard
+from eagle3_assets.core.extraction.shard_reading import iter_samples, read_sidecar
+from eagle3_assets.core.extraction.traces import TargetFacts, Trace, read_traces
+from eagle3_assets.core.extraction.transformers_backend import TransformersBackend
+from eagle3_assets.core.storage.shard_paths import SIDECAR
 from eagle3_assets.core.gpu_host.stage_jobs import ExtractionRecipe
 from eagle3_assets.core.storage.files import file_hash, stable_hash
 from eagle3_assets.core.target.head import TargetHead, rms_norm
@@ -42,7 +36,7 @@ from eagle3_assets.core.extraction.hidden_state_checks import (
     check_final_state_reproduces_logits,
     check_states_match_traces,
 )
-from tests.extraction_helpers import in_process_vllm_environment, write_validated_traces
+from tests.extraction_helpers import in_process_vllm_environment, recorded_checks, recorded_materializations, write_validated_traces
 
 REPO = Path(__file__).resolve().parents[1]
 LAYER_IDS = (1, 4, 6)
@@ -162,7 +156,9 @@ def test_batch_size_does_not_change_a_samples_states(tmp_path, tiny_target, trac
 KILLED_RUN = """
 import os, signal, sys, torch
 from pathlib import Path
-from eagle3_assets.core.extraction.shard_extraction import ExtractionSettings, TransformersBackend, extract_shard, read_traces
+from eagle3_assets.core.extraction.shard_extraction import ExtractionSettings, extract_shard
+from eagle3_assets.core.extraction.traces import read_traces
+from eagle3_assets.core.extraction.transformers_backend import TransformersBackend
 from eagle3_assets.core.gpu_host.stage_jobs import ExtractionRecipe
 
 torch.set_num_threads(1)
@@ -292,7 +288,7 @@ def test_states_match_traces_catches_missing_and_altered_samples(tmp_path, tiny_
 def test_bad_traces_get_an_error_naming_the_file_and_the_sample(tmp_path):
     import polars as pl
 
-    from eagle3_assets.core.extraction.shard_extraction import ExtractionInputError
+    from eagle3_assets.core.extraction.traces import ExtractionInputError
 
     path = tmp_path / "validated_traces" / f"{SHARD}.parquet"
     path.parent.mkdir()
@@ -428,10 +424,10 @@ def test_a_planted_nan_fails_states_finite_and_blocks_downstream(data_dir, tiny_
         [hidden_states, reads_hidden_states], partition_key=SHARD, resources=resources, instance=instance, run_config=run_config, raise_on_error=False
     )
     assert not second.success
-    checks = {e.check_name: e for e in second.get_asset_check_evaluations()}
+    checks = recorded_checks(instance, second.run_id)
     assert not checks["states_finite"].passed and checks["states_match_traces"].passed
     assert checks["states_finite"].metadata["non_finite_values"].value == 1
-    (mat,) = second.asset_materializations_for_node("hidden_states")
+    (mat,) = recorded_materializations(instance, second.run_id, "hidden_states")
     assert mat.metadata["parts_reused"].value == mat.metadata["parts"].value  # re-checked, not recomputed over
     assert not second.asset_materializations_for_node("reads_hidden_states")
     assert instance.get_latest_materialization_event(AssetKey("reads_hidden_states")) is None

@@ -15,14 +15,10 @@ import pytest
 import torch
 
 from eagle3_assets.core.validation.chat_rendering import ChatRenderer
-from eagle3_assets.core.extraction.shard_extraction import (
-    ExtractionSettings,
-    TargetFacts,
-    Trace,
-    TransformersBackend,
-    extract_shard,
-    read_sidecar,
-)
+from eagle3_assets.core.extraction.shard_extraction import ExtractionSettings, extract_shard
+from eagle3_assets.core.extraction.shard_reading import read_sidecar
+from eagle3_assets.core.extraction.traces import TargetFacts, Trace
+from eagle3_assets.core.extraction.transformers_backend import TransformersBackend
 from eagle3_assets.core.extraction.hidden_state_checks import (
     DEFAULT_CROSS_ENGINE_MIN_AGREEMENT,
     DEFAULT_MIN_ARGMAX_AGREEMENT,

@@ -20,7 +20,9 @@ import polars as pl
 import pytest
 from dagster import DagsterEventType, DagsterInstance, RunConfig, materialize
 
-from eagle3_assets.core.extraction.shard_extraction import SIDECAR, HiddenStateFileError, read_sidecar
+from eagle3_assets.core.extraction.part_files import HiddenStateFileError
+from eagle3_assets.core.extraction.shard_reading import read_sidecar
+from eagle3_assets.core.storage.shard_paths import SIDECAR
 from eagle3_assets.core.storage.shard_lease import ShardBusyError, ShardLease, lease_path
 from eagle3_assets.core.training.data import index_hidden_states, load_batch
 from eagle3_assets.demo.plugin import DemoTargetModel

@@ -22,6 +22,7 @@ from eagle3_assets.core.gpu_host.stage_jobs import (
     EvaluationJob,
     ExportGates,
     ExtractionJob,
+    ExtractionShard,
     EvaluationRecipe,
     ExtractionRecipe,
     HiddenStatesSource,
@@ -123,7 +124,7 @@ def test_the_launchpad_shows_the_schema_defaults_and_descriptions():
 
 def test_a_config_with_no_overrides_makes_the_stage_job_with_the_one_defaults():
     job = ExtractionJob(
-        shard="shard-00000", traces="t.parquet", output="out", data_version="v", check_seed=1,
+        shards=[ExtractionShard(shard="shard-00000", traces="t.parquet", output="out", data_version="v", check_seed=1)],
         target=StageTarget(path="/t", trust_remote_code=False, aux_layer_ids=[1, 2, 3], config_hash="h", serving=ServingProfile()),
     )  # fmt: skip
     assert ExtractionJob(**{**job.model_dump(), **HiddenStatesConfig().model_dump()}) == job
@@ -156,9 +157,10 @@ def test_a_job_survives_json_to_the_stage_and_back():
 
 def extraction_extras(**changes) -> dict:
     raw = {
-        "shard": "shard-00000", "traces": "validated_traces/shard-00000.parquet", "output": "hidden_states/shard-00000",
+        "shards": [
+            {"shard": "shard-00000", "traces": "validated_traces/shard-00000.parquet", "output": "hidden_states/shard-00000", "data_version": "v", "check_seed": 7},
+        ],
         "target": {"path": "/t", "trust_remote_code": False, "aux_layer_ids": [2, 3, 4], "config_hash": "h", "serving": ServingProfile().model_dump()},
-        "data_version": "v", "check_seed": 7,
     }  # fmt: skip
     return {**raw, **changes}
 
@@ -173,7 +175,7 @@ def extraction_extras(**changes) -> dict:
             extraction_extras(target={**extraction_extras()["target"], "serving": {**ServingProfile().model_dump(), "gpu_memory_utilization": 1.5}}),
             "setting ExtractionJob.target.serving.gpu_memory_utilization is 1.5: Input should be less than or equal to 1",
         ),
-        ({k: v for k, v in extraction_extras().items() if k != "shard"}, "ExtractionJob: missing setting(s) ['shard']"),
+        ({k: v for k, v in extraction_extras().items() if k != "shards"}, "ExtractionJob: missing setting(s) ['shards']"),
         (
             extraction_extras(target={**extraction_extras()["target"], "aux_layer_ids": [2, "x"]}),
             "setting ExtractionJob.target.aux_layer_ids[1] is 'x': Input should be a valid integer",

@@ -19,20 +19,12 @@ from dagster import DagsterInstance, RunConfig, materialize
 from safetensors import safe_open
 
 from eagle3_assets.core.draft.export import read_draft_dir
-from eagle3_assets.core.extraction.shard_extraction import (
-    SIDECAR,
-    ExtractionSettings,
-    HiddenStateFileError,
-    TargetFacts,
-    TransformersBackend,
-    dequantise_rows,
-    extract_shard,
-    iter_samples,
-    quantise_rows,
-    read_sidecar,
-    read_traces,
-    verify_part,
-)
+from eagle3_assets.core.extraction.part_files import HiddenStateFileError, dequantise_rows, quantise_rows, verify_part
+from eagle3_assets.core.extraction.shard_extraction import ExtractionSettings, extract_shard
+from eagle3_assets.core.extraction.shard_reading import iter_samples, read_sidecar
+from eagle3_assets.core.extraction.traces import TargetFacts, read_traces
+from eagle3_assets.core.extraction.transformers_backend import TransformersBackend
+from eagle3_assets.core.storage.shard_paths import SIDECAR
 from eagle3_assets.core.extraction.hidden_state_checks import (
     rounding_margin,
     check_aux_states_match_layer_ids,

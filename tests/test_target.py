@@ -88,7 +88,7 @@ def test_default_layer_ids_are_vllms_when_distinct_and_never_repeat():
 
 def test_the_layer_ids_are_checked_in_one_place_whoever_is_handed_them(tmp_path):
     """The resource, the pre-flight and the extraction backends all refuse bad ids with the one check's words."""
-    from eagle3_assets.core.extraction.shard_extraction import ExtractionInputError, validate_layer_ids
+    from eagle3_assets.core.extraction.traces import ExtractionInputError, validate_layer_ids
 
     config = {"num_hidden_layers": 6, "hidden_size": 64, "vocab_size": 320, "max_position_embeddings": 2048}
     (tmp_path / "config.json").write_text(json.dumps({"text_config": config}))  # a multimodal wrapper's nesting
@@ -187,7 +187,7 @@ def test_max_tokens_defaults_to_what_a_short_context_leaves_instead_of_refusing(
 def test_hidden_states_refuses_another_model_than_the_one_that_rendered_the_traces(tiny_target, tmp_path, data_dir):
     from eagle3_assets.hidden_states import HiddenStatesConfig, hidden_states
     from resources.gpu_host import GPUHost
-    from tests.extraction_helpers import write_validated_traces
+    from tests.extraction_helpers import recorded_checks, write_validated_traces
 
     write_validated_traces(data_dir, SHARD, tiny_target, count=6)  # rendered by the tiny target
     other = variant(tiny_target, tmp_path / "other", rms_norm_eps=1e-6)
@@ -202,7 +202,7 @@ def test_hidden_states_refuses_another_model_than_the_one_that_rendered_the_trac
         raise_on_error=False,
     )
     assert not result.success
-    checks = {e.check_name: e for e in result.get_asset_check_evaluations()}
+    checks = recorded_checks(instance, result.run_id)
     assert not checks["target_matches_traces"].passed
     description = checks["target_matches_traces"].description
     assert str(other) in description and config_hash(tiny_target) in description

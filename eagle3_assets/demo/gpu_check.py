@@ -111,7 +111,7 @@ def _reset_peak(device: str) -> None:
 
 
 def extraction(ctx: Context, backend: str) -> Row:
-    from eagle3_assets.core.gpu_host.stage_jobs import ExtractionJob, StageTarget
+    from eagle3_assets.core.gpu_host.stage_jobs import ExtractionJob, ExtractionShard, StageTarget
     from eagle3_assets.core.serving.profile import ServingProfile
     from eagle3_assets.core.target.identity import target_identity
     from eagle3_assets.demo.tiny_target import ensure_tiny_target
@@ -125,25 +125,27 @@ def extraction(ctx: Context, backend: str) -> Row:
     ctx.state["target"] = target
     traces = ctx.state.get("traces") or write_validated_traces(ctx.work / "data", "shard-00000", target, count=ctx.args.samples)
     ctx.state["traces"] = traces
+    output = ctx.work / "data" / f"hidden_states-{backend}" / "shard-00000"
     job = ExtractionJob(
-        shard="shard-00000", traces=str(traces), output=str(ctx.work / "data" / f"hidden_states-{backend}" / "shard-00000"),
+        shards=[ExtractionShard(shard="shard-00000", traces=str(traces), output=str(output), data_version="gpu-check", check_seed=1)],
         target=StageTarget(path=str(target), trust_remote_code=False, aux_layer_ids=LAYER_IDS, config_hash=target_identity(target).config_hash,
             serving=ServingProfile(),
         ),
-        data_version="gpu-check", check_seed=1, backend=backend, dtype="bfloat16", recompute=True,
+        backend=backend, dtype="bfloat16", recompute=True,
     )  # fmt: skip
     _reset_peak(ctx.device)
     started = time.monotonic()
-    metadata, outcomes = run(job, log=lambda line: None)
+    (result,) = run(job, log=lambda line: None)
+    outcomes = result.outcomes
     elapsed = time.monotonic() - started
     failed = [o for o in outcomes if not o.passed]
-    row.status = "failed" if failed else "passed"
-    row.detail = "; ".join(f"{o.name}: {o.description}" for o in failed) or f"{len(outcomes)} gates passed"
+    row.status = "failed" if failed or result.stopped else "passed"
+    row.detail = result.stopped or "; ".join(f"{o.name}: {o.description}" for o in failed) or f"{len(outcomes)} gates passed"
     tokens = sum(int(n) for n in __import__("polars").read_parquet(traces, columns=["num_tokens"])["num_tokens"])
     row.tokens_per_s = tokens / elapsed if elapsed > 0 else None
     row.peak_bytes, row.capacity_bytes = _peak(ctx.device)
     if not failed and backend == "transformers":
-        ctx.state["states"] = job.output
+        ctx.state["states"] = str(output)
     return row
 
 

@@ -26,10 +26,16 @@ CPU_NOTE = (
 )
 
 
-def judge(trained: float, baseline: float, floor: float) -> tuple[bool, str, str]:
+NO_BASELINE = "none"  # ``baseline: none``: the baseline is not served (one start of the target fewer)
+NO_BASELINE_NOTE = "none: turned off (baseline: none), so the trained draft is judged against the floor only"
+
+
+def judge(trained: float, baseline: float | None, floor: float) -> tuple[bool, str, str]:
     """(passed, severity, message) of ``acceptance_above_floor``: ERROR below the floor, WARN if no better than baseline."""
     if trained < floor:
         return False, "ERROR", f"mean acceptance length {trained:.2f} is below the floor {floor:.2f}"
+    if baseline is None:
+        return True, "ERROR", f"mean acceptance length {trained:.2f} >= floor {floor:.2f} (no baseline served: baseline none)"
     if trained <= baseline:
         return False, "WARN", f"the trained draft ({trained:.2f}) does not beat the baseline ({baseline:.2f})"
     return True, "ERROR", f"mean acceptance length {trained:.2f} >= floor {floor:.2f}, baseline {baseline:.2f}"
@@ -48,9 +54,9 @@ def choose_k(results: dict, k_values: list[int], measured_each: bool, draft_cost
     from eagle3_assets.core.evaluation import speculation_depth as depth
 
     served = max(k_values)
-    trained, baseline, reference = results["trained"], results["baseline"], results["reference"]
+    trained, baseline, reference = results["trained"], results.get("baseline"), results["reference"]
     curve = depth.derived_curve(trained.acceptance_rate_per_position or [0.0] * served, k_values)
-    baseline_curve = depth.derived_curve(baseline.acceptance_rate_per_position or [0.0] * served, k_values)
+    baseline_curve = depth.derived_curve(baseline.acceptance_rate_per_position or [0.0] * served, k_values) if baseline else []
     host_ratio = depth.measured_ratio(reference.output_tokens_per_s, trained.output_tokens_per_s, trained.mean_acceptance_length, served)
     if measured_each:
         by_k = {k: results[f"trained@k{k}"] if k != served else trained for k in k_values}
@@ -62,6 +68,21 @@ def choose_k(results: dict, k_values: list[int], measured_each: bool, draft_cost
     else:
         curve = depth.with_estimated_speedup(curve, draft_cost_ratio)
     return curve, baseline_curve, host_ratio
+
+
+def served_drafts(draft_dir, baseline_dir, k_values: list[int], measure_each: bool) -> tuple[dict, dict[str, int]]:
+    """The drafts evaluation serves (label -> directory), each one start of the target beside the reference's, and the
+    k of those served at another k than the largest. vLLM fixes ``num_speculative_tokens`` when it starts, so measuring
+    each k needs a start per k; no baseline (``baseline: none``) is one start fewer."""
+    drafts = {"trained": draft_dir}
+    if baseline_dir is not None:
+        drafts["baseline"] = baseline_dir
+    k_by_label = {}
+    if measure_each:
+        for k in k_values[:-1]:
+            drafts[f"trained@k{k}"] = draft_dir
+            k_by_label[f"trained@k{k}"] = k
+    return drafts, k_by_label
 
 
 def main() -> None:
@@ -83,7 +104,10 @@ def main() -> None:
         served_k = max(k_values)
         measure_each = gpu_available() if job.measure_each_k is None else job.measure_each_k
         draft_cost_ratio = job.draft_cost_ratio
-        if job.baseline == "untrained":
+        baseline_dir = None
+        if job.baseline == NO_BASELINE:
+            baseline_label = NO_BASELINE_NOTE
+        elif job.baseline == "untrained":
             baseline_dir = untrained_twin(draft_dir, work / "baseline_draft")
             baseline_label = "untrained draft of the same shape"
         else:
@@ -92,12 +116,8 @@ def main() -> None:
         ids, conversations = load_conversations(job.eval_prompts)
         how = "one server per k (throughput measured)" if measure_each else f"one server at k={served_k}, smaller k derived per position"
         pipes.log.info(f"{STAGE}: {len(conversations)} held-out prompts, k in {k_values}: {how}")
-        drafts = {"trained": draft_dir, "baseline": baseline_dir}
-        k_by_label = {}
-        if measure_each:
-            for k in k_values[:-1]:
-                drafts[f"trained@k{k}"] = draft_dir
-                k_by_label[f"trained@k{k}"] = k
+        drafts, k_by_label = served_drafts(draft_dir, baseline_dir, k_values, measure_each)
+        pipes.log.info(f"{STAGE}: the target is started {len(drafts) + 1} time(s): alone, then with {', '.join(drafts)}")
         results = evaluate(
             Path(job.target_dir),
             drafts,
@@ -110,7 +130,8 @@ def main() -> None:
             profile=job.serving,
             k_by_label=k_by_label,
         )
-        trained, baseline, reference = results["trained"], results["baseline"], results["reference"]
+        trained, baseline, reference = results["trained"], results.get("baseline"), results["reference"]
+        baseline_length = baseline.mean_acceptance_length if baseline else None
         speedup = trained.output_tokens_per_s / reference.output_tokens_per_s if reference.output_tokens_per_s else 0.0
         curve, baseline_curve, host_ratio = choose_k(results, k_values, measure_each, draft_cost_ratio)
         best = depth.recommend(curve)
@@ -125,6 +146,7 @@ def main() -> None:
             "eval_prompts": job.eval_prompts,
             "baseline": baseline_label,
             "draft_weights_hash": weights_hash,
+            "target_starts": len(results),  # one vLLM start of the target per result: the reference and each draft served
             "results": {label: r.to_dict() for label, r in results.items()},
             "acceptance_curve": [p.to_dict() for p in curve],
             "baseline_acceptance_curve": [p.to_dict() for p in baseline_curve],
@@ -145,16 +167,18 @@ def main() -> None:
             curve_markdown=table + "\n\n" + rule,
             profile=job.serving,
         )
-        passed, severity, message = judge(trained.mean_acceptance_length, baseline.mean_acceptance_length, job.floor)
+        passed, severity, message = judge(trained.mean_acceptance_length, baseline_length, job.floor)
         pipes.log.info(f"{STAGE}: {message}")
         figures = {
             "mean_acceptance_length": round(trained.mean_acceptance_length, 4),
-            "baseline_mean_acceptance_length": round(baseline.mean_acceptance_length, 4),
+            **({"baseline_mean_acceptance_length": round(baseline_length, 4)} if baseline_length is not None else {}),
             "floor": job.floor,
         }
         pipes.report_asset_materialization(
             metadata={
                 **figures,
+                "baseline": baseline_label,
+                "target_starts": report["target_starts"],
                 "num_speculative_tokens": served_k,
                 "recommended_num_speculative_tokens": best.k,
                 "acceptance_length_at_recommended_k": round(best.acceptance_length, 4),
@@ -167,7 +191,7 @@ def main() -> None:
                 "draft_weights_hash": weights_hash,
                 "acceptance_rate_per_position": {
                     "raw_value": render_positions(
-                        {"trained": trained.acceptance_rate_per_position or [], "baseline": baseline.acceptance_rate_per_position or []}
+                        {"trained": trained.acceptance_rate_per_position or [], **({"baseline": baseline.acceptance_rate_per_position or []} if baseline else {})}
                     ),
                     "type": "md",
                 },

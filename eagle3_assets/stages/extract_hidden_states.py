@@ -1,26 +1,47 @@
-"""``extract_hidden_states``: one shard's hidden states, on the GPU host, speaking Dagster Pipes.
+"""``extract_hidden_states``: the hidden states of a run's shards, with one engine, on the GPU host, speaking Dagster Pipes.
 
 Run by the GPU host resource (``python -m eagle3_assets.stages extract_hidden_states``
 after its pre-flight). Its Pipes extras are an
-:class:`eagle3_assets.core.gpu_host.stage_jobs.ExtractionJob` (paths relative to
-``$EAGLE3_DATA_DIR`` on the host, or absolute), refused with the key's name
-when a key is unknown, missing or of the wrong type.
+:class:`eagle3_assets.core.gpu_host.stage_jobs.ExtractionJob` listing the run's
+shards (paths relative to ``$EAGLE3_DATA_DIR`` on the host, or absolute),
+refused with the key's name when a key is unknown, missing or of the wrong type.
 
-Writes the shard (resuming from its durable parts), then computes the gates
-where the files are and reports the materialisation's metadata and the check
-results back. Each check's ``summary`` metadata is its one-line verdict.
+The target is loaded once per run (hours for a 1T target), never per shard:
+
+1. every shard is looked at first, without the engine: its traces are read and
+   checked, the target compared with the one that rendered them
+   (``target_matches_traces``), and a shard already finished with the same
+   data version and settings (:mod:`eagle3_assets.core.extraction.shard_record`)
+   is reported as it is;
+2. when shards are left, the engine is built once (a line in
+   ``<data>/hidden_states/engine_builds.jsonl``) and each shard is extracted in
+   turn under its own lease (resuming from its durable parts), gated where the
+   files are, recorded, and reported at once.
+
+Each shard is reported as a ``report_custom_message`` (:data:`~eagle3_assets.core.gpu_host.stage_jobs.EXTRACTION_SHARD_MESSAGE`)
+the moment it is done: Pipes' own ``report_asset_materialization`` takes no
+partition and one call per asset, so the orchestrator turns each message into
+that partition's materialisation and check results as it arrives. A SIGKILL
+part-way keeps every shard reported before it. A shard whose input is bad
+(traces unreadable, another run writing it) is reported as stopped, naming why,
+and the others go on.
 """
 
 from __future__ import annotations
 
+import os
 import resource
 import shutil
+import socket
 import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from eagle3_assets.core.settings.environment import ALLOW_CPU
-from eagle3_assets.core.gpu_host.stage_jobs import ExtractionJob, ExtractionRecipe, StageTarget
+from eagle3_assets.core.gpu_host.stage_jobs import EXTRACTION_SHARD_MESSAGE, ExtractionJob, ExtractionRecipe, ExtractionShard, StageTarget
 
 STAGE = "extract_hidden_states"
 PROGRESS_EVERY_S = 5.0
@@ -70,7 +91,7 @@ class Progress:
 def make_backend(job: ExtractionRecipe, target: StageTarget, traces):
     """The recipe's extraction backend for ``target``; vLLM's context sized from the longest of ``traces``."""
     if job.backend == "transformers":
-        from eagle3_assets.core.extraction.shard_extraction import TransformersBackend
+        from eagle3_assets.core.extraction.transformers_backend import TransformersBackend
 
         return TransformersBackend(
             target.path,
@@ -89,7 +110,7 @@ def make_backend(job: ExtractionRecipe, target: StageTarget, traces):
 
 def aux_reference(job: ExtractionRecipe, target: StageTarget, backend) -> tuple[Any, list]:
     """The aux gate's reference forward (or None) per ``aux_check_reference``, and any backend opened for it (to close)."""
-    from eagle3_assets.core.extraction.shard_extraction import TransformersBackend
+    from eagle3_assets.core.extraction.transformers_backend import TransformersBackend
 
     reference = job.aux_check_reference
     if reference == "auto":
@@ -102,50 +123,163 @@ def aux_reference(job: ExtractionRecipe, target: StageTarget, backend) -> tuple[
     return (lambda ids: other.reference_forward(ids)[1]), [other]
 
 
-def run(job: ExtractionJob, log=print, run_id: str | None = None) -> tuple[dict[str, Any], list]:
-    """Extract the shard and compute its gates; (materialisation metadata, check outcomes)."""
+@dataclass
+class ShardResult:
+    """One shard of the run as the orchestrator records it: done (metadata and gate outcomes), or stopped (why)."""
+
+    shard: str
+    data_version: str
+    metadata: dict[str, Any]
+    outcomes: list
+    stopped: str | None = None
+
+    def message(self) -> dict[str, Any]:
+        """The custom Pipes message's payload (plain JSON)."""
+        return {
+            "kind": EXTRACTION_SHARD_MESSAGE,
+            "shard": self.shard,
+            "data_version": self.data_version,
+            "metadata": self.metadata,
+            "checks": [{"name": o.name, "passed": o.passed, "description": o.description, "metadata": o.metadata} for o in self.outcomes],
+            "stopped": self.stopped,
+        }
+
+
+@dataclass
+class _Pending:
+    spec: ExtractionShard
+    traces: list
+    shard_dir: Path
+    target_check: Any
+    key: str
+
+
+def run(job: ExtractionJob, log=print, run_id: str | None = None, on_shard: Callable[[ShardResult], None] | None = None) -> list[ShardResult]:
+    """Extract and gate every shard of ``job`` with one engine (none when nothing is left); each result as it is done."""
     import torch
 
-    from eagle3_assets.core.extraction.shard_extraction import TargetFacts, read_traces
-    from eagle3_assets.core.reporting.checks import CheckOutcome
     from eagle3_assets.core.extraction.hidden_state_checks import GATES, check_target_matches_traces
-    from eagle3_assets.core.storage.shard_lease import ShardLease
+    from eagle3_assets.core.extraction.traces import ExtractionInputError, TargetFacts, read_traces, traces_digest
+    from eagle3_assets.core.extraction.shard_record import reusable, reuse_key
+    from eagle3_assets.core.reporting.checks import CheckOutcome
     from eagle3_assets.core.target.identity import identity_in_parquet, target_identity
 
     if not torch.cuda.is_available() and not ALLOW_CPU.get():
         raise RuntimeError(f"{STAGE}: no CUDA device on this host and EAGLE3_ALLOW_CPU is not 1: refusing to run on CPU")
     if job.cpu_threads > 0:
         torch.set_num_threads(job.cpu_threads)
+    results: list[ShardResult] = []
+
+    def done(result: ShardResult) -> None:
+        results.append(result)
+        if on_shard is not None:
+            on_shard(result)
+
     facts = TargetFacts.from_path(job.target.path)
-    traces_path, shard_dir = _resolve(job.traces), _resolve(job.output)
-    traces = read_traces(traces_path, facts.vocab_size)
-    # The states of another model than the one that rendered the traces pass every other gate; a 1T
-    # target takes hours per shard: compare before anything is loaded, and extract nothing on a mismatch.
     identity = target_identity(job.target.path)
-    target_check = check_target_matches_traces(identity, identity_in_parquet(traces_path))
-    if not target_check.passed:
-        log(f"{STAGE}: {target_check.description}; nothing extracted")
-        not_run = [CheckOutcome(name, False, "not computed: the target does not match the traces (see target_matches_traces)") for name in GATES[1:]]
-        return {"target": {"raw_value": identity.as_dict(), "type": "json"}}, [target_check, *not_run]
-    # One writer per shard, taken here on the host (so a remote host works too), beside the shard's directory.
-    # A killed run's lease names a dead pid: it is taken over and its `.partial` files are removed, each logged.
-    with ShardLease(shard_dir.parent, shard_dir.name, asset="hidden_states", run_id=run_id, log=log):
-        return _extract_and_check(job, log, facts, traces, shard_dir, target_check)
+    pending: list[_Pending] = []
+    for spec in job.shards:
+        traces_path, shard_dir = _resolve(spec.traces), _resolve(spec.output)
+        try:
+            traces = read_traces(traces_path, facts.vocab_size)
+            if not traces:
+                raise ExtractionInputError(f"validated_traces {traces_path}: the shard has no traces to extract")
+        except ExtractionInputError as exc:
+            log(f"{STAGE}: {spec.shard}: {exc}")
+            done(ShardResult(spec.shard, spec.data_version, {}, [], stopped=str(exc)))
+            continue
+        # The states of another model than the one that rendered the traces pass every other gate; a 1T
+        # target takes hours per shard: compare before anything is loaded, and extract nothing on a mismatch.
+        target_check = check_target_matches_traces(identity, identity_in_parquet(traces_path))
+        if not target_check.passed:
+            log(f"{STAGE}: {spec.shard}: {target_check.description}; nothing extracted")
+            not_run = [CheckOutcome(name, False, "not computed: the target does not match the traces (see target_matches_traces)") for name in GATES[1:]]
+            done(ShardResult(spec.shard, spec.data_version, {"target": identity.as_dict()}, [target_check, *not_run]))
+            continue
+        key = reuse_key(job, spec, traces_digest(traces), identity.config_hash)
+        if job.recompute:
+            why = "recompute requested"
+        else:
+            record, why = reusable(shard_dir, key)
+            if record is not None:
+                log(f"{STAGE}: {spec.shard}: kept as stored ({why})")
+                done(ShardResult(spec.shard, spec.data_version, {**record.metadata, "reused": True}, record.outcomes))
+                continue
+        log(f"{STAGE}: {spec.shard}: to extract ({why})")
+        pending.append(_Pending(spec, traces, shard_dir, target_check, key))
+
+    if not pending:
+        log(f"{STAGE}: nothing left to extract in this run's {len(job.shards)} shard(s): no engine built")
+        return results
+    _extract_pending(job, pending, facts, log, run_id, done)
+    return results
 
 
-def _extract_and_check(job: ExtractionJob, log, facts, traces, shard_dir: Path, target_check) -> tuple[dict[str, Any], list]:
+def _extract_pending(job: ExtractionJob, pending: list[_Pending], facts, log, run_id: str | None, done: Callable[[ShardResult], None]) -> None:
+    """Build the engine once, then extract, gate, record and report each pending shard in turn."""
     import torch
 
-    from eagle3_assets.core.extraction.shard_extraction import ExtractionSettings, extract_shard
+    from eagle3_assets.core.extraction.traces import ExtractionInputError
+    from eagle3_assets.core.extraction.shard_record import record_engine_build
+    from eagle3_assets.core.storage.shard_lease import ShardBusyError, ShardLease
+
+    target = job.target
+    started = time.monotonic()
+    # vLLM's context is sized from the longest trace of every shard it will see.
+    backend = make_backend(job, target, [trace for each in pending for trace in each.traces])
+    build = {
+        "id": uuid.uuid4().hex[:12],
+        "backend": backend.name,
+        "load_s": round(time.monotonic() - started, 1),
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "run_id": run_id,
+        "shards": [each.spec.shard for each in pending],
+    }
+    asset_dir = pending[0].shard_dir.parent
+    record_engine_build(asset_dir, build)
+    log(
+        f"{STAGE}: {backend.name} backend ready in {build['load_s']:.0f}s ({'cuda' if torch.cuda.is_available() else 'cpu'}), "
+        f"engine {build['id']} for {len(pending)} shard(s)"
+    )
+    opened = [backend]
+    try:
+        reference_states, extra = aux_reference(job, target, backend)
+        opened += extra
+        engine = {"engine_build": {k: build[k] for k in ("id", "backend", "load_s", "host")}, "model_load_s": build["load_s"]}
+        for position, each in enumerate(pending, 1):
+            log(f"{STAGE}: shard {position}/{len(pending)}: {each.spec.shard}")
+            # One writer per shard, taken here on the host (so a remote host works too), beside the shard's directory.
+            # A killed run's lease names a dead pid: it is taken over and its `.partial` files are removed, each logged.
+            try:
+                with ShardLease(each.shard_dir.parent, each.shard_dir.name, asset="hidden_states", run_id=run_id, log=log):
+                    metadata, outcomes = _extract_and_check(job, each, backend, reference_states, facts, log, engine)
+            except (ExtractionInputError, ShardBusyError) as exc:
+                log(f"{STAGE}: {each.spec.shard}: {exc}")
+                done(ShardResult(each.spec.shard, each.spec.data_version, {}, [], stopped=str(exc)))
+                continue
+            done(ShardResult(each.spec.shard, each.spec.data_version, {**metadata, "reused": False}, outcomes))
+    finally:
+        for each in opened:
+            each.close()
+
+
+def _extract_and_check(
+    job: ExtractionJob, shard: _Pending, backend, reference_states, facts, log, engine: dict[str, Any]
+) -> tuple[dict[str, Any], list]:
+    """One shard: its files (resuming from durable parts), its gates, its record; the metadata and the gates' outcomes."""
     from eagle3_assets.core.extraction.hidden_state_checks import gate_extracted_shard, keep_logits_references
+    from eagle3_assets.core.extraction.shard_extraction import ExtractionSettings, extract_shard
+    from eagle3_assets.core.extraction.shard_record import ShardRecord, forget
     from eagle3_assets.core.extraction.state_layout import state_bytes_per_token
     from eagle3_assets.core.target.head import TargetHead
 
-    target = job.target
-    identity = target_check.metadata["extracting_target"]
+    target, traces, shard_dir, spec = job.target, shard.traces, shard.shard_dir, shard.spec
+    identity = shard.target_check.metadata["extracting_target"]
     if job.recompute and shard_dir.is_dir():
-        log(f"{STAGE}: recompute requested: discarding {shard_dir}")
+        log(f"{STAGE}: {spec.shard}: recompute requested: discarding {shard_dir}")
         shutil.rmtree(shard_dir)
+    forget(shard_dir)  # from here until the gates are done, the stored record would not describe the files
     settings = ExtractionSettings(
         target_path=target.path,
         target_config_hash=identity["config_hash"],
@@ -153,34 +287,25 @@ def _extract_and_check(job: ExtractionJob, log, facts, traces, shard_dir: Path, 
         dtype=job.dtype,
         part_bytes=job.part_size_bytes,
     )
-    started = time.monotonic()
-    backend = make_backend(job, target, traces)
-    load_s = time.monotonic() - started
-    log(f"{STAGE}: {backend.name} backend ready in {load_s:.0f}s ({'cuda' if torch.cuda.is_available() else 'cpu'})")
-    opened = [backend]
-    try:
-        # The logits gate compares with the engine's own choice in the pass that captures the states.
-        keep_logits_references(backend, traces, job.logits_check_samples, job.check_seed)
-        report = extract_shard(traces, shard_dir, settings, backend, on_event=Progress(log))
-        log(
-            f"{STAGE}: {report.parts_written} part(s) written, {report.parts_reused} kept, "
-            f"{report.tokens_computed} tokens computed in {report.wall_s:.1f}s"
-        )
-        reference_states, extra = aux_reference(job, target, backend)
-        opened += extra
-        # On the CPU: the GPUs are full of the target (or of vLLM's reservation), and a few thousand positions are cheap.
-        head = TargetHead.from_checkpoint(target.path)
-        gates = gate_extracted_shard(
-            shard_dir, traces, head, backend.reference_argmax, target.aux_layer_ids, facts, reference_states, job, job.check_seed
-        )
-        outcomes = [target_check, *gates]
-    finally:
-        for each in opened:
-            each.close()
-
+    # The logits gate compares with the engine's own choice in the pass that captures the states.
+    keep_logits_references(backend, traces, job.logits_check_samples, spec.check_seed)
+    report = extract_shard(traces, shard_dir, settings, backend, on_event=Progress(log))
+    log(
+        f"{STAGE}: {spec.shard}: {report.parts_written} part(s) written, {report.parts_reused} kept, "
+        f"{report.tokens_computed} tokens computed in {report.wall_s:.1f}s"
+    )
+    # On the CPU: the GPUs are full of the target (or of vLLM's reservation), and a few thousand positions are cheap.
+    head = TargetHead.from_checkpoint(target.path)
+    gates = gate_extracted_shard(
+        shard_dir, traces, head, backend.reference_argmax, target.aux_layer_ids, facts, reference_states, job, spec.check_seed
+    )
+    outcomes = [shard.target_check, *gates]
+    for outcome in outcomes:
+        if not outcome.passed:
+            log(f"{STAGE}: {spec.shard}: {outcome.name} FAILED: {outcome.description}")
     per_token = report.bytes_on_disk / report.tokens
     metadata = {
-        "path": {"raw_value": str(shard_dir), "type": "path"},
+        "path": str(shard_dir),
         "samples": report.samples,
         "tokens": report.tokens,
         "dagster/row_count": report.samples,
@@ -194,15 +319,16 @@ def _extract_and_check(job: ExtractionJob, log, facts, traces, shard_dir: Path, 
         "state_bytes_per_token": state_bytes_per_token(facts.hidden_size, settings.dtype),
         "backend": backend.name,
         "final_state": backend.final_state,
-        "aux_layer_ids": {"raw_value": list(settings.aux_layer_ids), "type": "json"},
+        "aux_layer_ids": list(settings.aux_layer_ids),
         "dtype": settings.dtype,
         "hidden_size": facts.hidden_size,
         "num_layers": facts.num_layers,
-        "target": {"raw_value": identity, "type": "json"},
+        "target": identity,
         "tokens_per_s": round(report.tokens_per_s, 1),
-        "model_load_s": round(load_s, 1),
+        **engine,  # which engine build made these states: one per run, however many shards (P11)
         **_peak_memory(),
     }
+    ShardRecord.made(spec, shard.key, shard_dir, metadata, outcomes).write(shard_dir)
     return metadata, outcomes
 
 
@@ -211,12 +337,18 @@ def main() -> None:
 
     with open_dagster_pipes() as pipes:
         job = ExtractionJob.from_dict(dict(pipes.extras or {}))
-        metadata, outcomes = run(job, log=pipes.log.info, run_id=pipes.run_id)
-        pipes.report_asset_materialization(metadata=metadata, data_version=job.data_version)
-        for outcome in outcomes:
-            log = pipes.log.info if outcome.passed else pipes.log.error
-            log(f"{STAGE}: {outcome.name}: {'passed' if outcome.passed else 'FAILED'}: {outcome.description}")
-            pipes.report_asset_check(check_name=outcome.name, passed=outcome.passed, severity="ERROR", metadata=outcome.pipes_metadata())
+
+        def report(result: ShardResult) -> None:
+            pipes.report_custom_message(result.message())
+            if result.stopped:
+                pipes.log.error(f"{STAGE}: {result.shard}: stopped: {result.stopped}")
+            else:
+                failed = [o.name for o in result.outcomes if not o.passed]
+                (pipes.log.error if failed else pipes.log.info)(
+                    f"{STAGE}: {result.shard}: reported ({'gates failed: ' + ', '.join(failed) if failed else 'every gate passed'})"
+                )
+
+        run(job, log=pipes.log.info, run_id=pipes.run_id, on_shard=report)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,9 @@ from typing import Any
 import torch
 
 from eagle3_assets.core.reporting.checks import CheckOutcome
-from eagle3_assets.core.extraction.shard_extraction import TargetFacts, Trace, iter_samples, read_sidecar, storage_order
+from eagle3_assets.core.extraction.shard_extraction import storage_order
+from eagle3_assets.core.extraction.shard_reading import iter_samples, read_sidecar
+from eagle3_assets.core.extraction.traces import TargetFacts, Trace
 from eagle3_assets.core.extraction.state_layout import FP8_DTYPE
 from eagle3_assets.core.target.head import TargetHead
 from eagle3_assets.core.target.identity import TargetIdentity

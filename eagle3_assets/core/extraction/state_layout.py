@@ -15,6 +15,7 @@ per token: 0.03 % of the codes at H = 7,168.
 
 from __future__ import annotations
 
+FORMAT_VERSION = 1  # of a shard's files: its parts' headers and its sidecar
 DEFAULT_PART_BYTES = 2 * 1024**3
 DEFAULT_DTYPE = "bfloat16"
 BACKENDS = ("transformers", "vllm")

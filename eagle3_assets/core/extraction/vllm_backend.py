@@ -47,7 +47,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
     extract_from_kv_cache,
 )
 
-from eagle3_assets.core.extraction.shard_extraction import TargetFacts, validate_layer_ids
+from eagle3_assets.core.extraction.traces import TargetFacts, validate_layer_ids
 from eagle3_assets.core.gpu_host.stage_jobs import ExtractionRecipe
 from eagle3_assets.core.serving.profile import MULTIPROCESSING_ENV, ServingProfile, VLLMLaunch, vllm_launch
 

@@ -65,15 +65,29 @@ class ShardRerun(JobSchema):
     )
 
 
-class ExtractionJob(ShardRerun, ExtractionRecipe):
-    """One shard's hidden states (``extract_hidden_states``); paths relative to ``$EAGLE3_DATA_DIR`` on the host, or absolute."""
+class ExtractionShard(JobSchema):
+    """One shard of an extraction run: where its traces are, where its states go, what its materialisation records."""
 
     shard: str = given("the shard's partition key")
     traces: str = given("the shard's validated_traces Parquet")
     output: str = given("the shard's hidden-state directory")
-    target: StageTarget = given("the target to extract from")
-    data_version: str = given("reported with the materialisation")
+    data_version: str = given("reported with the shard's materialisation; a stored shard of this version is reused")
     check_seed: int = given("seed of the gates' sampling (from the shard's key: shard_check_seed)")
+
+
+class ExtractionJob(ShardRerun, ExtractionRecipe):
+    """The hidden states of a run's shards (``extract_hidden_states``), all from one engine built once.
+
+    Paths relative to ``$EAGLE3_DATA_DIR`` on the host, or absolute.
+    """
+
+    shards: list[ExtractionShard] = given("the run's shards, extracted in this order, each written and reported on its own")
+    target: StageTarget = given("the target to extract from")
+
+
+# The ``kind`` of the custom Pipes message by which extract_hidden_states reports each finished shard of its run
+# (Pipes' report_asset_materialization takes no partition, and one call per asset).
+EXTRACTION_SHARD_MESSAGE = "hidden_states_shard"
 
 
 def shard_check_seed(key: str) -> int:
@@ -202,7 +216,8 @@ class EvaluationRecipe(JobSchema):
     baseline: str = setting(
         "starting",
         "'starting' (the draft draft_checkpoint fine-tuned from, as its run recorded; from scratch: 'untrained'), "
-        "'untrained' (random draft of the same shape) or a draft directory",
+        "'untrained' (random draft of the same shape), a draft directory, or 'none': no baseline "
+        "(each baseline is one more start of the target, an hour for a 1T target; the report then says it was turned off)",
     )
 
 

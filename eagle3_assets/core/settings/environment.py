@@ -250,6 +250,11 @@ SERVING_UNIT = Variable(
 )  # fmt: skip
 GPU_POOL = Variable("EAGLE3_GPU_POOL", "str", "gpu_host", "the Dagster pool of the GPU stages (one per GPU host)")
 GPU_POOL_LIMIT = Variable("EAGLE3_GPU_POOL_LIMIT", "int", 1, "limit given to the GPU pool when it has none")
+EXTRACTION_SHARDS_PER_RUN = Variable(
+    "EAGLE3_EXTRACTION_SHARDS_PER_RUN", "int", 20,
+    "`hidden_states`: shards per run of a backfill (each run loads the target once and extracts its shards in turn); "
+    "read when the definitions load",
+)  # fmt: skip
 ALLOW_CPU = Variable("EAGLE3_ALLOW_CPU", "bool", True, "set by the GPU host for each stage process from `allow_cpu`; not set by hand")
 
 # -- alerts and production

@@ -11,6 +11,8 @@ partition key, ``shard-00003``) its files there::
     <data>/<asset>/superseded/<shard>.<fp>.parquet    a finished generation of other settings, kept
     <data>/<asset>/<shard>/                           a shard of many files (hidden_states' parts) ...
     <data>/<asset>/<shard>/metadata.json              ... and its sidecar, written last
+    <data>/<asset>/<shard>/extraction.json            hidden_states: the stage's record of the finished shard (reuse)
+    <data>/<asset>/engine_builds.jsonl                hidden_states: one line per engine the stage built
     <data>/<asset>/.<shard>.*.partial                 temporary files, renamed into place when whole
     <data>/.locks/                                    stage locks and lease guards ($EAGLE3_LOCK_DIR, gpu_host.lock_dir)
 
@@ -46,6 +48,8 @@ IMPORT_SUFFIX = ".import.json"  # raw_responses: the files of responses adopted 
 LEASE_SUFFIX = ".lease"
 SUPERSEDED_DIR = "superseded"
 SIDECAR = "metadata.json"
+SHARD_RECORD = "extraction.json"  # hidden_states: what the stage reported for a finished shard, written after its gates
+ENGINE_BUILDS = "engine_builds.jsonl"  # hidden_states: one JSON line per engine an extraction run built
 PART_PATTERN = "part-{:05d}.safetensors"  # hidden_states' parts, in order
 PART_GLOB = "part-*.safetensors"
 LOCKS_DIR = ".locks"

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from eagle3_assets.core.extraction.shard_extraction import PartStates, open_part, verify_part
+from eagle3_assets.core.extraction.part_files import PartStates, open_part, verify_part
 from eagle3_assets.core.storage.files import stable_hash
 from eagle3_assets.core.training.config import TrainConfig
 
