@@ -36,24 +36,30 @@ def records_filter(asset: str, keys: Sequence[str]) -> AssetRecordsFilter:
     return AssetRecordsFilter(asset_key=AssetKey(asset), asset_partitions=list(keys) if len(keys) <= PAGE else None)
 
 
-def latest_materializations(instance: DagsterInstance, asset: str, keys: Sequence[str]) -> dict[str, int]:
-    """Shard -> storage id of its latest materialisation of ``asset``, for the shards that have one."""
-    latest: dict[str, int] = {}
+def latest_materializations(instance: DagsterInstance, asset: str, keys: Sequence[str]) -> dict[str, tuple[int, str]]:
+    """Shard -> (storage id, run id) of its latest materialisation of ``asset``, for the shards that have one."""
+    latest: dict[str, tuple[int, str]] = {}
     wanted = set(keys)
     cursor = None
     while wanted - set(latest):
         page = instance.fetch_materializations(records_filter(asset, keys), limit=PAGE, cursor=cursor)
         for record in page.records:  # newest first
             if record.partition_key in wanted and record.partition_key not in latest:
-                latest[record.partition_key] = record.storage_id
+                latest[record.partition_key] = (record.storage_id, record.run_id)
         if not page.has_more:
             break
         cursor = page.cursor
     return latest
 
 
-def gate_outcomes(instance: DagsterInstance, asset: str, check: str, targets: set[int]) -> dict[int, tuple[bool, str]]:
-    """Materialisation storage id -> (passed, description) of the latest evaluation of ``check`` on it, for ``targets``."""
+def gate_outcomes(instance: DagsterInstance, asset: str, check: str, latest: dict[str, tuple[int, str]]) -> dict[int, tuple[bool, str]]:
+    """Materialisation storage id -> (passed, description) of the latest evaluation of ``check`` on it, for ``latest``'s.
+
+    An evaluation names its materialisation; one reported per shard of a multi-shard run
+    (:mod:`eagle3_assets.shard_runs`) names its partition instead, in the run that materialised it.
+    """
+    targets = {storage_id for storage_id, _ in latest.values()}
+    by_run_and_shard = {(run_id, key): storage_id for key, (storage_id, run_id) in latest.items()}
     found: dict[int, tuple[bool, str]] = {}
     cursor = None
     storage = instance.event_log_storage
@@ -62,9 +68,12 @@ def gate_outcomes(instance: DagsterInstance, asset: str, check: str, targets: se
         for record in records:  # newest first
             event = record.event.dagster_event if record.event else None
             evaluation = event.event_specific_data if event and event.event_type == DagsterEventType.ASSET_CHECK_EVALUATION else None
+            if evaluation is None:
+                continue
             target = getattr(evaluation, "target_materialization_data", None)
-            if target is not None and target.storage_id in targets and target.storage_id not in found:
-                found[target.storage_id] = (bool(evaluation.passed), evaluation.description or "")
+            storage_id = target.storage_id if target is not None else by_run_and_shard.get((record.run_id, evaluation.partition))
+            if storage_id in targets and storage_id not in found:
+                found[storage_id] = (bool(evaluation.passed), evaluation.description or "")
         if len(records) < PAGE:
             break
         cursor = records[-1].id
@@ -79,7 +88,7 @@ def shard_verdicts(instance: DagsterInstance, asset: str, blocking_checks: Seque
     """Each shard's verdict for ``asset``: green, blocked by a failed blocking gate (its words), or missing."""
     has_output = _has_output(asset)
     latest = latest_materializations(instance, asset, keys)
-    outcomes = {check: gate_outcomes(instance, asset, check, set(latest.values())) for check in blocking_checks}
+    outcomes = {check: gate_outcomes(instance, asset, check, latest) for check in blocking_checks}
     verdicts = {}
     for key in keys:
         if not has_output(key):
@@ -90,7 +99,7 @@ def shard_verdicts(instance: DagsterInstance, asset: str, blocking_checks: Seque
             continue
         failed = []
         for check in blocking_checks:
-            passed, description = outcomes[check].get(latest[key], (None, ""))
+            passed, description = outcomes[check].get(latest[key][0], (None, ""))
             if passed is None:
                 failed.append(f"{check} not evaluated on the latest materialisation")
             elif not passed:

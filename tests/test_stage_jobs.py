@@ -47,7 +47,8 @@ SOURCES = [
     (
         DraftTrainingConfig,
         [TrainConfig, TrainingJob, HiddenStatesSource, BoundedRun],
-        {"streamed_extraction"},  # a HiddenStatesConfig: its fields are ExtractionJob's
+        # streamed_extraction: a HiddenStatesConfig (its fields are ExtractionJob's); shards: chosen on the orchestrator
+        {"streamed_extraction", "shards"},
         # Recipe constants and run mechanics a launchpad user has no reason to change; the CLI and tests can.
         {
             "betas", "head_from_target", "bf16_autocast", "draft_num_attention_heads", "draft_num_key_value_heads",

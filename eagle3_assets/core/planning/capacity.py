@@ -41,7 +41,7 @@ from eagle3_assets.core.training.schedule import fit_schedule
 
 # Raw responses (text, token counts, timings) and validated traces (text again, int32 input_ids, int8 loss_mask)
 # per token, before a shard of this run is measured: a first guess, replaced by the measured figure after the first
-# shard. The demo's files measured 6.7 B/token (3 shards, Parquet-compressed short answers); longer, less repetitive
+# shard. The built-in tiny target's files measured 6.7 B/token (3 shards, Parquet-compressed short answers); longer, less repetitive
 # text compresses less, so the guess is kept above it. Beside the states (57 KB per token at H = 7,168) it hardly matters.
 DEFAULT_RESPONSES_BYTES_PER_TOKEN = 16.0
 FLOAT32 = 4
