@@ -127,7 +127,7 @@ def raw_responses(context: AssetExecutionContext, config: RawResponsesConfig, vl
         for key in keys:
             paths = ShardPaths("raw_responses", key)
             held[key] = leases.enter_context(ShardLease(paths.asset_dir, key, asset="raw_responses", run_id=context.run.run_id, log=context.log.info))
-        stopped = _generate(context, vllm_server, keys, reporter, held, max_tokens, config)
+        stopped = _generate(context, vllm_server, keys, where, reporter, held, max_tokens, config)
     yield from reporter.results(stopped)
 
 
@@ -144,7 +144,7 @@ def default_max_tokens(context: AssetExecutionContext, target_model: TargetModel
 
 
 def _generate(
-    context: AssetExecutionContext, vllm_server: VLLMServerResource, keys: list[str], reporter: ShardReporter, held,
+    context: AssetExecutionContext, vllm_server: VLLMServerResource, keys: list[str], where: str, reporter: ShardReporter, held,
     max_tokens: int, adoption: RawResponsesConfig,
 ) -> dict[str, str]:
     """Generates the shards of ``keys`` in one run; returns the shards that stopped and why (the others are reported)."""
@@ -192,13 +192,13 @@ def _generate(
             canary_max_tokens=vllm_server.canary_max_tokens, canary_client=vllm_server.get_async_client,
         )  # fmt: skip
     except PreflightError as exc:
-        raise Failure(f"raw_responses {', '.join(keys)}: pre-flight failed, nothing was sent: {exc}") from None
+        raise Failure(f"raw_responses {where}: pre-flight failed, nothing was sent: {exc}") from None
     except Exception as exc:
         if redact_credentials(str(exc)) == str(exc):
             raise
         # An unexpected error quoting a server URL with its credentials: Dagster would store the text (and the
         # chained traceback) in the event log, so only the redacted text goes on.
-        raise Failure(f"raw_responses {', '.join(keys)}: {type(exc).__name__}: {redact_credentials(str(exc))}") from None
+        raise Failure(f"raw_responses {where}: {type(exc).__name__}: {redact_credentials(str(exc))}") from None
     stopped.update({key: f"stopped: {redact_credentials(str(exc))}" for key, exc in run.stopped.items()})
     return stopped
 

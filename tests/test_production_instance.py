@@ -50,7 +50,7 @@ GENERATION_POOL_LIMIT = 1  # below the ranges of the 4 shards, so the pool has s
 SHARDS_PER_RUN = 2
 SHARDS = 4
 SHARD_SIZE = 16  # 4 x 16 demo prompts: quick on the CPU server, still a real backfill
-BACKFILL_TIMEOUT_S = 600
+BACKFILL_TIMEOUT_S = 1200  # generation runs one at a time (the pool), each paying a run start on a loaded CI machine
 
 pytestmark = pytest.mark.vllm
 

@@ -374,7 +374,10 @@ def test_a_killed_run_in_the_local_instance_is_marked_failed_and_frees_its_pool_
         worker.wait(30)
         worker.stdout.close()
         (run,) = [r for r in instance.get_runs() if r.status.value == "STARTED"]
-        assert instance.event_log_storage.get_concurrency_info(GENERATION_POOL).active_run_ids == {run.run_id}
+        # Pools are per run (deploy/dagster-dev.yaml): the dead run holds the pool's place by being STARTED
+        # (the queue counts it), not by a claimed op slot; marking it failed is what gives the place back.
+        assert GENERATION_POOL in run.run_op_concurrency.all_pools
+        assert not instance.event_log_storage.get_concurrency_info(GENERATION_POOL).active_slot_count
         return run.run_id
 
     with FaultProxy(vllm_server.base_url, delay_s=0.3) as proxy:
@@ -387,7 +390,7 @@ def test_a_killed_run_in_the_local_instance_is_marked_failed_and_frees_its_pool_
         )  # fmt: skip
         try:
             deadline = time.monotonic() + 240
-            while instance.get_run_by_id(run_id).status.value != "FAILURE" or instance.event_log_storage.get_concurrency_info(GENERATION_POOL).active_slot_count:
+            while instance.get_run_by_id(run_id).status.value != "FAILURE":
                 assert daemon.poll() is None and time.monotonic() < deadline, (tmp_path / "daemon.log").read_text()[-3000:]
                 time.sleep(1)
         finally:
@@ -401,8 +404,7 @@ def test_a_killed_run_in_the_local_instance_is_marked_failed_and_frees_its_pool_
         lines: list[str] = []
         assert fail_dead_runs(instance, log=lines.append) == [run_id]
         assert instance.get_run_by_id(run_id).status.value == "FAILURE"
-        assert not instance.event_log_storage.get_concurrency_info(GENERATION_POOL).active_slot_count
-        assert any(run_id in line and "freed its pool slots" in line for line in lines)
+        assert any(run_id in line and "marked failed" in line for line in lines)
 
         # The next run gets the slot at once and resumes the shard.
         durable = journal_rows(data_dir)

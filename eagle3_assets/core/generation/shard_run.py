@@ -3,7 +3,9 @@
 The requests go through :mod:`.generation_client` (why an aiohttp client and
 not the ``openai`` SDK is told there), what they send is a
 :class:`.generation_config.GenerationConfig`, and what a response becomes is
-:mod:`.completions`; this module runs a whole shard over them.
+:mod:`.completions`; this module runs shards over them: one, or the shards of
+a run under ONE in-flight budget (:func:`generate_shards`), so that a run over a
+range of shards keeps the server's batch full across shard boundaries.
 
 What the client gets right, because the story this project comes from got it wrong:
 
