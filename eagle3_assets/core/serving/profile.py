@@ -233,6 +233,10 @@ def vllm_launch(
         engine_args["compilation_config"] = CPU_MLA_COMPILATION_CONFIG
     engine_args.update(profile.extra_engine_args)
     engine_args.update(site_args)
+    if engine_args.get("skip_tokenizer_init"):
+        # An engine without a tokenizer (extraction sends token ids) writes no text to split, and vLLM builds the
+        # reasoning parser from the tokenizer: with one named it fails to start ('NoneType' has no get_vocab).
+        engine_args["reasoning_parser"] = None
     defaults: dict[str, str] = {}
     if on_cpu:
         defaults[CPU_KV_CACHE_ENV] = str(CPU_KV_CACHE_GIB)  # vLLM's CPU default reserves most of the host's memory
