@@ -106,7 +106,7 @@ def test_a_run_of_twenty_shards_loads_the_target_once_and_a_rerun_loads_it_never
     write_shards(data_dir, tiny_target, keys, per_shard=2)
     instance = DagsterInstance.ephemeral()
     register_shards(instance, keys)
-    config = {"dtype": "float32"} if backend == "transformers" else {"backend": "vllm", "dtype": "bfloat16", "vllm_max_model_len": 1024}
+    config = {"dtype": "float32"} if backend == "transformers" else {"backend": "vllm", "dtype": "bfloat16"}
     with in_process_vllm_environment():
         result = run_range(instance, tiny_target, keys, **config)
     assert result.success, [e.message for e in result.all_events if e.is_failure]
