@@ -260,13 +260,18 @@ def main() -> None:
 
     report_path = work / "report.json"
     report = json.loads(report_path.read_text()) if report_path.is_file() else {}
-    # What the drafts and measurements kept in the work directory depend on: reuse them only for the same inputs.
-    inputs = {"index": index.fingerprint, "vocab": file_hash(vocab), "target": str(target), "eval_prompts": file_hash(Path(eval_prompts)),
-              "recipe": recipe, "ours_variants": ours_variants}  # fmt: skip
-    inputs_key = stable_hash(inputs)
-    if report.get("inputs_key", inputs_key) != inputs_key:
-        sys.exit(f"{work}: holds drafts and measurements of other inputs or settings; pass --fresh to discard them, or --work elsewhere")
-    report["inputs_key"] = inputs_key
+    # What the drafts and measurements kept in the work directory depend on: reuse them only for the same inputs,
+    # and a variant's only for the same settings (a new variant can join an earlier run's).
+    inputs = {"index": index.fingerprint, "vocab": file_hash(vocab), "target": str(target), "eval_prompts": file_hash(Path(eval_prompts)), "recipe": recipe}
+    shared_key = stable_hash(inputs)
+    if report.get("shared_inputs_key", shared_key) != shared_key:
+        sys.exit(f"{work}: holds drafts and measurements of other states, prompts or recipe; pass --fresh to discard them, or --work elsewhere")
+    settings_now = {label: stable_hash(ours_variants.get(label, PEER_VARIANTS.get(label))) for label in args.variants}
+    kept = report.get("variant_settings", {})
+    changed = [label for label in args.variants if kept.get(label, settings_now[label]) != settings_now[label]]
+    if changed:
+        sys.exit(f"{work}: {changed} were measured with other settings; pass --fresh, or give the new settings another label")
+    report = {**report, "shared_inputs_key": shared_key, "variant_settings": {**kept, **settings_now}}
     measured: dict[str, dict[str, dict]] = report.get("measured", {})
     key = f"k{args.k}"
     serving = vllm_serving(target, args.trust_remote_code)
