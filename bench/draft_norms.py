@@ -34,7 +34,7 @@ DEFAULT_VARIANTS = ["plain", "eagle3.1", "fc_norm", "norm_output", "norm_before_
 
 def main() -> None:
     from eagle3_assets.core.evaluation.acceptance import evaluate, load_conversations
-    from eagle3_assets.core.target.serving import vllm_serving
+    from eagle3_assets.core.serving.profile import ServingProfile
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", default=str(REPO / "data"), help="data directory holding hidden_states/ and vocab_mapping/")
@@ -70,7 +70,7 @@ def main() -> None:
 
     results = evaluate(
         target, drafts, conversations, num_speculative_tokens=args.num_speculative_tokens, include_reference=False,
-        server_log_dir=work, serving=vllm_serving(target),
+        server_log_dir=work, profile=ServingProfile(),
     )  # fmt: skip
     table = {}
     for variant in args.variants:

@@ -212,7 +212,7 @@ def main() -> None:
     args = parser().parse_args()
     from eagle3_assets.core.evaluation.acceptance import evaluate, load_conversations
     from eagle3_assets.core.storage.files import file_hash, stable_hash, write_json_atomic
-    from eagle3_assets.core.target.serving import vllm_serving
+    from eagle3_assets.core.serving.profile import ServingProfile
     from eagle3_assets.core.training.data import index_hidden_states
 
     data = Path(args.data)
@@ -274,7 +274,7 @@ def main() -> None:
     report = {**report, "shared_inputs_key": shared_key, "variant_settings": {**kept, **settings_now}}
     measured: dict[str, dict[str, dict]] = report.get("measured", {})
     key = f"k{args.k}"
-    serving = vllm_serving(target, args.trust_remote_code)
+    profile = ServingProfile(trust_remote_code=args.trust_remote_code)  # the target's own dtype and context
     for label in args.variants:
         for seed in range(args.seeds):
             if str(seed) in measured.get(label, {}).get(key, {}):
@@ -289,7 +289,7 @@ def main() -> None:
             print(f"peer_acceptance: {label} seed {seed}: draft {draft} (training {run.get('train_s', round(trained_s, 1))} s)", flush=True)
             result = evaluate(
                 target, {f"{label}-seed{seed}": draft}, conversations, num_speculative_tokens=args.k, concurrency=args.concurrency,
-                include_reference=False, server_log_dir=work / "logs", serving=serving,
+                include_reference=False, server_log_dir=work / "logs", profile=profile,
             )[f"{label}-seed{seed}"]  # fmt: skip
             if result.failed or result.mean_acceptance_length is None:
                 sys.exit(f"{label} seed {seed}: {result.failed} of {result.prompts} requests failed or no drafts counted; see {work / 'logs'}")
