@@ -204,6 +204,16 @@ class EvaluationRecipe(JobSchema):
         "'starting' (the draft draft_checkpoint fine-tuned from, as its run recorded; from scratch: 'untrained'), "
         "'untrained' (random draft of the same shape) or a draft directory",
     )
+    prompt_sets: list[str] = setting(
+        ["long_context", "template_perturbation"],
+        "built-in held-out sets scored beside the standard one, each built from the standard set's prompts only: "
+        "'long_context' (long system prompts filling most of the context), 'template_perturbation' (other system "
+        "prompts and turn layouts); [] scores the standard set alone",
+    )
+    user_prompt_sets: dict[str, str] = setting(
+        {}, "sets of your own scored beside the standard one: name -> prompts file (JSONL/Parquet with messages), held out of training"
+    )
+    long_context_fill: float = setting(0.8, "share of max_model_len less max_tokens a long_context prompt fills", gt=0, le=1)
 
 
 class EvaluationJob(EvaluationRecipe):
