@@ -11,7 +11,11 @@ has). The drafts are served at the largest of ``k_values`` (default 1 to 5);
 the acceptance curve over k and the recommended ``num_speculative_tokens``
 (:mod:`eagle3_assets.core.evaluation.speculation_depth` says how each is obtained) go
 into the metadata, and the exported draft's ``SERVING.md`` is rewritten to use
-that k. Writes ``<data>/draft_evaluation/report.json``. The gate
+that k. Beside the standard set, the same trained and baseline servers score the
+built-in held-out sets (``prompt_sets``: long context, template perturbation,
+built by the stage from the standard set only) and the user's own
+(``user_prompt_sets``, checked against the training shards here), each per prompt
+(:mod:`eagle3_assets.core.evaluation.prompt_sets`); the gate stays on the standard set. Writes ``<data>/draft_evaluation/report.json``. The gate
 ``acceptance_above_floor`` is ERROR below the floor and WARN when the trained
 draft does not beat the baseline: by default the draft training started from
 (a fine-tuned draft against its starting checkpoint), an untrained one of the

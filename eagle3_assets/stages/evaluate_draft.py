@@ -8,7 +8,9 @@ training started from), the held-out prompt set, the k values (the drafts are
 served at the largest; with ``measure_each_k`` one server per k measures
 throughput, by default on a GPU host; otherwise the curve is derived from
 per-position rates and k is chosen with the cost model), and where the JSON
-report goes.
+report goes. The held-out sets beside the standard one (``prompt_sets``, ``user_prompt_sets``) are
+built here, where the target's tokenizer is, and served one prompt at a time by the trained and
+baseline servers while they are up.
 
 Reports the materialisation and the ``acceptance_above_floor`` check, and
 rewrites the draft's serving notes (``SERVING.md``) with the recommended k.
