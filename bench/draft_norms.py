@@ -48,7 +48,7 @@ def main() -> None:
     parser.add_argument("--work", default=None, help="where drafts are written (default: <data>/bench_draft_norms)")
     parser.add_argument(
         "--prompt-sets", nargs="*", default=list(sets.BUILTIN_SETS), choices=list(sets.BUILTIN_SETS),
-        help="held-out sets scored beside the standard one, as draft_evaluation builds them (none: the standard set alone)",
+        help="held-out sets scored beside the standard one, as draft_evaluation builds them (default: both; none: the standard set alone)",
     )  # fmt: skip
     parser.add_argument("--max-tokens", type=int, default=128, help="completion tokens per prompt (draft_evaluation's default)")
     args = parser.parse_args()

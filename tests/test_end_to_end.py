@@ -22,6 +22,7 @@ import pytest
 from dagster import AssetCheckKey, AssetKey, DagsterInstance
 
 from eagle3_assets.core.evaluation.acceptance import evaluate, load_conversations
+from eagle3_assets.core.evaluation.prompt_sets import BUILTIN_SETS
 from eagle3_assets.core.draft.export import config_problems
 from eagle3_assets.draft_evaluation import DraftEvaluationConfig, resolve_eval_prompts
 from eagle3_assets.demo.pipeline import run_per_shard, run_whole_dataset
@@ -50,10 +51,10 @@ def demo_graph(vllm_server, tmp_path_factory):
     with data_dir_instance(data) as instance:
         shards = run_per_shard(instance, vllm_server.base_url, vllm_server.served_model_name)
         assert shards.ok, f"per-shard assets failed on {shards.failed}"
-        # A set of the user's own by name beside the built-in ones (held out: the demo's first held-out prompts).
+        # The built-in sets (opt-in) and a set of the user's own by name (held out: the demo's first held-out prompts).
         mine = data / "my_bench.jsonl"
         mine.write_text("".join(line for line in demo_eval_prompts_path().read_text().splitlines(keepends=True)[:MY_SET_PROMPTS]))
-        whole = run_whole_dataset(instance, evaluation={"config": {"user_prompt_sets": {"my_bench": str(mine)}}})
+        whole = run_whole_dataset(instance, evaluation={"config": {"prompt_sets": list(BUILTIN_SETS), "user_prompt_sets": {"my_bench": str(mine)}}})
         assert whole.ok, "vocab_mapping / draft_checkpoint / draft_evaluation failed"
         yield instance, data
 

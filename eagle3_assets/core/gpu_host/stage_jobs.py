@@ -204,11 +204,13 @@ class EvaluationRecipe(JobSchema):
         "'starting' (the draft draft_checkpoint fine-tuned from, as its run recorded; from scratch: 'untrained'), "
         "'untrained' (random draft of the same shape) or a draft directory",
     )
+    # Opt-in: each set is served one prompt at a time by the trained and baseline servers (per-prompt spread), which
+    # tripled the demo evaluation's time on a shared 2-core machine (docs/evaluation.md).
     prompt_sets: list[str] = setting(
-        ["long_context", "template_perturbation"],
+        [],
         "built-in held-out sets scored beside the standard one, each built from the standard set's prompts only: "
         "'long_context' (long system prompts filling most of the context), 'template_perturbation' (other system "
-        "prompts and turn layouts); [] scores the standard set alone",
+        "prompts and turn layouts); []: none (opt-in: each set is more requests, one at a time, to the same servers)",
     )
     user_prompt_sets: dict[str, str] = setting(
         {}, "sets of your own scored beside the standard one: name -> prompts file (JSONL/Parquet with messages), held out of training"
