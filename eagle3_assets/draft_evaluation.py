@@ -15,7 +15,8 @@ that k. Beside the standard set, the same trained and baseline servers score the
 built-in held-out sets (``prompt_sets``: long context, template perturbation,
 built by the stage from the standard set only) and the user's own
 (``user_prompt_sets``, checked against the training shards here), each per prompt
-(:mod:`eagle3_assets.core.evaluation.prompt_sets`); the gate stays on the standard set. Writes ``<data>/draft_evaluation/report.json``. The gate
+(:mod:`eagle3_assets.core.evaluation.prompt_sets`); the gate stays on the standard set.
+Writes ``<data>/draft_evaluation/report.json``. The gate
 ``acceptance_above_floor`` is ERROR below the floor and WARN when the trained
 draft does not beat the baseline: by default the draft training started from
 (a fine-tuned draft against its starting checkpoint), an untrained one of the
