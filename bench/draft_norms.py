@@ -34,7 +34,8 @@ DEFAULT_VARIANTS = ["plain", "eagle3.1", "fc_norm", "norm_output", "norm_before_
 
 def main() -> None:
     from eagle3_assets.core.evaluation.acceptance import evaluate, load_conversations
-    from eagle3_assets.core.serving.profile import ServingProfile
+    from eagle3_assets.core.evaluation import prompt_sets as sets
+    from eagle3_assets.core.serving.profile import ServingProfile, vllm_launch
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", default=str(REPO / "data"), help="data directory holding hidden_states/ and vocab_mapping/")
@@ -45,6 +46,11 @@ def main() -> None:
     parser.add_argument("--num-speculative-tokens", type=int, default=5)
     parser.add_argument("--max-seq-len", type=int, default=512, help="the demo's")
     parser.add_argument("--work", default=None, help="where drafts are written (default: <data>/bench_draft_norms)")
+    parser.add_argument(
+        "--prompt-sets", nargs="*", default=list(sets.BUILTIN_SETS), choices=list(sets.BUILTIN_SETS),
+        help="held-out sets scored beside the standard one, as draft_evaluation builds them (default: both; none: the standard set alone)",
+    )  # fmt: skip
+    parser.add_argument("--max-tokens", type=int, default=128, help="completion tokens per prompt (draft_evaluation's default)")
     args = parser.parse_args()
 
     data = Path(args.data)
@@ -57,7 +63,16 @@ def main() -> None:
         target = Path(json.loads(sidecar.read_text())["target_path"])
     eval_prompts = args.eval_prompts or str(data / "demo" / "eval_prompts.jsonl")
     work = Path(args.work) if args.work else data / "bench_draft_norms"
-    _, conversations = load_conversations(eval_prompts)
+    ids, conversations = load_conversations(eval_prompts)
+    profile = ServingProfile()
+    extra = {}
+    if args.prompt_sets:  # built as draft_evaluation's stage builds them, for the context its servers get
+        from transformers import AutoTokenizer
+
+        max_model_len = int(vllm_launch(profile, target).engine_args["max_model_len"])
+        built = sets.build_sets(args.prompt_sets, ids, conversations, tokenizer=AutoTokenizer.from_pretrained(target),
+                                max_model_len=max_model_len, max_tokens=args.max_tokens)  # fmt: skip
+        extra = {"standard": conversations, **{b.name: b.conversations for b in built}}
 
     drafts, step_s = {}, {}
     for variant in args.variants:
@@ -69,8 +84,8 @@ def main() -> None:
             print(f"{label}: trained in {seconds:.0f}s, {schedule['optimizer_steps']} steps, {step_s[label] * 1e3:.1f} ms/step", flush=True)
 
     results = evaluate(
-        target, drafts, conversations, num_speculative_tokens=args.num_speculative_tokens, include_reference=False,
-        server_log_dir=work, profile=ServingProfile(),
+        target, drafts, conversations, num_speculative_tokens=args.num_speculative_tokens, max_tokens=args.max_tokens,
+        include_reference=False, server_log_dir=work, profile=profile, prompt_sets=extra or None,
     )  # fmt: skip
     table = {}
     for variant in args.variants:
@@ -94,7 +109,25 @@ def main() -> None:
             f"| {variant} | {row['acceptance']:.3f} ({row['range'][0]:.2f}-{row['range'][1]:.2f}) | {row['acceptance'] / reference['acceptance']:.3f} | "
             f"{' '.join(f'{p:.2f}' for p in row['per_position'])} | {row['step_s'] * 1e3:.1f} | {row['step_s'] / reference['step_s']:.2f} |"
         )
-    (work / "report.json").write_text(json.dumps({"table": table, "target": str(target), "prompts": len(conversations)}, indent=2))
+    by_set = {}
+    if extra:
+        print(f"\nper held-out set, one prompt at a time (mean of the seeds; spread: min / median / max over prompts of seed {args.seeds[0]}):")
+        print("| set | variant | acceptance | ratio | per position | spread over prompts |")
+        print("| --- | --- | --- | --- | --- | --- |")
+        for name in extra:
+            for variant in args.variants:
+                runs = [results[f"{variant}-seed{seed}"].per_set[name] for seed in args.seeds]
+                mean = statistics.fmean(r.mean_acceptance_length for r in runs)
+                positions = [statistics.fmean(r.acceptance_rate_per_position[i] for r in runs) for i in range(args.num_speculative_tokens)]
+                spread = runs[0].to_dict()["spread_over_prompts"]
+                by_set.setdefault(name, {})[variant] = {"acceptance": mean, "per_position": positions, "spread": spread}
+                ratio = mean / by_set[name][args.variants[0]]["acceptance"]
+                print(
+                    f"| {name} | {variant} | {mean:.3f} | {ratio:.3f} | {' '.join(f'{p:.2f}' for p in positions)} | "
+                    f"{spread['min']:.2f} / {spread['median']:.2f} / {spread['max']:.2f} |"
+                )
+    report = {"table": table, "by_set": by_set, "target": str(target), "prompts": len(conversations)}
+    (work / "report.json").write_text(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":

@@ -11,7 +11,12 @@ has). The drafts are served at the largest of ``k_values`` (default 1 to 5);
 the acceptance curve over k and the recommended ``num_speculative_tokens``
 (:mod:`eagle3_assets.core.evaluation.speculation_depth` says how each is obtained) go
 into the metadata, and the exported draft's ``SERVING.md`` is rewritten to use
-that k. Writes ``<data>/draft_evaluation/report.json``. The gate
+that k. Beside the standard set, the same trained and baseline servers score the
+built-in held-out sets (``prompt_sets``: long context, template perturbation,
+built by the stage from the standard set only) and the user's own
+(``user_prompt_sets``, checked against the training shards here), each per prompt
+(:mod:`eagle3_assets.core.evaluation.prompt_sets`); the gate stays on the standard set.
+Writes ``<data>/draft_evaluation/report.json``. The gate
 ``acceptance_above_floor`` is ERROR below the floor and WARN when the trained
 draft does not beat the baseline: by default the draft training started from
 (a fine-tuned draft against its starting checkpoint), an untrained one of the
@@ -27,6 +32,7 @@ from pydantic import Field
 
 from eagle3_assets.check_results import Gate, Gates
 from eagle3_assets.core.evaluation.acceptance import load_conversations
+from eagle3_assets.core.evaluation.prompt_sets import BUILTIN_SETS, STANDARD
 from eagle3_assets.core.prompts.heldout import held_out_prompts, question_text
 from eagle3_assets.core.gpu_host.stage_requirements import StageRequirements, with_serving_need
 from eagle3_assets.core.storage.shard_files import read_shard_parquet
@@ -102,9 +108,29 @@ def training_overlap(eval_ids: list[str], eval_conversations: list[list[dict]], 
     return [i for i, conv in zip(eval_ids, eval_conversations) if i in seen_ids or question_text(conv) in seen_texts]
 
 
+def check_prompt_sets(builtin: list[str], user_sets: dict[str, str], prompts_dir: Path) -> None:
+    """Refuse an unknown built-in set, a user set named like another, and a user set that is not held out of training.
+
+    The built-in sets are built by the stage from the standard set alone (:mod:`~eagle3_assets.core.evaluation.prompt_sets`).
+    """
+    unknown = [n for n in builtin if n not in BUILTIN_SETS]
+    if unknown:
+        raise ValueError(f"draft_evaluation prompt_sets {unknown}: the built-in sets are {list(BUILTIN_SETS)}; a file goes in user_prompt_sets")
+    for name, source in user_sets.items():
+        if name in (STANDARD, *BUILTIN_SETS):
+            raise ValueError(f"draft_evaluation user_prompt_sets: {name!r} is a built-in set's name; name your set otherwise")
+        set_ids, set_conversations = load_conversations(source)
+        overlap = training_overlap(set_ids, set_conversations, prompts_dir)
+        if overlap:
+            raise ValueError(
+                f"draft_evaluation user_prompt_sets {name!r} ({source}) is not held out: {len(overlap)} prompts also occur "
+                f"in training shards, e.g. {overlap[:5]}"
+            )
+
+
 @asset(
     group_name="evaluation",
-    code_version="2",
+    code_version="3",
     kinds={"vllm"},
     pool=GPU_POOL,
     deps=[AssetKey("draft_checkpoint")],
@@ -120,6 +146,7 @@ def draft_evaluation(
     overlap = training_overlap(ids, conversations, asset_dir("prompts"))
     if overlap:
         raise ValueError(f"evaluation prompts {eval_prompts} are not held out: {len(overlap)} also occur in training shards, e.g. {overlap[:5]}")
+    check_prompt_sets(config.prompt_sets, config.user_prompt_sets, asset_dir("prompts"))
     draft_dir = DatasetPaths().draft_model
     if not (draft_dir / CONFIG_FILE).is_file():
         raise FileNotFoundError(f"no exported draft at {draft_dir}: materialise draft_checkpoint first")

@@ -32,6 +32,7 @@ import pytest
 from dagster import AssetCheckKey, AssetKey, DagsterInstance, RunConfig, build_sensor_context, materialize
 
 from eagle3_assets.core.evaluation.acceptance import evaluate, load_conversations
+from eagle3_assets.core.evaluation.prompt_sets import BUILTIN_SETS
 from eagle3_assets.core.draft.export import config_problems
 from eagle3_assets.draft_evaluation import DraftEvaluationConfig, resolve_eval_prompts
 from eagle3_assets.capacity_plan import capacity_plan
@@ -42,9 +43,11 @@ from eagle3_assets.graph import PER_SHARD_ASSETS
 from eagle3_assets.partitions import SAMPLE_SHARDS
 from eagle3_assets.vocab_mapping import VocabMappingConfig, vocab_mapping
 from sensors.new_shards import new_prompt_shards
+from eagle3_assets.demo.stack import demo_eval_prompts_path
 
 # The whole graph: generation, extraction, training, a vLLM start with the draft, three for evaluation.
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(3600)]
+MY_SET_PROMPTS = 8
 
 
 @contextmanager
@@ -126,7 +129,10 @@ def demo_ramp(vllm_server, tmp_path_factory):
     with data_dir_instance(data) as instance:
         steps = ramp_up(instance, vllm_server)
         assert not steps[-1].shard_runs_failed, f"per-shard assets failed on {steps[-1].shard_runs_failed}"
-        whole = run_whole_dataset(instance)
+        # The built-in sets (opt-in) and a set of the user's own by name (held out: the demo's first held-out prompts).
+        mine = data / "my_bench.jsonl"
+        mine.write_text("".join(line for line in demo_eval_prompts_path().read_text().splitlines(keepends=True)[:MY_SET_PROMPTS]))
+        whole = run_whole_dataset(instance, evaluation={"config": {"prompt_sets": list(BUILTIN_SETS), "user_prompt_sets": {"my_bench": str(mine)}}})
         assert whole.ok, "vocab_mapping / draft_checkpoint / draft_evaluation failed"
         yield instance, data, steps
 
@@ -175,6 +181,38 @@ def test_trained_draft_beats_the_floor_and_the_untrained_baseline(demo_graph):
     assert "speedup is a GPU figure" in report["note"]
     gate = latest_check(instance, "draft_evaluation", "acceptance_above_floor")
     assert gate.passed
+
+
+def test_every_held_out_set_is_scored_beside_the_standard_one_by_the_same_servers(demo_graph, tiny_target):
+    """The built-in sets and the user's own, each with its figures per position and its spread over prompts; the gate
+    stays on the standard set's concurrent pass."""
+    instance, data = demo_graph
+    report = json.loads((data / "draft_evaluation" / "report.json").read_text())
+    by_set = {entry["name"]: entry for entry in report["prompt_sets"]}
+    assert list(by_set) == ["standard", "long_context", "template_perturbation", "my_bench"]
+    assert [by_set[n]["prompts"] for n in by_set] == [report["prompts"]] * 3 + [MY_SET_PROMPTS]
+    assert by_set["my_bench"]["source"].endswith("my_bench.jsonl")
+    # Most of the context the evaluation's servers had (4,096) beside max_tokens 128, in the target's tokens.
+    assert by_set["long_context"]["prompt_tokens"]["min"] >= 0.75 * (4096 - 128)
+    for name, entry in by_set.items():
+        for label in ("trained", "baseline"):
+            figures = entry["results"][label]
+            assert figures["failed"] == 0 and figures["drafts"] > 0, (name, label)
+            assert len(figures["acceptance_rate_per_position"]) == 5 and len(figures["per_prompt_acceptance_length"]) == entry["prompts"]
+            spread = figures["spread_over_prompts"]
+            assert spread["min"] <= spread["median"] <= spread["max"] and spread["min"] >= 1.0
+    # The standard set served one prompt at a time measures what its concurrent pass measured.
+    assert by_set["standard"]["results"]["trained"]["mean_acceptance_length"] == pytest.approx(
+        report["results"]["trained"]["mean_acceptance_length"], abs=0.3
+    )
+    evaluation = instance.get_latest_materialization_event(AssetKey("draft_evaluation")).asset_materialization.metadata
+    table = evaluation["acceptance_by_prompt_set"].value
+    assert "| my_bench | 8 |" in table and "| long_context |" in table and "judged on the standard set" in table
+    gate = latest_check(instance, "draft_evaluation", "acceptance_above_floor")
+    assert gate.metadata["mean_acceptance_length"].value == round(report["results"]["trained"]["mean_acceptance_length"], 4)
+    print(table)  # the figures, for whoever runs it with -s
+    print({n: {label: round(e["results"][label]["wall_s"], 1) for label in ("trained", "baseline")} for n, e in by_set.items()},
+          "s per set; standard concurrent pass:", round(report["results"]["trained"]["wall_s"], 1))  # fmt: skip
 
 
 def test_the_curve_over_k_chooses_the_k_that_the_exported_serving_notes_use(demo_graph):

@@ -60,7 +60,9 @@ def run_per_shard(
     return outcome
 
 
-def run_whole_dataset(instance: DagsterInstance, log: Callable[[str], None] = print, demo: DemoTarget | None = None) -> DemoOutcome:
+def run_whole_dataset(
+    instance: DagsterInstance, log: Callable[[str], None] = print, demo: DemoTarget | None = None, evaluation: dict | None = None
+) -> DemoOutcome:
     """Vocabulary, training + export + load gate, and evaluation, over every shard.
 
     These start vLLM servers of their own (the target with a draft), so the
@@ -68,7 +70,10 @@ def run_whole_dataset(instance: DagsterInstance, log: Callable[[str], None] = pr
     """
     demo = demo or selected_demo_target()
     resources = demo_resources("http://127.0.0.1:0", "unused", demo)  # no generation here
-    run_config = RunConfig(ops={"vocab_mapping": VOCAB_MAPPING_CONFIG, "draft_checkpoint": TRAINING_CONFIG})
+    ops = {"vocab_mapping": VOCAB_MAPPING_CONFIG, "draft_checkpoint": TRAINING_CONFIG}
+    if evaluation:  # draft_evaluation's settings where a caller gives its own (a test adds a prompt set of its own)
+        ops["draft_evaluation"] = evaluation
+    run_config = RunConfig(ops=ops)
     result = materialize(WHOLE_DATASET_ASSETS, resources=resources, instance=instance, run_config=run_config, raise_on_error=False)
     log(f"demo: whole-dataset assets: {'ok' if result.success else 'FAILED'} (run {result.run_id})")
     _log_failed_gates(result, log)

@@ -8,7 +8,9 @@ training started from), the held-out prompt set, the k values (the drafts are
 served at the largest; with ``measure_each_k`` one server per k measures
 throughput, by default on a GPU host; otherwise the curve is derived from
 per-position rates and k is chosen with the cost model), and where the JSON
-report goes.
+report goes. The held-out sets beside the standard one (``prompt_sets``, ``user_prompt_sets``) are
+built here, where the target's tokenizer is, and served one prompt at a time by the trained and
+baseline servers while they are up.
 
 Reports the materialisation and the ``acceptance_above_floor`` check, and
 rewrites the draft's serving notes (``SERVING.md``) with the recommended k.
@@ -28,6 +30,33 @@ CPU_NOTE = (
 
 NO_BASELINE = "none"  # ``baseline: none``: the baseline is not served (one start of the target fewer)
 NO_BASELINE_NOTE = "none: turned off (baseline: none), so the trained draft is judged against the floor only"
+
+SETS_NOTE = (
+    "each set (the standard one included) served one prompt at a time by the same trained and baseline servers, for "
+    "each prompt's own acceptance length; acceptance_above_floor and the recommended k are judged on the standard set's "
+    "concurrent pass ('results')"
+)
+
+
+def set_metadata(by_set: list[dict]) -> dict:
+    """The per-set figures as the materialisation shows them: a table, and the figures as JSON."""
+    from eagle3_assets.core.evaluation.prompt_sets import render_set_table
+
+    figures = [
+        {
+            "set": entry["name"], "prompts": entry["prompts"], "how": entry["how"],
+            **{
+                f"{label}_{key}": entry["results"].get(label, {}).get(key)
+                for label in ("trained", "baseline")
+                for key in ("mean_acceptance_length", "acceptance_rate_per_position", "spread_over_prompts")
+            },
+        }
+        for entry in by_set
+    ]  # fmt: skip
+    return {
+        "acceptance_by_prompt_set": {"raw_value": render_set_table(by_set) + "\n\n" + SETS_NOTE, "type": "md"},
+        "prompt_sets": {"raw_value": figures, "type": "json"},
+    }
 
 
 def judge(trained: float, baseline: float | None, floor: float) -> tuple[bool, str, str]:
@@ -85,6 +114,35 @@ def served_drafts(draft_dir, baseline_dir, k_values: list[int], measure_each: bo
     return drafts, k_by_label
 
 
+def held_out_sets(job: EvaluationJob, ids: list[str], conversations: list[list[dict]]) -> list:
+    """The standard set, the built-in sets the job names (from the standard set only) and the user's sets, in that order."""
+    from eagle3_assets.core.evaluation import prompt_sets as sets
+
+    tokenizer, max_model_len = None, 0
+    if sets.LONG_CONTEXT in job.prompt_sets:
+        from transformers import AutoTokenizer
+
+        from eagle3_assets.core.serving.profile import vllm_launch
+
+        tokenizer = AutoTokenizer.from_pretrained(job.target_dir, trust_remote_code=job.serving.trust_remote_code)
+        # The context the evaluation's servers are started with (evaluation_servers passes no context of its own).
+        max_model_len = int(vllm_launch(job.serving, job.target_dir).engine_args["max_model_len"])
+    built = sets.build_sets(
+        job.prompt_sets, ids, conversations, tokenizer=tokenizer, max_model_len=max_model_len,
+        max_tokens=job.max_tokens, fill=job.long_context_fill,
+    )  # fmt: skip
+    user = [sets.user_set(name, source) for name, source in job.user_prompt_sets.items()]
+    return [sets.standard_set(ids, conversations, job.eval_prompts), *built, *user]
+
+
+def set_report(prompt_sets: list, results: dict) -> list[dict]:
+    """Per held-out set: how it was built, how many prompts, and the trained and baseline drafts' figures on it."""
+    return [
+        {**s.describe(), "results": {label: results[label].per_set[s.name].to_dict() for label in ("trained", "baseline") if label in results}}
+        for s in prompt_sets
+    ]
+
+
 def main() -> None:
     from pathlib import Path
 
@@ -114,6 +172,9 @@ def main() -> None:
             baseline_dir = Path(job.baseline)
             baseline_label = f"starting checkpoint {baseline_dir}"
         ids, conversations = load_conversations(job.eval_prompts)
+        prompt_sets = held_out_sets(job, ids, conversations)
+        if len(prompt_sets) > 1:
+            pipes.log.info(f"{STAGE}: held-out sets {[(p.name, len(p.conversations)) for p in prompt_sets]}, each served one prompt at a time")
         how = "one server per k (throughput measured)" if measure_each else f"one server at k={served_k}, smaller k derived per position"
         pipes.log.info(f"{STAGE}: {len(conversations)} held-out prompts, k in {k_values}: {how}")
         drafts, k_by_label = served_drafts(draft_dir, baseline_dir, k_values, measure_each)
@@ -129,6 +190,8 @@ def main() -> None:
             log=pipes.log.info,
             profile=job.serving,
             k_by_label=k_by_label,
+            # Only where there is another set to set the standard one beside: a per-prompt pass of each, same servers.
+            prompt_sets={p.name: p.conversations for p in prompt_sets} if len(prompt_sets) > 1 else None,
         )
         trained, baseline, reference = results["trained"], results.get("baseline"), results["reference"]
         baseline_length = baseline.mean_acceptance_length if baseline else None
@@ -157,6 +220,10 @@ def main() -> None:
             "speedup_vs_target_alone": speedup,
             "note": CPU_NOTE,
         }
+        by_set = set_report(prompt_sets, results) if len(prompt_sets) > 1 else []
+        if by_set:
+            report["prompt_sets"] = by_set
+            report["prompt_sets_note"] = SETS_NOTE
         write_json_atomic(report_path, report)
         pipes.log.info(f"{STAGE}: recommended num_speculative_tokens {best.k} (acceptance length {best.acceptance_length:.2f}; {rule})")
         write_serving_notes(
@@ -195,6 +262,7 @@ def main() -> None:
                     ),
                     "type": "md",
                 },
+                **(set_metadata(by_set) if by_set else {}),
                 "output_tokens_per_s": round(trained.output_tokens_per_s, 1),
                 "target_alone_output_tokens_per_s": round(reference.output_tokens_per_s, 1),
                 "speedup": round(speedup, 3),

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from eagle3_assets.core.generation.openai_client import async_openai_client
@@ -41,13 +41,34 @@ class PassResult:
     acceptance_rate_per_position: list[float] | None = None
     drafts: float | None = None
     accepted: float | None = None
+    # One prompt at a time (the held-out sets' passes): each prompt's own acceptance length, for the spread.
+    per_prompt_acceptance_length: list[float] | None = None
+    # This server's passes over the other held-out sets, by set name (not in to_dict: the report lists them per set).
+    per_set: dict[str, "PassResult"] = field(default_factory=dict, compare=False)
 
     @property
     def output_tokens_per_s(self) -> float:
         return self.output_tokens / self.wall_s if self.wall_s else 0.0
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "output_tokens_per_s": self.output_tokens_per_s}
+        fields = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "per_set"}
+        described = {**fields, "output_tokens_per_s": self.output_tokens_per_s}
+        if self.per_prompt_acceptance_length:
+            described["spread_over_prompts"] = spread(self.per_prompt_acceptance_length)
+        return described
+
+
+def spread(values: Sequence[float]) -> dict:
+    """How the per-prompt acceptance lengths spread: min, deciles, median, max and standard deviation."""
+    import statistics
+
+    ordered = sorted(values)
+    at = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731  the nearest-rank quantile
+    return {
+        "min": round(ordered[0], 4), "p10": round(at(0.1), 4), "median": round(statistics.median(ordered), 4),
+        "p90": round(at(0.9), 4), "max": round(ordered[-1], 4),
+        "stdev": round(statistics.pstdev(ordered), 4),
+    }  # fmt: skip
 
 
 async def _send_all(base_url: str, model: str, conversations: Sequence[list[dict]], max_tokens: int, concurrency: int):
@@ -88,6 +109,43 @@ def run_pass(
         drafts=delta.drafts,
         accepted=delta.accepted,
     )
+
+
+def settled_counters(base_url: str, tries: int = 5) -> SpecDecodeCounters:
+    """The spec-decode counters once two reads agree: the last step of a request may reach /metrics just after its reply."""
+    counters = SpecDecodeCounters.from_metrics(fetch_metrics_text(base_url))
+    for _ in range(tries):
+        time.sleep(0.02)
+        again = SpecDecodeCounters.from_metrics(fetch_metrics_text(base_url))
+        if again == counters:
+            break
+        counters = again
+    return counters
+
+
+def run_pass_per_prompt(label: str, base_url: str, model: str, conversations: Sequence[list[dict]], max_tokens: int) -> PassResult:
+    """Send the conversations one at a time, diffing the counters around each: the pass's figures and each prompt's.
+
+    Sequential, so its wall time is no throughput figure; the totals equal one diff around the whole pass.
+    """
+    first = previous = settled_counters(base_url)
+    started = time.monotonic()
+    tokens, lengths = [], []
+    for messages in conversations:
+        (completion,) = asyncio.run(_send_all(base_url, model, [messages], max_tokens, 1))
+        now = settled_counters(base_url)
+        tokens.append(completion)
+        if completion is not None:
+            lengths.append(now.minus(previous).mean_acceptance_length)
+        previous = now
+    wall = time.monotonic() - started
+    total = previous.minus(first)
+    done = [t for t in tokens if t is not None]
+    return PassResult(
+        label, len(tokens), len(tokens) - len(done), sum(done), wall,
+        mean_acceptance_length=total.mean_acceptance_length, acceptance_rate_per_position=total.acceptance_rate_per_position,
+        drafts=total.drafts, accepted=total.accepted, per_prompt_acceptance_length=lengths,
+    )  # fmt: skip
 
 
 def evaluation_servers(
@@ -135,8 +193,12 @@ def evaluate(
     log: Callable[[str], None] = print,
     profile: ServingProfile | None = None,
     k_by_label: dict[str, int] | None = None,
+    prompt_sets: dict[str, Sequence[list[dict]]] | None = None,
 ) -> dict[str, PassResult]:
     """Serve the target alone (``reference``) and with each draft in turn; one pass each.
+
+    ``prompt_sets``: held-out sets each draft server (not those of ``k_by_label``) also serves, one prompt at a
+    time, while it is up: more requests to the same server, no other start; in each result's ``per_set``.
 
     ``profile``: how vLLM serves the target (:class:`~eagle3_assets.core.serving.profile.ServingProfile`,
     default: the environment's). ``k_by_label``: a draft's own ``num_speculative_tokens`` where it differs from
@@ -152,6 +214,10 @@ def evaluate(
         speculative = "speculative_config" in server.launch.engine_args
         with server:
             results[label] = run_pass(label, server.base_url, server.served_model_name, conversations, max_tokens, concurrency, speculative=speculative)
+            if speculative and label not in (k_by_label or {}):
+                for name, prompts in (prompt_sets or {}).items():
+                    log(f"evaluation: {label}: held-out set '{name}', {len(prompts)} prompts one at a time")
+                    results[label].per_set[name] = run_pass_per_prompt(label, server.base_url, server.served_model_name, prompts, max_tokens)
         r = results[label]
         acceptance = f", acceptance length {r.mean_acceptance_length:.2f}" if r.mean_acceptance_length is not None else ""
         log(f"evaluation: {label}: {r.output_tokens} tokens in {r.wall_s:.1f}s ({r.output_tokens_per_s:.0f} tok/s){acceptance}")
