@@ -227,7 +227,7 @@ def test_draft_checkpoint_trains_exports_and_passes_its_gates_with_real_vllm(tin
     model_dir = data_dir / "draft_checkpoint" / "model"
     config = json.loads((model_dir / "config.json").read_text())
     assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 3, 4] and config["draft_vocab_size"] == 200
-    assert (config["fc_norm"], config["norm_output"], config["norm_before_fc"], config["norm_before_residual"]) == (True, True, False, False)
+    assert (config["fc_norm"], config["norm_output"], config["norm_before_fc"], config["norm_before_residual"]) == (True, True, False, True)
     fc_norms = [load_file(str(model_dir / "model.safetensors"))[f"fc_norm.{i}.weight"] for i in range(3)]
     assert all(not torch.allclose(w.float(), torch.ones_like(w.float())) for w in fc_norms)  # trained away from their start
     mapping = load_file(str(data_dir / "vocab_mapping" / "vocab_mapping.safetensors"))

@@ -156,7 +156,7 @@ def test_fine_tuning_a_plain_draft_into_eagle31_starts_its_new_norms_at_identity
         )  # fmt: skip
         return initial_draft(config, sidecar_index(), mapping, target)
 
-    draft, report = start(published, fc_norm=True, norm_output=True)
+    draft, report = start(published, fc_norm=True, norm_output=True, norm_before_residual=False)
     assert (draft.config.fc_norm, draft.config.norm_output, draft.config.norm_before_residual) == (True, True, False)
     assert report.norms_added == ["fc_norm", "norm_output"]  # in the run's metadata ("init")
     assert "norms added at identity (weights 1): fc_norm, norm_output; the starting draft had none (plain EAGLE-3)" in report.notes
