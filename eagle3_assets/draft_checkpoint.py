@@ -46,7 +46,7 @@ from dagster import (
 from pydantic import Field
 
 from eagle3_assets.check_results import Gate, Gates
-from eagle3_assets.core.draft.export import LOAD_CHECK_CONTEXT
+from eagle3_assets.core.draft.load_check import LOAD_CHECK_CONTEXT
 from eagle3_assets.core.gpu_host.stage_requirements import StageRequirements, with_serving_need
 from eagle3_assets.core.reporting.checks import CheckOutcome
 from eagle3_assets.core.storage.shard_paths import SIDECAR, DatasetPaths, ShardPaths

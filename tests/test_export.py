@@ -26,12 +26,12 @@ from eagle3_assets.core.draft.export import (  # fmt: skip
     FORM_FIELDS,
     NORM_FLAGS,
     REQUIRED_FIELDS,
-    check_loads_in_vllm,
     config_problems,
     draft_config_from_hf,
     export_draft,
     read_draft_dir,
 )
+from eagle3_assets.core.draft.load_check import check_loads_in_vllm
 from eagle3_assets.core.target.head import load_head_weights
 from eagle3_assets.core.training.curves import render_curve
 from eagle3_assets.draft_checkpoint import DraftTrainingConfig

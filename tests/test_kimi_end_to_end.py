@@ -31,7 +31,8 @@ import torch
 from dagster import AssetKey, RunConfig, materialize
 
 from eagle3_assets.core.draft.forms import DEEPSEEK_MLA, LLAMA
-from eagle3_assets.core.draft.export import ARCHITECTURES, check_loads_in_vllm, export_draft
+from eagle3_assets.core.draft.export import ARCHITECTURES, export_draft
+from eagle3_assets.core.draft.load_check import check_loads_in_vllm
 from eagle3_assets.core.extraction.shard_reading import iter_samples, read_sidecar
 from eagle3_assets.demo.kimi_target import KIMI_PROFILE
 from eagle3_assets.core.serving.vllm_launcher import VLLMServer

@@ -56,7 +56,7 @@ def assert_is_the_profile(engine, launch_args: dict, without: frozenset[str] = f
 def test_the_tp8_int4_profile_is_parsed_by_vllm_at_every_start_site(tmp_path):
     from vllm.engine.arg_utils import EngineArgs
 
-    from eagle3_assets.core.draft.export import loads_in_vllm_server
+    from eagle3_assets.core.draft.load_check import loads_in_vllm_server
     from eagle3_assets.core.evaluation.acceptance import evaluation_servers
     from eagle3_assets.core.extraction.vllm_backend import extraction_launch
     from eagle3_assets.core.serving.vllm_launcher import VLLMServer

@@ -199,7 +199,7 @@ def export(ctx: Context) -> Row:
 
 
 def loads_in_vllm(ctx: Context) -> Row:
-    from eagle3_assets.core.draft.export import check_loads_in_vllm
+    from eagle3_assets.core.draft.load_check import check_loads_in_vllm
 
     report = check_loads_in_vllm(Path(ctx.state["target"]), ctx.state["draft"], num_speculative_tokens=3, log_path=ctx.work / "vllm.log")
     return Row("loads_in_vllm", "passed" if report.passed else "failed", report.detail)

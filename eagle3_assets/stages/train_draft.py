@@ -128,7 +128,8 @@ def _train_streamed(job: TrainingJob, on_event) -> dict:
 
 def run_gates(export_dir: Path, target_path: str, gates: ExportGates, num_speculative_tokens: int, log) -> dict:
     """``config_complete``'s problems, then (only when there are none) ``loads_in_vllm``: vLLM on this host."""
-    from eagle3_assets.core.draft.export import check_loads_in_vllm, config_problems
+    from eagle3_assets.core.draft.export import config_problems
+    from eagle3_assets.core.draft.load_check import check_loads_in_vllm
 
     problems = config_problems(export_dir, gates.aux_layer_ids, target_vocab_size=gates.target_vocab_size)
     report = None

@@ -6,7 +6,7 @@ platform starts for the target takes its arguments from this profile, through
 :func:`vllm_launch` and nothing else:
 
 - the vLLM extraction backend's engine (:mod:`eagle3_assets.core.extraction.vllm_backend`);
-- ``loads_in_vllm``, the draft's blocking gate (:func:`eagle3_assets.core.draft.export.check_loads_in_vllm`);
+- ``loads_in_vllm``, the draft's blocking gate (:func:`eagle3_assets.core.draft.load_check.check_loads_in_vllm`);
 - evaluation, the target alone and with each draft (:mod:`eagle3_assets.core.evaluation.acceptance`);
 - a generation server the platform starts itself (:mod:`eagle3_assets.core.serving.vllm_launcher`, the built-in targets' server).
 
