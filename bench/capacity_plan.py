@@ -62,7 +62,9 @@ def measure(samples: int, threads: int) -> dict:
     import polars as pl
     import torch
 
-    from eagle3_assets.core.extraction.shard_extraction import ExtractionSettings, TargetFacts, TransformersBackend, extract_shard, read_traces
+    from eagle3_assets.core.extraction.shard_extraction import ExtractionSettings, TargetFacts, extract_shard
+    from eagle3_assets.core.extraction.traces import read_traces
+    from eagle3_assets.core.extraction.transformers_backend import TransformersBackend
     from eagle3_assets.demo.plugin import MAX_TOKENS
     from eagle3_assets.demo.stack import tiny_target_dir
     from eagle3_assets.demo.validated_traces import write_validated_traces

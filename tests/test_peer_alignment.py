@@ -20,7 +20,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from eagle3_assets.core.extraction.shard_extraction import iter_samples, quantise_rows
+from eagle3_assets.core.extraction.part_files import quantise_rows
+from eagle3_assets.core.extraction.shard_reading import iter_samples
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench" / "peer"))
 import alignment  # noqa: E402
