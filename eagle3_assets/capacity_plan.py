@@ -52,7 +52,7 @@ from eagle3_assets.core.planning.capacity import (
     measured_rate,
     plan_capacity,
 )
-from eagle3_assets.core.storage.shard_files import read_shard_parquet
+from eagle3_assets.core.storage.shard_files import ShardFileError, read_shard_parquet
 from eagle3_assets.core.storage.shard_paths import ShardPaths, data_dir
 from eagle3_assets.partitions import SAMPLE_SHARDS
 from eagle3_assets.shard_status import PAGE, records_filter
@@ -148,7 +148,18 @@ def _column_sum(asset: str, key: str, column: str) -> int | None:
     path = ShardPaths(asset, key).parquet
     if not path.is_file():
         return None
-    return int(read_shard_parquet(path, asset=asset, shard=key, columns=[column])[column].sum() or 0)
+    try:
+        return int(read_shard_parquet(path, asset=asset, shard=key, columns=[column])[column].sum() or 0)
+    except ShardFileError:
+        return None  # a damaged file is its own stage's error to name; the plan counts the shard from its prompts
+
+
+def _validated_tokens(key: str) -> int | None:
+    """The shard's validated token count; None when its traces are missing or damaged (then its prompts count)."""
+    try:
+        return shard_tokens(key)
+    except ShardFileError:
+        return None
 
 
 def _files_bytes(*paths: Path) -> int:
@@ -162,7 +173,7 @@ def shard_facts(keys: list[str], prompts: dict[str, int], states: dict[str, dict
     """
     facts = []
     for key in keys:
-        tokens = shard_tokens(key)
+        tokens = _validated_tokens(key)
         written = None
         if tokens is not None and responses:
             traces = ShardPaths(TRACES, key).parquet
