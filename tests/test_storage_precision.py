@@ -244,8 +244,9 @@ def test_the_asset_records_the_precision_and_the_preflight_refuses_what_the_disk
     (failure,) = [e for e in refused.all_events if e.event_type_value == "STEP_FAILURE"]
     message = failure.step_failure_data.error.message + (failure.step_failure_data.user_failure_data.description or "")
     needed = (claimed // 10) * 10 * bytes_per_token(HIDDEN, "bfloat16")
-    assert "is not ready for stage extract_hidden_states" in message and f"< {needed} bytes" in message, message
-    assert f"{needed} B" in message and "bfloat16" in message and "offline mode" in message, message
+    # The whole run's plan refuses first (capacity_plan.refuse_unless_run_fits), with both numbers and the way out.
+    assert "the whole run does not fit" in message and f"({needed} > " in message, message
+    assert "bfloat16" in message and "8-bit storage (hidden_states config dtype: float8_e4m3fn)" in message, message
     assert not (data_dir / "hidden_states" / SHARD).exists(), "nothing was extracted"
 
     fitted = run(FP8_DTYPE)

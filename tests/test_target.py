@@ -181,7 +181,7 @@ def test_max_tokens_defaults_to_what_a_short_context_leaves_instead_of_refusing(
     logs = [e.message for e in instance.all_logs(result.run_id) if e.message]
     expected = 2048 - MIN_PROMPT_ROOM  # the shard's questions are far shorter than the prompt room
     assert any(f"vllm_server.max_tokens unset: {expected} (2048-token context" in line for line in logs), logs
-    assert any(line.endswith(f"in flight, max_tokens {expected}") for line in logs), logs  # what the requests carry
+    assert any(line.endswith(f"in flight across the shards, max_tokens {expected}") for line in logs), logs  # what the requests carry
 
 
 def test_hidden_states_refuses_another_model_than_the_one_that_rendered_the_traces(tiny_target, tmp_path, data_dir):

@@ -16,6 +16,7 @@ from dagster import DagsterInstance, RunConfig, materialize
 
 from eagle3_assets.core.target.identity import target_identity
 from eagle3_assets.partitions import register_shards
+from tests.extraction_helpers import recorded_checks
 
 SHARD = "shard-00000"
 WEIGHTS = ("*.safetensors", "*.bin")
@@ -75,7 +76,7 @@ def extract(data_dir: Path, orchestrator: Path, gpu_host: Path):
 
     instance = DagsterInstance.ephemeral()
     register_shards(instance, [SHARD])
-    return materialize(
+    result = materialize(
         [hidden_states],
         partition_key=SHARD,
         resources={"target_model": TargetModel(path=str(orchestrator), gpu_host_path=str(gpu_host)), "gpu_host": GPUHost()},
@@ -83,6 +84,8 @@ def extract(data_dir: Path, orchestrator: Path, gpu_host: Path):
         run_config=RunConfig(ops={"hidden_states": HiddenStatesConfig(dtype="float32", cpu_threads=1, part_size_bytes=200_000)}),
         raise_on_error=False,
     )
+    # The gates as the instance recorded them: a run that fails keeps its shards' results there, not in its result.
+    return result, recorded_checks(instance, result.run_id)
 
 
 def test_traces_rendered_without_weights_are_extracted_by_the_host_with_them_and_not_by_another_model(tiny_target, tmp_path, data_dir):
@@ -92,8 +95,7 @@ def test_traces_rendered_without_weights_are_extracted_by_the_host_with_them_and
     orchestrator = orchestrator_copy(tiny_target, tmp_path / "orchestrator")
     write_validated_traces(data_dir, SHARD, orchestrator, count=4)  # rendered where there are no weights
 
-    result = extract(data_dir, orchestrator, tiny_target)
-    checks = {e.check_name: e for e in result.get_asset_check_evaluations()}
+    result, checks = extract(data_dir, orchestrator, tiny_target)
     assert result.success and checks["target_matches_traces"].passed, checks["target_matches_traces"].description
     assert all(c.passed for c in checks.values())
     assert list((data_dir / "hidden_states" / SHARD).glob("part-*.safetensors"))
@@ -101,8 +103,7 @@ def test_traces_rendered_without_weights_are_extracted_by_the_host_with_them_and
     # The GPU host's directory holds another model (one config value differs): refused before any state is computed.
     shutil.rmtree(data_dir / "hidden_states")
     other = variant(tiny_target, tmp_path / "other", rms_norm_eps=1e-6)
-    refused = extract(data_dir, orchestrator, other)
-    checks = {e.check_name: e for e in refused.get_asset_check_evaluations()}
+    refused, checks = extract(data_dir, orchestrator, other)
     assert not refused.success and not checks["target_matches_traces"].passed
     assert "differ in config" in checks["target_matches_traces"].description
     assert not list((data_dir / "hidden_states" / SHARD).glob("part-*.safetensors"))

@@ -170,7 +170,7 @@ def test_fine_tuning_a_plain_draft_into_eagle31_starts_its_new_norms_at_identity
     with torch.no_grad():
         draft.fc_norm[0].weight.fill_(0.5)
     eagle31 = export_draft(draft, tmp_path / "eagle31", dtype="float32")
-    again, report = start(eagle31)
+    again, report = start(eagle31, norm_before_residual=False)
     assert again.config.fc_norm and again.config.norm_output and report.norms_added == []
     assert torch.equal(again.fc_norm[0].weight, torch.full((64,), 0.5))
     with pytest.raises(ValueError, match="cannot fine-tune .* with these norm settings: fc_norm and norm_before_fc exclude each other"):

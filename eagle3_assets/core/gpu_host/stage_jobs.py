@@ -220,7 +220,7 @@ class EvaluationRecipe(JobSchema):
         "(each baseline is one more start of the target, an hour for a 1T target; the report then says it was turned off)",
     )
     # Opt-in: each set is served one prompt at a time by the trained and baseline servers (per-prompt spread), which
-    # tripled the demo evaluation's time on a shared 2-core machine (docs/evaluation.md).
+    # tripled the built-in tiny target's evaluation time on a shared 2-core machine (docs/evaluation.md).
     prompt_sets: list[str] = setting(
         [],
         "built-in held-out sets scored beside the standard one, each built from the standard set's prompts only: "
