@@ -40,15 +40,8 @@ sys.path.insert(0, str(REPO))
 os.environ.setdefault("EAGLE3_TINY_TARGET_DIR", str(REPO / ".cache" / "tiny_target"))
 
 from eagle3_assets.core.extraction.state_layout import bytes_per_token  # noqa: E402
-from eagle3_assets.core.planning.capacity import (  # noqa: E402
-    PlanSettings,
-    Rate,
-    ShardFacts,
-    Volume,
-    estimated_training_rate,
-    human,
-    plan_capacity,
-)
+from eagle3_assets.core.planning.capacity import PlanSettings, ShardFacts, Volume, human, plan_capacity  # noqa: E402
+from eagle3_assets.core.planning.stage_rates import Rate, estimated_training_rate  # noqa: E402
 
 STORY_PROMPTS = 10_000
 STORY_SHARD = 128

@@ -41,17 +41,8 @@ from pydantic import Field
 from eagle3_assets.core.extraction.needs import TRACES, shard_tokens
 from eagle3_assets.core.extraction.state_layout import DEFAULT_DTYPE, STORAGE_DTYPE_BYTES
 from eagle3_assets.core.gpu_host.remote import HostError
-from eagle3_assets.core.planning.capacity import (
-    CapacityPlan,
-    PlanSettings,
-    Rate,
-    ShardFacts,
-    Volume,
-    estimated_training_rate,
-    first_rate,
-    measured_rate,
-    plan_capacity,
-)
+from eagle3_assets.core.planning.capacity import CapacityPlan, PlanSettings, ShardFacts, Volume, plan_capacity
+from eagle3_assets.core.planning.stage_rates import Rate, estimated_training_rate, first_rate, measured_rate
 from eagle3_assets.core.storage.shard_files import ShardFileError, read_shard_parquet
 from eagle3_assets.core.storage.shard_paths import ShardPaths, data_dir
 from eagle3_assets.partitions import SAMPLE_SHARDS

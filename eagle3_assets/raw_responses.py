@@ -39,7 +39,8 @@ import polars as pl
 from dagster import AssetExecutionContext, AssetKey, AssetSpec, Failure, MetadataValue, multi_asset
 
 from eagle3_assets.core.generation.completions import Sample
-from eagle3_assets.core.generation.shard_run import ShardJob, ShardOutcome, generate_shards
+from eagle3_assets.core.generation.shard_resume import ShardJob, ShardOutcome
+from eagle3_assets.core.generation.shard_run import generate_shards
 from eagle3_assets.core.generation.client import PreflightError
 from eagle3_assets.core.generation.report import completion_length_histogram, shard_summary
 from eagle3_assets.check_results import Gate, Gates

@@ -20,7 +20,7 @@ from pydantic import Field
 from eagle3_assets.core.generation import adopt
 from eagle3_assets.core.generation.completions import Sample
 from eagle3_assets.core.generation.config import GenerationConfig
-from eagle3_assets.core.generation.shard_run import generation_fingerprint
+from eagle3_assets.core.generation.shard_resume import generation_fingerprint
 from eagle3_assets.core.settings.environment import ADOPT_RESPONSES
 from eagle3_assets.core.storage.shard_paths import ShardPaths
 

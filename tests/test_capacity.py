@@ -15,15 +15,8 @@ from dagster import DagsterInstance, RunConfig, build_asset_context, materialize
 
 from eagle3_assets.capacity_plan import capacity_plan, refuse_unless_run_fits, volume_at
 from eagle3_assets.core.extraction.state_layout import FP8_DTYPE, bytes_per_token
-from eagle3_assets.core.planning.capacity import (
-    PlanSettings,
-    Rate,
-    ShardFacts,
-    Volume,
-    checkpoint_bytes,
-    measured_rate,
-    plan_capacity,
-)
+from eagle3_assets.core.planning.capacity import PlanSettings, ShardFacts, Volume, checkpoint_bytes, plan_capacity
+from eagle3_assets.core.planning.stage_rates import Rate, measured_rate
 from eagle3_assets.core.prompts.loading import PROMPTS_SCHEMA
 from eagle3_assets.core.storage.files import asset_dir, write_parquet_atomic
 from eagle3_assets.demo.validated_traces import write_validated_traces

@@ -75,7 +75,7 @@ def test_reasoning_is_read_from_either_field_and_the_field_recorded():
 
 def test_server_token_ids_are_kept_and_asking_for_them_changes_no_shard_identity():
     from eagle3_assets.core.generation.completions import Sample
-    from eagle3_assets.core.generation.shard_run import generation_fingerprint
+    from eagle3_assets.core.generation.shard_resume import generation_fingerprint
     from eagle3_assets.core.generation.config import GenerationConfig
 
     # vLLM with return_token_ids: the prompt's ids at the top level, the generated ids in the choice
@@ -126,7 +126,7 @@ def test_credentials_in_server_urls_are_redacted_everywhere_they_could_be_shown(
 
 def test_a_rerun_sends_errors_and_fixable_responses_until_the_sample_used_its_attempts():
     from eagle3_assets.core.generation.completions import Sample
-    from eagle3_assets.core.generation.shard_run import _plan_resend
+    from eagle3_assets.core.generation.shard_resume import plan_resend
     from eagle3_assets.core.generation.config import GenerationConfig
 
     def row(sample_id, attempts, **overrides):
@@ -143,13 +143,13 @@ def test_a_rerun_sends_errors_and_fixable_responses_until_the_sample_used_its_at
         "too-long": row("too-long", 0, reasoning=None, content=None, finish_reason=None, error="prompt_too_long: 5000 >= 4096; not sent"),
     }
     config = GenerationConfig(base_urls=("http://gpu-a:8000",), model="m", max_attempts_per_sample=3)
-    plan = _plan_resend(samples, rows, config)
+    plan = plan_resend(samples, rows, config)
     assert [s.id for s in plan.pending] == ["new", "failed", "empty", "cut", "too-long"]
     assert plan.reused == 1 and plan.exhausted == ["cut-out"]
     assert plan.reasons == {"error: http 503": 1, "error: prompt_too_long": 1, "empty_reasoning": 1, "truncated": 1}
     assert "raise vllm_server.max_attempts_per_sample" in plan.line(len(samples), 3)
     # With truncation allowed, a cut generation is usable: not sent again.
-    allowed = _plan_resend(samples, rows, GenerationConfig(base_urls=("http://gpu-a:8000",), model="m", allow_truncated=True))
+    allowed = plan_resend(samples, rows, GenerationConfig(base_urls=("http://gpu-a:8000",), model="m", allow_truncated=True))
     assert [s.id for s in allowed.pending] == ["new", "failed", "empty", "too-long"] and allowed.exhausted == []
 
 

@@ -23,7 +23,7 @@ What is taken goes into the shard's generation journal under the shard's
 generation fingerprint, one durable row at a time and only for prompts without
 a durable row yet: an interrupted import resumes by id, a rerun takes nothing
 twice, and generated rows are never replaced. The generation run that follows
-treats adopted rows exactly as its own (:func:`.shard_run._plan_resend`): the
+treats adopted rows exactly as its own (:func:`.shard_resume.plan_resend`): the
 rules validation applies (:mod:`.response_rules`: empty reasoning, empty
 answer, a cut generation) decide, and only the rows they reject, plus the
 prompts the file has no usable row for, are sent to the server.
@@ -162,7 +162,7 @@ def adopt_responses(
     """Put the rows of ``source`` that answer the shard's prompts into its journal; record and return what happened.
 
     ``fingerprint`` is the shard's generation fingerprint
-    (:func:`.shard_run.generation_fingerprint`): the journal the generation
+    (:func:`.shard_resume.generation_fingerprint`): the journal the generation
     run resumes from. A shard whose finished Parquet has this fingerprint is
     left alone (it has a row per prompt already).
     """
