@@ -20,6 +20,7 @@ from pydantic import Field
 from eagle3_assets.core.generation import adopt
 from eagle3_assets.core.generation.completions import Sample
 from eagle3_assets.core.generation.config import GenerationConfig
+from eagle3_assets.core.generation.response_files import SERVER_PREFIX
 from eagle3_assets.core.generation.shard_resume import generation_fingerprint
 from eagle3_assets.core.settings.environment import ADOPT_RESPONSES
 from eagle3_assets.core.storage.shard_paths import ShardPaths
@@ -63,7 +64,7 @@ def adoption_metadata(paths: ShardPaths, frame: pl.DataFrame) -> dict[str, Any]:
     record = adopt.read_import_record(paths.parquet)
     if record is None:
         return {}
-    adopted = frame.filter(pl.col("server").str.starts_with(adopt.SERVER_PREFIX))
+    adopted = frame.filter(pl.col("server").str.starts_with(SERVER_PREFIX))
     return {
         # Rows of the finished shard that came from a file (re-tokenised: validated_traces builds their ids).
         "adopted_rows": adopted.height,
