@@ -182,11 +182,12 @@ def test_launcher_stops_the_whole_process_group_when_startup_fails(tmp_path):
 
 def assert_built_as_recorded(name: str, target_dir) -> None:
     """The session's build of target ``name`` was checked: its greedy outputs are the ones recorded for its spec."""
-    from eagle3_assets.demo.target_building import BUILD_INFO, recorded_fingerprint, _spec
+    from eagle3_assets.demo.build_check import recorded_fingerprint, _spec
+    from eagle3_assets.demo.target_building import BUILD_INFO
 
     info = json.loads((target_dir / BUILD_INFO).read_text())
     recorded = recorded_fingerprint(name, _spec(name))
-    assert recorded is not None, f"nothing recorded for the {name} target's spec: python -m eagle3_assets.demo.target_building record"
+    assert recorded is not None, f"nothing recorded for the {name} target's spec: python -m eagle3_assets.demo.build_check record"
     assert info["fingerprint"] == _spec(name).fingerprint and info["greedy_token_ids"] == recorded
 
 
@@ -196,8 +197,9 @@ def test_the_tiny_target_does_what_was_recorded(tiny_target):
 
 def test_a_build_that_does_not_do_what_was_recorded_is_refused_and_a_stale_cache_rebuilt(tmp_path, monkeypatch):
     """Fault injection: recorded greedy outputs that this build cannot match (one token changed)."""
-    from eagle3_assets.demo import target_building
-    from eagle3_assets.demo.target_building import BUILD_INFO, TargetBuildError, checked_build
+    from eagle3_assets.demo import build_check
+    from eagle3_assets.demo.build_check import TargetBuildError, checked_build
+    from eagle3_assets.demo.target_building import BUILD_INFO
 
     spec = dataclasses.replace(TinyTargetSpec(), train_steps=4)
     built = checked_build("tiny", tmp_path / "unrecorded", spec, log=lambda _: None)  # a spec nothing was recorded for
@@ -208,14 +210,14 @@ def test_a_build_that_does_not_do_what_was_recorded_is_refused_and_a_stale_cache
     recorded[3][5] = (recorded[3][5] + 1) % spec.vocab_size
     fingerprints = tmp_path / "target_fingerprints.json"
     fingerprints.write_text(json.dumps({"tiny": {"spec_fingerprint": spec.fingerprint, "greedy_token_ids": recorded}}))
-    monkeypatch.setattr(target_building, "RECORDED_FINGERPRINTS", fingerprints)
-    monkeypatch.delenv(target_building.ACCEPT_UNRECORDED_ENV, raising=False)
+    monkeypatch.setattr(build_check, "RECORDED_FINGERPRINTS", fingerprints)
+    monkeypatch.delenv(build_check.ACCEPT_UNRECORDED_ENV, raising=False)
     lines = []
     with pytest.raises(TargetBuildError, match=r"after prompt 3 .* greedy token 5 is .*EAGLE3_ACCEPT_TARGET_FINGERPRINT=1"):
         checked_build("tiny", built, spec, log=lines.append)
     assert any("rebuilding" in line for line in lines)  # the cached build was checked, found different, rebuilt
 
-    monkeypatch.setenv(target_building.ACCEPT_UNRECORDED_ENV, "1")
+    monkeypatch.setenv(build_check.ACCEPT_UNRECORDED_ENV, "1")
     assert checked_build("tiny", built, spec, log=lambda _: None) == built
 
     # Recorded as this build does: a cache from before the check is checked once, then used as it is.

@@ -47,8 +47,8 @@ from pathlib import Path
 
 from eagle3_assets.core.storage.files import file_hash, stable_hash
 from eagle3_assets.core.serving.profile import ServingProfile
+from eagle3_assets.demo.build_check import checked_build
 from eagle3_assets.demo.target_building import (
-    checked_build,
     generation_prompt,
     train_and_save,
     trained_tokenizer,

@@ -7,71 +7,26 @@ templated conversations, a model trained briefly on those conversations with
 the loss on the assistant's tokens only, and a model directory written
 atomically and reused while its spec fingerprint matches.
 
-The same on every machine, as far as a CPU allows. A seed fixes the data order
-and the initial weights, but not the arithmetic: 300 steps of AdamW carry a
-difference in the last bit of a sum into other weights, and the sums differ
-with the thread count (how a reduction is split) and with the CPU (MKL and
-ATen pick AVX-512, AVX2 or other kernels by what the CPU offers, and round
-differently). So :func:`checked_build` trains in a process of its own whose
-arithmetic is pinned (:data:`BUILD_ENVIRONMENT`: one thread, MKL's
-conditional numerical reproducibility, ATen's AVX2 kernels, deterministic
-algorithms), and then checks what was built by what it *does*: its greedy
-outputs on fixed prompts (:func:`behaviour_fingerprint`) against the ones
-recorded in ``target_fingerprints.json``. A build that differs is refused with
-the first differing output, never used silently; a cached build from before
-the check is checked once and rebuilt when it differs.
+Each target is built in a process of pinned arithmetic and checked by what it
+does before it is used: :mod:`.build_check`.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
-import importlib
 import json
 import os
 import shutil
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 from eagle3_assets.core.serving.profile import BUILT_IN_MARKER
-from eagle3_assets.core.storage.files import staging_dir, write_json_atomic
-from eagle3_assets.demo.prompt_set import demo_prompts, eval_prompts, training_traces
-from eagle3_assets.demo.environment import ACCEPT_TARGET_FINGERPRINT
+from eagle3_assets.core.storage.files import staging_dir
+from eagle3_assets.demo.prompt_set import training_traces
 
 BUILD_INFO = BUILT_IN_MARKER  # its presence gives a target the fast start (core/serving/profile.py)
-RECORDED_FINGERPRINTS = Path(__file__).with_name("target_fingerprints.json")
-ACCEPT_UNRECORDED_ENV = ACCEPT_TARGET_FINGERPRINT.name  # 1: use a build whose greedy outputs differ from the recorded
-
-# Each built-in target: (its module, its build function, its spec class, whether its tokenizer is remote code).
-BUILT_TARGETS = {
-    "tiny": ("eagle3_assets.demo.tiny_target", "build_tiny_target", "TinyTargetSpec", False),
-    "qwen3": ("eagle3_assets.demo.qwen3_target", "build_qwen3_target", "Qwen3TargetSpec", False),
-    "kimi": ("eagle3_assets.demo.kimi_target", "build_kimi_target", "KimiTargetSpec", True),
-}
-
-# The arithmetic of a build process, pinned so that a seed gives the same weights on any x86 machine with AVX2:
-# one thread (a reduction split over threads sums in another order), MKL's conditional numerical reproducibility
-# on its AVX2 branch (its GEMMs otherwise pick kernels, and roundings, by CPU model and vendor; the AVX2 branch ran
-# as fast as MKL's own choice here, its COMPATIBLE branch 2.2 times slower), ATen's AVX2 kernels (not AVX-512 on
-# one machine and AVX2 on the next), and the tokenizer trainer on one thread. Read when the libraries start, so
-# they are set for a process of its own.
-BUILD_ENVIRONMENT = {
-    "OMP_NUM_THREADS": "1",
-    "MKL_NUM_THREADS": "1",
-    "MKL_CBWR": "AVX2",
-    "ATEN_CPU_CAPABILITY": "avx2",
-    "TOKENIZERS_PARALLELISM": "false",
-    "RAYON_NUM_THREADS": "1",
-}
-FINGERPRINT_TOKENS = 24  # greedy tokens per fingerprint prompt
-
-
-class TargetBuildError(RuntimeError):
-    """A built-in target could not be built as recorded; the message says what differs and what to do."""
 
 
 @contextlib.contextmanager
@@ -245,156 +200,6 @@ def write_model_dir(out_dir: Path, write: Callable[[Path], None], build_info: di
     return out_dir
 
 
-def fingerprint_prompts() -> list[str]:
-    """The fixed questions a built target's greedy outputs are recorded on: demo questions and held-out ones."""
-    return [p["conversations"][0]["value"] for p in demo_prompts()[:4]] + [p["question"] for p in eval_prompts()[:4]]
-
-
-def behaviour_fingerprint(model_dir: Path, trust_remote_code: bool = False, tokens: int = FINGERPRINT_TOKENS) -> list[list[int]]:
-    """What the target at ``model_dir`` does: its greedy token ids after each fingerprint prompt's generation prompt.
-
-    Computed with transformers in float32 (a bf16 target's weights upcast), so
-    that rounding in the forward pass is as far below the gaps between logits as
-    it can be; run it under :data:`BUILD_ENVIRONMENT`, as :func:`checked_build` does.
-    """
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    outputs = []
-    with deterministic_torch(), torch.inference_mode():
-        for question in fingerprint_prompts():
-            prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False)
-            ids = torch.tensor([tokenizer(prompt, add_special_tokens=False)["input_ids"]])
-            generated = model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
-            )
-            outputs.append(generated[0, ids.shape[1] :].tolist())
-    return outputs
-
-
-def recorded_fingerprint(name: str, spec) -> list[list[int]] | None:
-    """The greedy outputs recorded for target ``name`` built from ``spec`` (None: nothing recorded for this spec)."""
-    recorded = json.loads(RECORDED_FINGERPRINTS.read_text()).get(name) if RECORDED_FINGERPRINTS.is_file() else None
-    if not recorded or recorded.get("spec_fingerprint") != spec.fingerprint:
-        return None
-    return recorded["greedy_token_ids"]
-
-
-def fingerprint_difference(observed: list[list[int]], recorded: list[list[int]]) -> str | None:
-    """Where ``observed`` greedy outputs first leave the ``recorded`` ones, or None when they are the same."""
-    prompts = fingerprint_prompts()
-    for index, (mine, theirs) in enumerate(zip(observed, recorded)):
-        if mine != theirs:
-            at = next((k for k, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
-            return f"after prompt {index} ({prompts[index]!r}) greedy token {at} is {mine[at:at + 1]}, recorded {theirs[at:at + 1]}"
-    return None if len(observed) == len(recorded) else f"{len(observed)} outputs, {len(recorded)} recorded"
-
-
-def _build_process(*arguments: str, log: Callable[[str], None]) -> None:
-    """``python -m eagle3_assets.demo.target_building ARGUMENTS`` under :data:`BUILD_ENVIRONMENT`, its output logged."""
-    command = [sys.executable, "-m", "eagle3_assets.demo.target_building", *arguments]
-    process = subprocess.Popen(command, env={**os.environ, **BUILD_ENVIRONMENT}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = []
-    for line in process.stdout:
-        lines.append(line.rstrip())
-        log(line.rstrip())
-    if process.wait() != 0:
-        raise TargetBuildError(f"{' '.join(command[2:])} failed (exit {process.returncode}): " + "\n".join(lines[-20:]))
-
-
-def checked_build(name: str, out_dir: Path, spec, log: Callable[[str], None] = print) -> Path:
-    """The built-in target ``name`` at ``out_dir``, built from ``spec`` and doing what was recorded for it.
-
-    A directory holding a build of this spec whose greedy outputs were already
-    checked is used as it is. Otherwise the target is built (or, for a build of
-    this spec from before the check, first checked) in a process of pinned
-    arithmetic, and its greedy outputs compared with ``target_fingerprints.json``:
-    a differing build is refused (:class:`TargetBuildError`) unless
-    ``EAGLE3_ACCEPT_TARGET_FINGERPRINT=1``. A spec nothing was recorded for
-    (a changed one) is built and logged as unchecked.
-    """
-    out_dir = Path(out_dir)
-    recorded = recorded_fingerprint(name, spec)
-    info_path = out_dir / BUILD_INFO
-    info = json.loads(info_path.read_text()) if info_path.is_file() else {}
-    if info.get("fingerprint") == spec.fingerprint:
-        if recorded is None or info.get("greedy_token_ids") == recorded:
-            return out_dir
-        if "greedy_token_ids" not in info:  # built before the check: check it once
-            _build_process("fingerprint", name, str(out_dir), log=log)
-            info = json.loads(info_path.read_text())
-            if "greedy_token_ids" not in info:
-                raise TargetBuildError(f"{name} target at {out_dir}: its greedy outputs could not be recorded in {info_path}")
-            if info["greedy_token_ids"] == recorded:
-                return out_dir
-        difference = fingerprint_difference(info["greedy_token_ids"], recorded)
-        if ACCEPT_TARGET_FINGERPRINT.get():
-            log(f"{name} target at {out_dir}: {difference}; used anyway ({ACCEPT_UNRECORDED_ENV}=1)")
-            return out_dir
-        log(f"{name} target at {out_dir}: {difference}; rebuilding")
-    _build_process("build", name, str(out_dir), json.dumps(dataclasses.asdict(spec)), log=log)
-    info = json.loads(info_path.read_text())
-    if recorded is None:
-        log(f"{name} target: no greedy outputs recorded for spec {spec.fingerprint}; built unchecked (record them with "
-            "`python -m eagle3_assets.demo.target_building record`)")  # fmt: skip
-        return out_dir
-    difference = fingerprint_difference(info["greedy_token_ids"], recorded)
-    if difference and not ACCEPT_TARGET_FINGERPRINT.get():
-        raise TargetBuildError(
-            f"the {name} target built at {out_dir} does not do what was recorded for its spec: {difference}. The build's "
-            f"arithmetic is pinned ({BUILD_ENVIRONMENT}), so this CPU computes differently; tests that depend on what the "
-            f"target writes may then not hold. Set {ACCEPT_UNRECORDED_ENV}=1 to use it anyway"
-        )
-    return out_dir
-
-
-def _spec(name: str, fields: dict | None = None):
-    module, _, spec_class, _ = BUILT_TARGETS[name]
-    return getattr(importlib.import_module(module), spec_class)(**(fields or {}))
-
-
-def _record_behaviour(name: str, out_dir: Path) -> list[list[int]]:
-    """Compute the greedy outputs of the build at ``out_dir`` and keep them in its build info."""
-    greedy = behaviour_fingerprint(out_dir, trust_remote_code=BUILT_TARGETS[name][3])
-    info_path = Path(out_dir) / BUILD_INFO
-    info = json.loads(info_path.read_text())
-    try:
-        write_json_atomic(info_path, {**info, "greedy_token_ids": greedy, "build_environment": BUILD_ENVIRONMENT})
-    except OSError as exc:  # a shared, read-only cache: checked again by the next process
-        print(f"{name} target: could not record its greedy outputs in {info_path}: {exc}")
-    return greedy
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    """``build NAME DIR SPEC_JSON``, ``fingerprint NAME DIR`` (run under :data:`BUILD_ENVIRONMENT` by
-    :func:`checked_build`), and ``record [DIR]``: build every built-in target from its default spec and write
-    their greedy outputs into ``target_fingerprints.json`` (after a deliberate change of a spec or of the data)."""
-    parser = argparse.ArgumentParser(prog="python -m eagle3_assets.demo.target_building")
-    parser.add_argument("command", choices=["build", "fingerprint", "record"])
-    parser.add_argument("rest", nargs="*")
-    args = parser.parse_args(argv)
-    if args.command == "build":
-        name, out_dir, fields = args.rest
-        module, function, _, _ = BUILT_TARGETS[name]
-        getattr(importlib.import_module(module), function)(Path(out_dir), _spec(name, json.loads(fields)), log=lambda line: print(line, flush=True))
-        _record_behaviour(name, Path(out_dir))
-    elif args.command == "fingerprint":
-        name, out_dir = args.rest
-        _record_behaviour(name, Path(out_dir))
-    else:
-        root = Path(args.rest[0] if args.rest else ".cache/fingerprint-record")
-        recorded = {}
-        for name in BUILT_TARGETS:
-            spec = _spec(name)
-            _build_process("build", name, str(root / name), json.dumps(dataclasses.asdict(spec)), log=print)
-            info = json.loads((root / name / BUILD_INFO).read_text())
-            recorded[name] = {"spec_fingerprint": spec.fingerprint, "greedy_token_ids": info["greedy_token_ids"]}
-        write_json_atomic(RECORDED_FINGERPRINTS, recorded)
-        print(f"recorded {sorted(recorded)} in {RECORDED_FINGERPRINTS}")
-
-
 def generation_prompt(chat_template: str, question: str) -> str:
     """The generation prompt ``chat_template`` renders for one user question, before any tokenizer exists.
 
@@ -406,6 +211,3 @@ def generation_prompt(chat_template: str, question: str) -> str:
 
     return jinja2.Template(chat_template).render(messages=[{"role": "user", "content": question}], add_generation_prompt=True)
 
-
-if __name__ == "__main__":
-    main()

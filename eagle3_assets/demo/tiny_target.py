@@ -20,8 +20,8 @@ from pathlib import Path
 
 from eagle3_assets.core.storage.files import stable_hash
 from eagle3_assets.demo.prompt_set import training_traces
+from eagle3_assets.demo.build_check import checked_build
 from eagle3_assets.demo.target_building import (
-    checked_build,
     train_and_save,
     trained_tokenizer,
     training_conversations,
