@@ -13,6 +13,11 @@ Terminating the run stops the stage's whole process group on the host.
 
 GPU assets share the pool :data:`GPU_POOL` (``@asset(pool=GPU_POOL)``), whose
 limit is 1 unless configured otherwise: one GPU stage at a time per host.
+
+Why one file of about 400 lines: it is one resource, and what is not its
+methods (the Pipes reader, the exit reasons, the pre-flight report as metadata
+and as one line) only says what :meth:`GPUHost.preflight` and
+:meth:`GPUHost.run_stage` did.
 """
 
 from __future__ import annotations

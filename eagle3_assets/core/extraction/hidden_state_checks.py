@@ -26,6 +26,11 @@
   names (the off-by-one that silently ruins acceptance).
 
 Each gate returns its figure, threshold and a few offending ids. Dagster-free.
+
+Why one file of about 450 lines: the five gates are one table (:data:`GATES`),
+reported together by :func:`gate_extracted_shard`, and the two gates that
+sample (logits, aux states) share the draw (:func:`checked_ids`) and the
+storage's rounding bound; apart, each would be read with the others open.
 """
 
 from __future__ import annotations
