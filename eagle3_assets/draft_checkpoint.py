@@ -37,13 +37,11 @@ from dagster import (
     AssetDep,
     AssetExecutionContext,
     AssetKey,
-    Config,
     DataVersion,
     MaterializeResult,
     MetadataValue,
     asset,
 )
-from pydantic import Field
 
 from eagle3_assets.check_results import Gate, Gates
 from eagle3_assets.core.draft.load_check import LOAD_CHECK_CONTEXT
@@ -53,10 +51,8 @@ from eagle3_assets.core.storage.shard_paths import SIDECAR, DatasetPaths, ShardP
 from eagle3_assets.core.gpu_host.stage_jobs import (
     BoundedModeError,
     BoundedRun,
-    BoundedWindow,
     ExportGates,
     ExtractionRecipe,
-    HiddenStatesSource,
     StageTarget,
     StreamedShard,
     TrainingJob,
@@ -71,11 +67,10 @@ from eagle3_assets.core.training.streamed import describe_estimate
 from eagle3_assets.core.extraction.needs import EXTRACTION_MODULES, TRACES, disk_estimate
 from eagle3_assets.lineage import states_lineage
 from eagle3_assets.core.planning.shard_selection import ShardSelection
-from eagle3_assets.hidden_states import GATES as STATE_GATES
 from eagle3_assets.partitions import SAMPLE_SHARDS
+from eagle3_assets.shard_gates import STATE_GATES, TRACE_GATES
 from eagle3_assets.shard_status import green_shards, selection_metadata
-from eagle3_assets.validated_traces import GATES as TRACE_GATES
-from eagle3_assets.stage_configs import HiddenStatesConfig
+from eagle3_assets.stage_configs import DraftTrainingConfig, HiddenStatesConfig
 from resources.gpu_host import GPU_POOL, GPUHost, register_stage
 from resources.target_model import TargetModel
 
@@ -127,25 +122,6 @@ GATES = Gates(
         Gate("loss_decreased", False, "the last epoch's mean loss is below the first's", _loss_decreased),
     ],
 )  # fmt: skip
-
-
-# Bases last-first: pydantic lists the fields of the last base first, so the launchpad shows the recipe, then the rest.
-class DraftTrainingConfig(BoundedWindow, HiddenStatesSource, TrainingStageRecipe, TrainingRecipe, Config):
-    """Training knobs: published EAGLE-3 recipes, with the schedule fitted to the data where it is left unset.
-
-    The settings models themselves with Dagster's base mixed in, no field listed again: the recipe
-    (:class:`~eagle3_assets.core.training.config.TrainingRecipe`), the stage's processes, export precision and vLLM
-    check (:class:`~eagle3_assets.core.gpu_host.stage_jobs.TrainingStageRecipe`), and where the states come from
-    (``HiddenStatesSource``, ``BoundedWindow``).
-    """
-
-    # Which shards: the green ones (traces and, offline, states past their blocking gates), or these by key.
-    shards: list[str] = Field(default=[], description="the shards to train on, by key; empty: every registered shard that is green")
-    streamed_extraction: HiddenStatesConfig = Field(
-        default=HiddenStatesConfig(),
-        description="bounded mode: how each streamed shard is extracted and gated (hidden_states' settings; "
-        "recompute does not apply: every epoch extracts anew)",
-    )
 
 
 def check_mode(mode: str, window_shards: int, checkpoint_every_steps: int = 1, nproc: int = 1) -> None:

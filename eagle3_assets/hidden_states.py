@@ -17,10 +17,11 @@ partition's materialisation and gate results at once
 finished shards; the rerun reports them as stored and extracts only the rest,
 and builds no engine when none is left.
 
-The gates are computed on the GPU host, next to the files; all five block
-everything downstream (training) of a shard whose states are not finite, not
-the traces' samples, not what the target's ``lm_head`` consumes, not from the
-layers the sidecar names, or not from the target that rendered the traces.
+The gates (declared in :mod:`eagle3_assets.shard_gates`) are computed on the
+GPU host, next to the files; all five block everything downstream (training)
+of a shard whose states are not finite, not the traces' samples, not what the
+target's ``lm_head`` consumes, not from the layers the sidecar names, or not
+from the target that rendered the traces.
 A shard that fails one is named when the run fails, after the others are recorded.
 
 ``validated_traces`` is referenced by key, not imported, so this module does
@@ -32,8 +33,7 @@ from typing import Any
 
 from dagster import AssetExecutionContext, AssetKey, AssetSpec, MetadataValue, multi_asset
 
-from eagle3_assets.capacity_plan import refuse_unless_run_fits
-from eagle3_assets.check_results import Gate, Gates
+from eagle3_assets.capacity_facts import refuse_unless_run_fits
 from eagle3_assets.core.extraction.needs import EXTRACTION_MODULES, EXTRACTION_STAGE, TRACES, disk_estimate
 from eagle3_assets.core.extraction.state_layout import BACKENDS, STORAGE_DTYPE_BYTES
 from eagle3_assets.core.gpu_host.stage_jobs import EXTRACTION_SHARD_MESSAGE, ExtractionJob, ExtractionShard, StageTarget, shard_check_seed
@@ -45,6 +45,7 @@ from eagle3_assets.core.storage.shard_files import ShardFileError
 from eagle3_assets.core.storage.shard_paths import ShardPaths
 from eagle3_assets.lineage import states_lineage
 from eagle3_assets.partitions import sample_shards
+from eagle3_assets.shard_gates import STATE_GATES as GATES  # its checks: the table the shards' training also reads
 from eagle3_assets.shard_runs import ShardReporter, shards_per_run_policy
 from eagle3_assets.stage_configs import HiddenStatesConfig
 from resources.gpu_host import GPU_POOL, GPUHost, register_stage
@@ -56,32 +57,6 @@ STAGE = EXTRACTION_STAGE
 CODE_VERSION = "1"
 SHARDS_PER_RUN = EXTRACTION_SHARDS_PER_RUN.get()  # read once, when the definitions load
 EXTRACTION_REQUIREMENTS = register_stage(STAGE, StageRequirements(modules=EXTRACTION_MODULES, output_dirs=[ASSET]))
-
-# Computed on the GPU host, next to the files; all block training on a shard whose states are wrong.
-GATES = Gates(
-    ASSET,
-    [
-        Gate(
-            "target_matches_traces", True,
-            "the model that extracts is the one whose tokenizer and template rendered the traces (same config "
-            "hash); compared before extraction, so a wrong target costs no GPU time",
-        ),
-        Gate("states_finite", True, "no NaN or Inf in any stored state"),
-        Gate("states_match_traces", True, "exactly the validated traces' ids, each with the same tokens, token count and loss mask"),
-        Gate(
-            "final_state_reproduces_logits", True,
-            "the target's lm_head on the stored final states (normed when pre-norm) gives the argmax "
-            "of the target's own forward pass on at least min_argmax_agreement of sampled positions (a flip between two "
-            "logits closer than the storage dtype can resolve counts as a tie)",
-        ),
-        Gate(
-            "aux_states_match_layer_ids", True,
-            "the sidecar's layer ids are the target's configured ids (vLLM's convention), and the stored "
-            "aux states are the states at those ids (checked against a transformers forward where one runs)",
-        ),
-    ],
-)  # fmt: skip
-
 
 @multi_asset(
     name=ASSET,

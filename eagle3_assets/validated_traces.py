@@ -12,6 +12,8 @@ step fails after writing its files (so the rejected rows can be inspected),
 and nothing downstream of the shard is built in that run. Had such a gate stood
 after generation in the story this project comes from, 388 rows of empty
 reasoning would have stopped the run at once.
+The gates are declared in :mod:`eagle3_assets.shard_gates`, where the
+assets that train on green shards read them too.
 
 ``raw_responses`` is referenced by key, not imported, so this module does not
 depend on how generation is implemented.
@@ -31,7 +33,6 @@ from dagster import (
 )
 from pydantic import Field
 
-from eagle3_assets.check_results import Gate, Gates
 from eagle3_assets.core.storage.journal import parquet_generation
 from eagle3_assets.core.generation.response_rules import DEFAULT_MIN_REASONING_SHARE
 from eagle3_assets.core.storage.shard_files import quarantine_if_corrupt, verify_shard_parquet
@@ -42,24 +43,17 @@ from eagle3_assets.core.storage.files import data_dir, file_hash, stable_hash
 from eagle3_assets.core.validation.mask_alignment import mask_alignment_problems
 from eagle3_assets.core.validation.trace_files import written_ids, written_token_lengths
 from eagle3_assets.core.validation.gates import (
-    check_loss_mask_aligned,
-    check_prompts_fit_context,
-    check_reasoning_present,
-    check_request_errors_rare,
-    check_responses_accounted,
-    check_think_markers_absent,
-    check_traces_present,
-    check_truncation_rate_low,
+    DEFAULT_MAX_REQUEST_ERROR_SHARE,
+    DEFAULT_MAX_TRUNCATION_RATE,
     token_length_histogram_markdown,
     token_length_stats,
 )
 from eagle3_assets.core.validation.shard_validation import REJECTION_REASONS, ValidationRules, validate_shard
 from eagle3_assets.partitions import sample_shards
+from eagle3_assets.shard_gates import TRACE_GATES as GATES  # its checks: the table the shards' training also reads
 from resources.target_model import TargetModel
 
 ASSET = "validated_traces"
-DEFAULT_MAX_TRUNCATION_RATE = 0.05
-DEFAULT_MAX_REQUEST_ERROR_SHARE = 0.05
 
 
 class ValidationConfig(Config):
@@ -86,59 +80,6 @@ class ValidationConfig(Config):
         default=DEFAULT_MAX_TRUNCATION_RATE, description="truncation_rate_low warns above this share of truncated generations"
     )
     batch_rows: int = Field(default=128, description="rows rendered and tokenised per batch, and rows per parquet row group (bounds memory)")
-
-
-# The evidence each predicate reads: the shard's summary, this run's config, the loss-mask audit, the ids written.
-GATES = Gates(
-    ASSET,
-    [
-        Gate(
-            "traces_present", True, "at least one row of the shard was kept",
-            lambda e: check_traces_present(e.summary.kept, e.summary.rejected_by_reason, e.summary.rejected_examples),
-        ),
-        Gate(
-            "reasoning_present", True,
-            f"enough of the rows that got a response carry non-empty reasoning (default {DEFAULT_MIN_REASONING_SHARE:.0%})",
-            lambda e: check_reasoning_present(
-                e.summary.answered_rows, e.summary.ids_without_reasoning, e.config.min_reasoning_share, e.summary.reasoning_fields
-            ),
-        ),
-        Gate(
-            "responses_accounted", True, "raw rows = kept + rejected, raw ids unique, every prompt of the shard answered",
-            lambda e: check_responses_accounted(e.summary.raw_ids, e.summary.prompt_ids, e.kept_ids, e.rejected_ids),
-        ),
-        Gate(
-            "loss_mask_aligned", True,
-            "every kept row supervises exactly the target's output: reasoning, think markers, answer, end of turn; "
-            "token by token against the server's own ids where raw_responses has them",
-            lambda e: check_loss_mask_aligned(e.alignment),
-        ),
-        # The one measure of failed requests (raw_responses has none): blocking, because past it the server or the
-        # network is failing, and a rerun of raw_responses for the shard sends the errored rows again.
-        Gate(
-            "request_errors_rare", True,
-            "few requests ended in an error, the server's or the network's failure "
-            f"(default at most {DEFAULT_MAX_REQUEST_ERROR_SHARE:.0%} of the requests sent; prompts too long were never sent)",
-            lambda e: check_request_errors_rare(
-                e.summary.raw_rows, e.summary.request_error_ids, e.summary.request_errors_by_kind,
-                len(e.summary.prompt_too_long_ids), e.config.max_request_error_share,
-            ),
-        ),
-        Gate(
-            "truncation_rate_low", False, f"few generations hit max_tokens (default at most {DEFAULT_MAX_TRUNCATION_RATE:.0%})",
-            lambda e: check_truncation_rate_low(e.summary.raw_rows, e.summary.truncated_ids, e.config.max_truncation_rate),
-        ),
-        Gate(
-            "think_markers_absent", False, "no think marker left inside reasoning or answer",
-            lambda e: check_think_markers_absent(e.summary.raw_rows, e.summary.think_marker_ids, e.markers),
-        ),
-        Gate(
-            "prompts_fit_context", False,
-            "no prompt is longer than the server's context (such prompts are rejected as prompt_too_long, never sent)",
-            lambda e: check_prompts_fit_context(e.summary.raw_rows, e.summary.prompt_too_long_ids),
-        ),
-    ],
-)  # fmt: skip
 
 
 @asset(

@@ -15,13 +15,11 @@ from dagster import (
     AssetDep,
     AssetExecutionContext,
     AssetKey,
-    Config,
     DataVersion,
     MaterializeResult,
     MetadataValue,
     asset,
 )
-from pydantic import Field
 
 from eagle3_assets.check_results import Gate, Gates
 from eagle3_assets.core.reporting.checks import CheckOutcome
@@ -29,8 +27,9 @@ from eagle3_assets.core.storage.shard_files import read_shard_parquet
 from eagle3_assets.core.storage.shard_paths import ShardPaths
 from eagle3_assets.core.storage.files import asset_dir, file_hash, stable_hash
 from eagle3_assets.partitions import SAMPLE_SHARDS
+from eagle3_assets.shard_gates import TRACE_GATES
 from eagle3_assets.shard_status import green_shards, selection_metadata
-from eagle3_assets.validated_traces import GATES as TRACE_GATES
+from eagle3_assets.stage_configs import VocabMappingConfig
 from resources.target_model import TargetModel
 
 MIN_COVERAGE = 0.95
@@ -50,13 +49,6 @@ GATES = Gates(
     "vocab_mapping",
     [Gate("draft_vocab_covers_targets", False, f"at least {MIN_COVERAGE:.0%} of the supervised target tokens are in the draft vocabulary", _covers_targets)],
 )
-
-
-class VocabMappingConfig(Config):
-    draft_vocab_size: int = Field(default=32000, description="tokens the draft predicts over (capped at the target's vocabulary)")
-    shards: list[str] = Field(
-        default=[], description="the shards to count, by key; empty: every registered shard whose validated traces are green"
-    )
 
 
 def shard_files(asset_name: str, keys: list[str]) -> dict:

@@ -13,7 +13,8 @@ import polars as pl
 import pytest
 from dagster import DagsterInstance, RunConfig, build_asset_context, materialize
 
-from eagle3_assets.capacity_plan import capacity_plan, refuse_unless_run_fits, volume_at
+from eagle3_assets.capacity_facts import refuse_unless_run_fits, volume_at
+from eagle3_assets.capacity_plan import capacity_plan
 from eagle3_assets.core.extraction.state_layout import FP8_DTYPE, bytes_per_token
 from eagle3_assets.core.planning.capacity import PlanSettings, ShardFacts, Volume, checkpoint_bytes, plan_capacity
 from eagle3_assets.core.planning.stage_rates import Rate, measured_rate

@@ -1,10 +1,15 @@
-"""No import cycle among the modules of ``eagle3_assets``.
+"""No import cycle among the modules of ``eagle3_assets``, and no asset module imports another.
 
 Every import statement counts, those inside functions too: a function-level
 import that closes a cycle still ties the two modules together (one cannot be
 read, moved or tested without the other), it only hides the cycle from the
 interpreter until the function runs. Imports under ``if TYPE_CHECKING:`` are
 left out: they never run.
+
+An asset module (one that defines an ``@asset`` or ``@multi_asset``) is a
+thin wrapper over ``core/``: what two assets share (a config class, a table of
+gates, a helper) lives below both, so that reading, testing or changing one
+asset never drags in another, and the graph stays low.
 
 The graph is read from the source (``ast``), not by importing, so the test
 needs no GPU, no vLLM and no Dagster instance, and names the cycle it finds.
@@ -74,6 +79,37 @@ def import_graph(root: Path, package: str) -> dict[str, set[str]]:
     return graph
 
 
+ASSET_DECORATORS = {"asset", "multi_asset"}
+
+
+def _called_name(node: ast.expr) -> str | None:
+    target = node.func if isinstance(node, ast.Call) else node
+    return target.id if isinstance(target, ast.Name) else target.attr if isinstance(target, ast.Attribute) else None
+
+
+def asset_modules(root: Path, package: str) -> set[str]:
+    """The modules of ``package`` that define an asset: a function decorated ``@asset``/``@multi_asset`` (called or
+    not, ``dg.`` or not), or an ``AssetSpec`` of its own at module level (an asset observed, not materialised)."""
+    found = set()
+    for path in sorted((root / package.replace(".", "/")).rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        decorated = any(
+            _called_name(decorator) in ASSET_DECORATORS
+            for node in ast.walk(tree)
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            for decorator in node.decorator_list
+        )
+        spec = any(isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) and _called_name(node.value) == "AssetSpec" for node in tree.body)
+        if decorated or spec:
+            found.add(_module_name(root, path))
+    return found
+
+
+def asset_imports(graph: dict[str, set[str]], assets: set[str]) -> list[str]:
+    """Each import of an asset module by another, as ``importer -> imported``."""
+    return [f"{module} -> {target}" for module in sorted(assets) for target in sorted(graph.get(module, set()) & assets)]
+
+
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     """The strongly connected components of more than one module (Tarjan), each sorted."""
     index: dict[str, int] = {}
@@ -116,6 +152,34 @@ def test_no_import_cycle_among_the_platforms_modules():
     assert found == [], "import cycles (each line: modules that import one another, directly or not):\n" + "\n".join(
         " <-> ".join(c) for c in found
     )
+
+
+def test_no_asset_module_imports_another():
+    graph = import_graph(REPO, "eagle3_assets")
+    assets = asset_modules(REPO, "eagle3_assets")
+    assert {"eagle3_assets.prompts", "eagle3_assets.hidden_states", "eagle3_assets.deployed_draft"} <= assets, assets
+    found = asset_imports(graph, assets)
+    assert found == [], (
+        "asset modules import other asset modules (move what they share below both: core/, stage_configs.py, "
+        "shard_gates.py):\n" + "\n".join(found)
+    )
+
+
+def test_the_asset_rule_names_an_asset_module_importing_another(tmp_path):
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "shared.py").write_text("LIMIT = 1\n")
+    (package / "upstream.py").write_text("import dagster as dg\n\n@dg.asset\ndef upstream(): ...\n")
+    (package / "downstream.py").write_text(
+        "from dagster import multi_asset\nfrom pkg.upstream import upstream\nfrom pkg import shared\n\n@multi_asset(specs=[])\ndef downstream(): ...\n"
+    )
+    (package / "observed.py").write_text("from dagster import AssetSpec\nfrom pkg.upstream import upstream\nobserved = AssetSpec('observed')\n")
+    (package / "graph.py").write_text("from pkg import downstream, observed, upstream\n")  # the definitions gather every asset: allowed
+    graph = import_graph(tmp_path, "pkg")
+    assets = asset_modules(tmp_path, "pkg")
+    assert assets == {"pkg.upstream", "pkg.downstream", "pkg.observed"}
+    assert asset_imports(graph, assets) == ["pkg.downstream -> pkg.upstream", "pkg.observed -> pkg.upstream"]
 
 
 def test_the_checker_finds_a_cycle_closed_inside_a_function_and_ignores_type_checking_imports(tmp_path):

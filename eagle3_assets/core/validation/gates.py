@@ -17,6 +17,8 @@ from eagle3_assets.core.validation.mask_alignment import MaskAlignment
 from eagle3_assets.core.generation.response_rules import NO_REASONING_DIAGNOSIS, PROMPT_TOO_LONG
 
 MAX_OFFENDING_IDS = 10
+DEFAULT_MAX_TRUNCATION_RATE = 0.05  # truncation_rate_low warns above it
+DEFAULT_MAX_REQUEST_ERROR_SHARE = 0.05  # request_errors_rare blocks above it
 
 
 def _first(ids: Iterable[str]) -> list[str]:
