@@ -50,10 +50,8 @@ from dagster import ConfigurableResource, DagsterInstance, EnvVar
 from pydantic import Field
 
 from eagle3_assets.core.settings import environment as env_vars
-from eagle3_assets.core.generation.shard_run import DEFAULT_PROGRESS_INTERVAL_S
 from eagle3_assets.core.generation.client import DEFAULT_CANARY_MAX_TOKENS, DEFAULT_CANARY_PROMPT
-from eagle3_assets.core.generation.config import GenerationConfig, GenerationSettings, Sampling
-from eagle3_assets.core.target.preflight import DEFAULT_MAX_TOKENS
+from eagle3_assets.core.generation.config import DEFAULT_MAX_TOKENS, DEFAULT_PROGRESS_INTERVAL_S, GenerationConfig, GenerationSettings, Sampling
 from eagle3_assets.core.settings.job_schema import values_of
 from eagle3_assets.core.generation.openai_client import async_openai_client, openai_client
 from eagle3_assets.core.generation.redaction import has_credentials, redact_url

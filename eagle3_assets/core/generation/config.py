@@ -11,7 +11,11 @@ from pydantic import ConfigDict
 from eagle3_assets.core.settings.job_schema import JobSchema, given, setting
 from eagle3_assets.core.generation.redaction import has_credentials, redact_url
 from eagle3_assets.core.generation.response_rules import DEFAULT_MAX_ATTEMPTS_PER_SAMPLE
-from eagle3_assets.core.target.preflight import DEFAULT_MAX_TOKENS
+
+# The story's completion limit: long reasoning fits in it; the default where the target's context has room for it
+# (:func:`eagle3_assets.core.target.preflight.completion_budget`).
+DEFAULT_MAX_TOKENS = 8192
+DEFAULT_PROGRESS_INTERVAL_S = 5.0  # seconds between progress lines in a generation run's log
 
 
 class Sampling(JobSchema):

@@ -65,14 +65,11 @@ from eagle3_assets.core.generation.client import (
     GenerationClient,
     PreflightReport,
 )
-from eagle3_assets.core.generation.config import GenerationConfig
+from eagle3_assets.core.generation.config import DEFAULT_PROGRESS_INTERVAL_S, GenerationConfig
 from eagle3_assets.core.generation.response_rules import PROMPT_TOO_LONG
 from eagle3_assets.core.generation.shard_resume import OpenShard, ShardJob, ShardOutcome
 from eagle3_assets.core.generation.shard_resume import generation_fingerprint  # noqa: F401  (its import path before the split; tests use it)
 from eagle3_assets.core.storage.journal import JournalCorruptError
-
-DEFAULT_PROGRESS_INTERVAL_S = 5.0
-
 
 class ServerUnavailableError(RuntimeError):
     """Too many samples in a row failed after all retries; the run stops, the journal keeps what is done."""

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import polars as pl
 
-from eagle3_assets.core.prompts.loading import MESSAGES_DTYPE
+from eagle3_assets.core.prompts.records import MESSAGES_DTYPE
 from eagle3_assets.core.storage.shard_paths import HELDOUT_SUFFIX
 
 

@@ -21,10 +21,9 @@ from dataclasses import dataclass, field
 import polars as pl
 
 from eagle3_assets.core.prompts.sharding import row_range
-from eagle3_assets.core.prompts.records import RowRejected, judge_row
+from eagle3_assets.core.prompts.records import MESSAGES_DTYPE, RowRejected, judge_row
 from eagle3_assets.core.prompts.sources import open_dataset
 
-MESSAGES_DTYPE = pl.List(pl.Struct({"role": pl.String, "content": pl.String}))
 PROMPTS_SCHEMA = {"row_index": pl.Int64, "id": pl.String, "messages": MESSAGES_DTYPE}
 REJECTED_SCHEMA = {"row_index": pl.Int64, "id": pl.String, "reason": pl.String, "detail": pl.String}
 

@@ -16,9 +16,12 @@ import unicodedata
 from dataclasses import dataclass
 from typing import Any
 
+import polars as pl
 
 from eagle3_assets.core.storage.files import stable_hash
 
+# The normal form's ``messages`` column, in every file that carries a prompt (prompts, traces, held-out sets).
+MESSAGES_DTYPE = pl.List(pl.Struct({"role": pl.String, "content": pl.String}))
 ID_FIELDS = ("id", "conversation_id", "uuid", "sample_id")
 QUESTION_FIELDS = ("question", "prompt", "instruction")
 ROLE_ALIASES = {

@@ -5,13 +5,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from eagle3_assets.core.generation.config import DEFAULT_MAX_TOKENS
 from eagle3_assets.core.target.description import TargetDescription, TargetError, context_length, read_config
 from eagle3_assets.core.target.tokenizer import load_tokenizer
 
 # Room a prompt needs beside the completion in the target's context (a chat template adds tokens too).
 MIN_PROMPT_ROOM = 256
-# The story's completion limit: long reasoning fits in it; the default where the target's context has room for it.
-DEFAULT_MAX_TOKENS = 8192
 
 
 def completion_budget(context: int | None, prompt_tokens: Sequence[int], cap: int = DEFAULT_MAX_TOKENS) -> int:

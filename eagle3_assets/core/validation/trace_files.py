@@ -13,7 +13,7 @@ from typing import Any
 
 import polars as pl
 
-from eagle3_assets.core.prompts.loading import MESSAGES_DTYPE
+from eagle3_assets.core.prompts.records import MESSAGES_DTYPE
 
 RAW_RESPONSES_SCHEMA: dict[str, pl.DataType] = {
     "id": pl.String,
