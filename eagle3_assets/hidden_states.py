@@ -55,7 +55,8 @@ UPSTREAM = TRACES
 STAGE = EXTRACTION_STAGE
 CODE_VERSION = "1"
 SHARDS_PER_RUN = EXTRACTION_SHARDS_PER_RUN.get()  # read once, when the definitions load
-EXTRACTION_REQUIREMENTS = register_stage(STAGE, StageRequirements(modules=EXTRACTION_MODULES, output_dirs=[ASSET]))
+# serves_target: the vLLM backend, the scale path, starts the target as its profile says.
+EXTRACTION_REQUIREMENTS = register_stage(STAGE, StageRequirements(modules=EXTRACTION_MODULES, output_dirs=[ASSET], serves_target=True))
 
 # Computed on the GPU host, next to the files; all block training on a shard whose states are wrong.
 GATES = Gates(
