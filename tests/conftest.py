@@ -41,10 +41,10 @@ def _targets_needed(items) -> list[str]:
 def pytest_collection_finish(session):
     """Start building the selected tests' other targets in the background (one process, one after the other)."""
     global _background_build
-    from eagle3_assets.demo.target_building import _spec, is_checked_build
+    from eagle3_assets.demo.target_building import is_checked_build
 
     missing = [(name, os.environ[BACKGROUND_BUILT[name]]) for name in _targets_needed(session.items)]
-    missing = [(name, path) for name, path in missing if not is_checked_build(name, Path(path), _spec(name))]
+    missing = [(name, path) for name, path in missing if not is_checked_build(name, Path(path))]
     if not missing or session.config.option.collectonly:
         return
     log = REPO / ".cache" / "background-build.log"

@@ -305,8 +305,10 @@ def _build_process(*arguments: str, log: Callable[[str], None]) -> None:
         raise TargetBuildError(f"{' '.join(command[2:])} failed (exit {process.returncode}): " + "\n".join(lines[-20:]))
 
 
-def is_checked_build(name: str, out_dir: Path, spec) -> bool:
-    """Whether ``out_dir`` already holds a build of ``spec`` that :func:`checked_build` would use without work."""
+def is_checked_build(name: str, out_dir: Path, spec=None) -> bool:
+    """Whether ``out_dir`` already holds a build of ``spec`` (default: the target's default spec) that
+    :func:`checked_build` would use without work."""
+    spec = spec or _spec(name)
     info_path = Path(out_dir) / BUILD_INFO
     info = json.loads(info_path.read_text()) if info_path.is_file() else {}
     recorded = recorded_fingerprint(name, spec)
