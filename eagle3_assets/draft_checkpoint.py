@@ -79,7 +79,10 @@ WINDOW_DIR = "streamed_states"
 # Offline mode's needs; bounded mode passes its own (the extraction's modules and the window's disk) with each run.
 TRAIN_DRAFT_REQUIREMENTS = register_stage(
     STAGE,
-    StageRequirements(modules=["torch", "safetensors", "dagster_pipes"], output_dirs=["draft_checkpoint"]),
+    StageRequirements(
+        modules=["torch", "safetensors", "dagster_pipes"], output_dirs=["draft_checkpoint"],
+        serves_target=True, serving_context=LOAD_CHECK_CONTEXT,  # loads_in_vllm starts the target beside the draft
+    ),
 )
 
 
@@ -270,7 +273,7 @@ def draft_checkpoint(
         **values_of(config, TrainingStageRecipe),
     )
     # loads_in_vllm serves the target (and bounded mode's vLLM backend extracts) as its profile says: checked first.
-    requirements = with_serving_need(states.requirements or TRAIN_DRAFT_REQUIREMENTS, target_model.gpu_need(LOAD_CHECK_CONTEXT))
+    requirements = with_serving_need(states.requirements or TRAIN_DRAFT_REQUIREMENTS, target_model.gpu_need(TRAIN_DRAFT_REQUIREMENTS.serving_context))
     invocation = gpu_host.run_stage(context, STAGE, job.to_dict(), requirements=requirements)
     reported = invocation.get_materialize_result()
     stage_metadata = dict(reported.metadata or {})

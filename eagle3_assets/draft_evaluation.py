@@ -52,7 +52,7 @@ GATES = Gates(
     [Gate("acceptance_above_floor", False, "ERROR below the floor; WARN when the trained draft does not beat the baseline")],
 )
 EVALUATION_REQUIREMENTS = register_stage(
-    STAGE, StageRequirements(modules=["vllm", "torch", "openai", "dagster_pipes"], output_dirs=["draft_evaluation"])
+    STAGE, StageRequirements(modules=["vllm", "torch", "openai", "dagster_pipes"], output_dirs=["draft_evaluation"], serves_target=True)
 )
 
 

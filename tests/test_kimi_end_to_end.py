@@ -35,9 +35,7 @@ from eagle3_assets.core.draft.export import ARCHITECTURES, export_draft
 from eagle3_assets.core.draft.load_check import check_loads_in_vllm
 from eagle3_assets.core.extraction.shard_reading import iter_samples, read_sidecar
 from eagle3_assets.demo.kimi_target import KIMI_PROFILE
-from eagle3_assets.core.serving.vllm_launcher import VLLMServer
 from eagle3_assets.core.serving.vllm_platform import host_serving_facts
-from eagle3_assets.demo.kimi_target import kimi_serving
 from eagle3_assets.demo.pipeline import demo_resources, run_per_shard, run_whole_dataset
 from eagle3_assets.demo.plugin import TRAINING_CONFIG
 from eagle3_assets.demo.targets import DEMO_TARGETS
@@ -65,11 +63,11 @@ def llama_form_servable(serving_facts) -> bool:
 
 
 @pytest.fixture(scope="module")
-def kimi_graph(kimi_target, tmp_path_factory):
+def kimi_graph(kimi_vllm_server, tmp_path_factory):
     data = tmp_path_factory.mktemp("kimi-data")
     with data_dir_instance(data) as instance:
-        with VLLMServer(kimi_target, log_path=data / "vllm.log", **kimi_serving()) as server:
-            shards = run_per_shard(instance, server.base_url, server.served_model_name, demo=KIMI, shards=SHARDS)
+        server = kimi_vllm_server
+        shards = run_per_shard(instance, server.base_url, server.served_model_name, demo=KIMI, shards=SHARDS)
         assert shards.ok, f"per-shard assets failed on {shards.failed}"
         whole = run_whole_dataset(instance, demo=KIMI)
         yield instance, data, whole

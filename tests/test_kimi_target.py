@@ -12,7 +12,6 @@ from eagle3_assets.core.validation.chat_rendering import ChatRenderer
 from eagle3_assets.demo.kimi_target import (
     BPE_FILE,
     IM_END,
-    KIMI_SERVING,
     SPECIAL_TOKENS,
     THINK_CLOSE,
     THINK_OPEN,
@@ -125,15 +124,6 @@ def test_chat_renderer_supervises_the_think_block_the_model_opens(kimi_target):
     first = trace.loss_mask.index(1)
     shifted = trace.loss_mask[:first] + [0] + trace.loss_mask[first + 1 :]
     assert "supervision starts at token" in renderer.supervised_text_problem(trace.input_ids, shifted, messages, reasoning, answer)
-
-
-@pytest.fixture(scope="module")
-def kimi_vllm_server(kimi_target, tmp_path_factory):
-    from eagle3_assets.core.serving.vllm_launcher import VLLMServer
-
-    log = tmp_path_factory.mktemp("vllm-kimi") / "server.log"
-    with VLLMServer(kimi_target, served_model_name="kimi-tiny", log_path=log, **KIMI_SERVING) as server:
-        yield server
 
 
 @pytest.mark.vllm

@@ -238,21 +238,11 @@ def test_files_without_server_ids_still_load_and_keep_the_text_path(vllm_server,
 # -- the Kimi template: the model writes <think> itself --------------------------------
 
 
-@pytest.fixture(scope="module")
-def kimi_server(kimi_target, tmp_path_factory):
-    from eagle3_assets.core.serving.vllm_launcher import VLLMServer
-    from eagle3_assets.demo.kimi_target import kimi_serving
-
-    log = tmp_path_factory.mktemp("vllm-kimi-ids") / "server.log"
-    with VLLMServer(kimi_target, served_model_name="kimi-tiny", log_path=log, **kimi_serving()) as server:
-        yield server
-
-
 @pytest.mark.vllm
-def test_kimi_style_kept_traces_are_the_servers_ids_and_wrong_ones_are_caught(kimi_server, kimi_target, tmp_path):
+def test_kimi_style_kept_traces_are_the_servers_ids_and_wrong_ones_are_caught(kimi_vllm_server, kimi_target, tmp_path):
     renderer = ChatRenderer(AutoTokenizer.from_pretrained(kimi_target, trust_remote_code=True))
     assert not renderer.template_opens_think_block()
-    shard = generate(kimi_server, renderer, tmp_path / "kimi")
+    shard = generate(kimi_vllm_server, renderer, tmp_path / "kimi")
     kept = assert_kept_rows_are_the_servers_ids(shard)
     # the target's own <think> is its first generated token, and it is supervised
     for row in kept.iter_rows(named=True):

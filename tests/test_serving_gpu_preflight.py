@@ -146,3 +146,38 @@ def test_extraction_with_the_tp8_profile_is_refused_before_any_work(nvidia_smi, 
     assert f"sudo systemctl stop {UNIT}" in message and "VLLM::Worker_TP7" in message
     assert not any(e.event_type_value == "STEP_OUTPUT" for e in result.all_events)
     assert not ShardPaths("hidden_states", shard).directory.exists()
+
+
+def test_gpu_host_ready_checks_what_each_stage_that_starts_the_target_needs(nvidia_smi):
+    """The readiness job, run before a backfill is queued, refuses the story's host for the stages that start the
+    target, each with its own need (extraction's engine the whole context, loads_in_vllm one short completion; the
+    evaluation is declared like extraction, and not run here: each stage's pre-flight imports vLLM on the host);
+    host_probe, which starts nothing, is not held to it."""
+    from dagster import DagsterEventType
+
+    import eagle3_assets.definitions  # noqa: F401  (every asset module registers its stage)
+    from eagle3_assets.gpu_host_ready import gpu_host_ready_job
+    from resources.gpu_host import STAGE_REQUIREMENTS
+
+    serving = sorted(stage for stage, requirements in STAGE_REQUIREMENTS.items() if requirements.serves_target)
+    assert serving == ["evaluate_draft", "extract_hidden_states", "train_draft"]
+    checked = ["extract_hidden_states", "train_draft"]
+    target_model = TargetModel(path=str(KIMI_K25), **TP8.model_dump())
+    result = gpu_host_ready_job.execute_in_process(
+        resources={"gpu_host": GPUHost(mode="local", working_dir=str(REPO), nvidia_smi=nvidia_smi, serving_unit=UNIT), "target_model": target_model},
+        run_config={"ops": {"gpu_host_preflight": {"config": {"stages": [*checked, "host_probe"], "run_probe": False}}}},
+        instance=DagsterInstance.ephemeral(),
+        raise_on_error=False,
+    )
+    assert not result.success
+    (failure,) = [e for e in result.all_events if e.event_type == DagsterEventType.STEP_FAILURE]
+    description = failure.step_failure_data.user_failure_data.description
+    for stage in checked:
+        context = STAGE_REQUIREMENTS[stage].serving_context
+        need_mib = -(-target_model.gpu_need(context).bytes_per_gpu // (1 << 20))
+        assert f"- {stage}: GPU 7: 410 MiB free (97894 of 98304 MiB used); stage {stage} needs {need_mib} MiB free" in description
+        assert f"- {stage}: GPU memory on GPU(s) 0, 1, 2, 3, 4, 5, 6, 7 is held by PID 41873" in description
+    assert f"sudo systemctl stop {UNIT}" in description
+    # loads_in_vllm serves one short completion: a smaller KV cache than the stages that serve the whole context.
+    assert target_model.gpu_need(STAGE_REQUIREMENTS["train_draft"].serving_context).bytes_per_gpu < target_model.gpu_need().bytes_per_gpu
+    assert "- host_probe: GPU" not in description

@@ -17,7 +17,9 @@ the check is checked once and rebuilt when it differs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import fcntl
 import importlib
 import json
 import os
@@ -122,6 +124,34 @@ def _build_process(*arguments: str, log: Callable[[str], None]) -> None:
         raise TargetBuildError(f"{' '.join(command[2:])} failed (exit {process.returncode}): " + "\n".join(lines[-20:]))
 
 
+def is_checked_build(name: str, out_dir: Path, spec=None) -> bool:
+    """Whether ``out_dir`` already holds a build of ``spec`` (default: the target's default spec) that
+    :func:`checked_build` would use without work."""
+    spec = spec or _spec(name)
+    info_path = Path(out_dir) / BUILD_INFO
+    info = json.loads(info_path.read_text()) if info_path.is_file() else {}
+    recorded = recorded_fingerprint(name, spec)
+    return info.get("fingerprint") == spec.fingerprint and (recorded is None or info.get("greedy_token_ids") == recorded)
+
+
+@contextlib.contextmanager
+def _build_lock(out_dir: Path):
+    """One builder per target directory: a second process (a test session's background build, ``make demo`` beside
+    ``make dev``) waits for the first, then finds its build. A cache it cannot write to is used without the lock."""
+    lock_path = out_dir.with_name(out_dir.name + ".build-lock")
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # the kernel drops it if the holder dies mid-build
+        yield
+    finally:
+        os.close(fd)
+
+
 def checked_build(name: str, out_dir: Path, spec, log: Callable[[str], None] = print) -> Path:
     """The built-in target ``name`` at ``out_dir``, built from ``spec`` and doing what was recorded for it.
 
@@ -131,8 +161,18 @@ def checked_build(name: str, out_dir: Path, spec, log: Callable[[str], None] = p
     arithmetic, and its greedy outputs compared with ``target_fingerprints.json``:
     a differing build is refused (:class:`TargetBuildError`) unless
     ``EAGLE3_ACCEPT_TARGET_FINGERPRINT=1``. A spec nothing was recorded for
-    (a changed one) is built and logged as unchecked.
+    (a changed one) is built and logged as unchecked. One process builds a
+    directory at a time; another waits for it and then uses its build.
     """
+    out_dir = Path(out_dir)
+    if is_checked_build(name, out_dir, spec):
+        return out_dir
+    with _build_lock(out_dir):
+        return _checked_build(name, out_dir, spec, log)
+
+
+def _checked_build(name: str, out_dir: Path, spec, log: Callable[[str], None] = print) -> Path:
+    """:func:`checked_build` once its caller holds the directory's build lock."""
     out_dir = Path(out_dir)
     recorded = recorded_fingerprint(name, spec)
     info_path = out_dir / BUILD_INFO
@@ -187,10 +227,12 @@ def _record_behaviour(name: str, out_dir: Path) -> list[list[int]]:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """``build NAME DIR SPEC_JSON``, ``fingerprint NAME DIR`` (run under :data:`BUILD_ENVIRONMENT` by
-    :func:`checked_build`), and ``record [DIR]``: build every built-in target from its default spec and write
-    their greedy outputs into ``target_fingerprints.json`` (after a deliberate change of a spec or of the data)."""
+    :func:`checked_build`); ``ensure NAME DIR [NAME DIR ...]``: :func:`checked_build` of each from its default spec,
+    one after the other (what the test session starts in the background); and ``record [DIR]``: build every
+    built-in target from its default spec and write their greedy outputs into ``target_fingerprints.json`` (after
+    a deliberate change of a spec or of the data)."""
     parser = argparse.ArgumentParser(prog="python -m eagle3_assets.demo.build_check")
-    parser.add_argument("command", choices=["build", "fingerprint", "record"])
+    parser.add_argument("command", choices=["build", "fingerprint", "ensure", "record"])
     parser.add_argument("rest", nargs="*")
     args = parser.parse_args(argv)
     if args.command == "build":
@@ -201,6 +243,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     elif args.command == "fingerprint":
         name, out_dir = args.rest
         _record_behaviour(name, Path(out_dir))
+    elif args.command == "ensure":
+        for name, out_dir in zip(args.rest[::2], args.rest[1::2], strict=True):
+            checked_build(name, Path(out_dir), _spec(name), log=lambda line: print(line, flush=True))
     else:
         root = Path(args.rest[0] if args.rest else ".cache/fingerprint-record")
         recorded = {}

@@ -94,9 +94,6 @@ def kimi_serving(**site_args) -> dict:
     return {"profile": KIMI_PROFILE, "site_args": site_args}
 
 
-KIMI_SERVING = kimi_serving()
-
-
 @dataclass(frozen=True)
 class KimiTargetSpec:
     seed: int = 0

@@ -38,7 +38,11 @@ class StageRequirements:
     data dir (default: the stage's name), scanned for partial files.
     ``gpu_memory_note``: what ``min_free_gpu_memory`` counts (a stage that starts the
     target: its share of the weights and a KV cache, :func:`with_serving_need`),
-    quoted when a GPU has less free.
+    quoted when a GPU has less free. ``serves_target``: the stage starts the
+    target as its serving profile says (for sequences of up to
+    ``serving_context`` tokens; None: the target's context), so the
+    ``gpu_host_ready`` job checks the profile's GPUs and memory for it as the
+    stage's own run does.
     """
 
     modules: Sequence[str] = ()
@@ -52,6 +56,8 @@ class StageRequirements:
     disk_note: str = ""
     output_dirs: Sequence[str] | None = None
     gpu_memory_note: str = ""
+    serves_target: bool = False
+    serving_context: int | None = None
 
     def __post_init__(self) -> None:
         # Accept lists and dicts from callers, keep the object hashable and immutable.
