@@ -10,7 +10,8 @@ throughput, by default on a GPU host; otherwise the curve is derived from
 per-position rates and k is chosen with the cost model), and where the JSON
 report goes. The held-out sets beside the standard one (``prompt_sets``, ``user_prompt_sets``) are
 built here, where the target's tokenizer is, and served one prompt at a time by the trained and
-baseline servers while they are up.
+baseline servers while they are up. The draft servers count speculative decoding per request where the
+host's vLLM can, so the standard set's concurrent pass also gives its spread over prompts.
 
 Reports the materialisation and the ``acceptance_above_floor`` check, and
 rewrites the draft's serving notes (``SERVING.md``) with the recommended k.

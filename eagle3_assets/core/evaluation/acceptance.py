@@ -5,7 +5,9 @@ The target is served three ways on the same held-out prompts, greedy, same
 with a baseline draft (an untrained draft of the same shape, or the checkpoint
 training started from). vLLM's own ``/metrics`` counters, read before and
 after each pass, give the mean acceptance length (1 + accepted / drafts) and
-the acceptance rate per draft position. On a CPU the speedup is below 1 for a
+the acceptance rate per draft position; each response's own spec-decode counts
+(:mod:`~eagle3_assets.core.evaluation.spread`) give each prompt's figure in the same
+concurrent pass. On a CPU the speedup is below 1 for a
 tiny target (the draft costs about as much as the target): speedup is a GPU
 figure, acceptance length is the portable one.
 """
