@@ -3,11 +3,12 @@
 ``draft_evaluation`` starts its draft servers with
 ``--per-request-spec-decode-metrics summary`` so that each response carries its
 prompt's own spec-decode counts (:mod:`eagle3_assets.core.evaluation.spread`).
-This serves the same draft twice, without and with the argument, sends the
-standard set's concurrent pass ``--repeats`` times to each (after one warm-up
-pass), and prints the wall times, their ratio, and whether the per-prompt counts
-add up to the ``/metrics`` counters. Only the ratio means anything: both servers
-run on the same host in the same run.
+This serves the same draft on two servers at once, without and with the
+argument, sends the standard set's concurrent pass to each in turn
+``--repeats`` times (after one warm-up pass each), and prints the wall times,
+their ratio, and whether the per-prompt counts add up to the ``/metrics``
+counters. Only the ratio means anything: both servers run on the same host in
+the same run, and only one of them is sent requests at a time.
 
     .venv/bin/python bench/per_request_metrics.py                    # a draft trained here in a minute on the tiny target
     .venv/bin/python bench/per_request_metrics.py --draft DIR --target DIR --eval-prompts held_out.jsonl
@@ -55,22 +56,28 @@ def main() -> None:
         args.draft = trained_draft(args.target, work / "draft")
     _, conversations = load_conversations(args.eval_prompts)
 
-    walls: dict[str, list[float]] = {}
-    for label, counted in (("without", False), ("with", True)):
-        ((_, server),) = evaluation_servers(
+    # Both servers up at once, passes taken in turn (after a warm-up pass each): a shared host's load drifts over
+    # minutes, and alternating lets both sides meet the same drift.
+    servers = {
+        label: server
+        for label, counted in (("without", False), ("with", True))
+        for _, server in evaluation_servers(
             args.target, {label: args.draft}, args.k, profile=profile, include_reference=False, server_log_dir=work, per_request_metrics=counted
-        )  # fmt: skip
-        with server:
+        )
+    }  # fmt: skip
+    passes: dict[str, list] = {label: [] for label in servers}
+    with servers["without"], servers["with"]:
+        for label, server in servers.items():
             run_pass(label, server.base_url, server.served_model_name, conversations, args.max_tokens, args.concurrency)  # warm-up
-            passes = [
-                run_pass(label, server.base_url, server.served_model_name, conversations, args.max_tokens, args.concurrency)
-                for _ in range(args.repeats)
-            ]
-        walls[label] = [p.wall_s for p in passes]
-        last = passes[-1]
+        for _ in range(args.repeats):
+            for label, server in servers.items():
+                passes[label].append(run_pass(label, server.base_url, server.served_model_name, conversations, args.max_tokens, args.concurrency))
+    walls = {label: [p.wall_s for p in runs] for label, runs in passes.items()}
+    for label, runs in passes.items():
+        last = runs[-1]
         spread = last.spread_over_prompts() or {}
         adds_up = f"per-prompt drafts {spread.get('drafts')} of the counters' {last.drafts:.0f}" if spread else "no per-prompt figures"
-        print(f"{label} per-request metrics: passes {', '.join(f'{w:.1f}' for w in walls[label])} s; acceptance {last.mean_acceptance_length:.3f}; {adds_up}", flush=True)
+        print(f"{label} per-request metrics: passes {', '.join(f'{w:.1f}' for w in walls[label])} s; acceptance {last.mean_acceptance_length:.3f}; {adds_up}")
     ratio = statistics.median(walls["with"]) / statistics.median(walls["without"])
     print(
         f"\n{len(conversations)} prompts, {args.concurrency} in flight, {args.max_tokens} tokens, k={args.k}: median pass "

@@ -11,8 +11,8 @@ the step's contribution to the ``/metrics`` counters), and the chat completion
 returns it in ``metrics.speculative_decoding`` (``num_spec_steps``,
 ``num_accepted_draft_tokens``...). So the figure is the server's own count, not
 an estimate: it does not depend on the client's speed (a streamed response
-counted in tokens per chunk would, since vLLM's output collector merges the
-steps of a slow client), and the sum over a pass's requests equals the
+counted in tokens per chunk would, since vLLM's ``RequestOutputCollector`` merges
+the steps of a client that reads slower than the engine writes), and the sum over a pass's requests equals the
 counters' difference around it: the mean of the per-prompt figures weighted by
 their drafts *is* the pass's mean acceptance length. The level costs a
 histogram per request (``summary``; ``detailed`` would also keep every step).
