@@ -188,7 +188,7 @@ def test_trained_draft_beats_the_floor_and_the_untrained_baseline(demo_graph):
     metadata = instance.get_latest_materialization_event(AssetKey("draft_evaluation")).asset_materialization.metadata
     assert metadata["prompts_with_acceptance"].value == report["prompts"] and "| trained |" in metadata["acceptance_spread"].value
     gate = latest_check(instance, "draft_evaluation", "acceptance_above_floor")
-    assert gate.passed
+    assert gate.passed and gate.metadata["acceptance_ci95"].value == spread["ci95"]
 
 
 def test_every_held_out_set_is_scored_beside_the_standard_one_by_the_same_servers(demo_graph, tiny_target):

@@ -308,7 +308,8 @@ def main() -> None:
             check_name="acceptance_above_floor",
             passed=passed,
             severity=severity,
-            metadata={**figures, "message": message},
+            # The interval beside the verdict: a figure just above the floor over a handful of prompts is no pass to lean on.
+            metadata={**figures, **{k: spread[k] for k in ("prompts_with_acceptance", "acceptance_ci95") if k in spread}, "message": message},
         )
 
 
