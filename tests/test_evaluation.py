@@ -213,3 +213,19 @@ def test_a_prompt_that_failed_leaves_the_per_prompt_figures_short_of_the_pass():
     result = PassResult("trained", 3, 1, 300, 1.0, 2.0, [0.5], 12, 12, [2.0, None, 2.0], [4, None, 4], "test")
     described = result.to_dict()["spread_over_prompts"]
     assert described["prompts_without_figure"] == 1 and described["share_of_pass_drafts"] == pytest.approx(8 / 12, abs=1e-4)
+
+
+def test_the_spread_reaches_dagster_as_a_table_json_and_the_interval():
+    """Through Pipes' own metadata conversion, as the stage reports it."""
+    import dagster_pipes
+    from dagster._core.pipes.context import metadata_map_from_external
+
+    from eagle3_assets.core.evaluation.acceptance import PassResult
+    from eagle3_assets.stages.evaluate_draft import spread_metadata
+
+    # Accepted 2 of 4 drafts, 2 of 3, 3 of 2, 4 of 4: 11 of 13 in all, the pass's counters.
+    trained = PassResult("trained", 4, 0, 400, 1.0, 1 + 11 / 13, [0.6], 13, 11, [1.5, 1 + 2 / 3, 2.5, 2.0], [4, 3, 2, 4], "test")
+    sent = dagster_pipes._normalize_param_metadata(spread_metadata({"trained": trained}), "report_asset_materialization", "metadata")
+    shown = {key: value.value for key, value in metadata_map_from_external(sent).items()}
+    assert shown["prompts_with_acceptance"] == 4 and shown["acceptance_ci95"] == shown["spread_over_prompts"]["trained"]["ci95"]
+    assert "| trained | 4 | 1.846 (" in shown["acceptance_spread"] and shown["spread_over_prompts"]["trained"]["share_of_pass_drafts"] == 1.0
