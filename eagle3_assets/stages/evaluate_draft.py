@@ -10,7 +10,8 @@ throughput, by default on a GPU host; otherwise the curve is derived from
 per-position rates and k is chosen with the cost model), and where the JSON
 report goes. The held-out sets beside the standard one (``prompt_sets``, ``user_prompt_sets``) are
 built here, where the target's tokenizer is, and served one prompt at a time by the trained and
-baseline servers while they are up.
+baseline servers while they are up. The draft servers count speculative decoding per request where the
+host's vLLM can, so the standard set's concurrent pass also gives its spread over prompts.
 
 Reports the materialisation and the ``acceptance_above_floor`` check, and
 rewrites the draft's serving notes (``SERVING.md``) with the recommended k.
@@ -36,6 +37,34 @@ SETS_NOTE = (
     "each prompt's own acceptance length; acceptance_above_floor and the recommended k are judged on the standard set's "
     "concurrent pass ('results')"
 )
+
+
+SPREAD_NOTE = (
+    "each prompt's acceptance length as vLLM counted it for that request (--per-request-spec-decode-metrics), in the "
+    "standard set's concurrent pass: their mean weighted by drafts is the pass's figure; the 95 % interval is the mean "
+    "+- 1.96 standard errors with the prompt as the sampled unit (how far another draw of as many prompts like these "
+    "could move it)"
+)
+
+
+def spread_metadata(results: dict) -> dict:
+    """The standard set's spread over prompts, per served draft, as the materialisation shows it (a table and JSON);
+    where the host's vLLM counts no request on its own, the reason."""
+    from eagle3_assets.core.evaluation.spread import UNAVAILABLE, render_spread_table
+
+    spreads = {label: results[label].spread_over_prompts() for label in ("trained", "baseline") if label in results}
+    if spreads.get("trained") is None:
+        return {"acceptance_spread": UNAVAILABLE}
+    spreads = {label: s for label, s in spreads.items() if s is not None}
+    trained = spreads["trained"]
+    figures = {"prompts_with_acceptance": trained["prompts"]}
+    if trained.get("ci95"):
+        figures["acceptance_ci95"] = {"raw_value": trained["ci95"], "type": "json"}
+    return {
+        **figures,
+        "acceptance_spread": {"raw_value": render_spread_table(spreads) + "\n\n" + SPREAD_NOTE, "type": "md"},
+        "spread_over_prompts": {"raw_value": spreads, "type": "json"},
+    }
 
 
 def set_metadata(by_set: list[dict]) -> dict:
@@ -220,6 +249,8 @@ def main() -> None:
             "speedup_vs_target_alone": speedup,
             "note": CPU_NOTE,
         }
+        spread = spread_metadata(results)
+        report["spread_over_prompts_note"] = SPREAD_NOTE if "spread_over_prompts" in spread else spread["acceptance_spread"]
         by_set = set_report(prompt_sets, results) if len(prompt_sets) > 1 else []
         if by_set:
             report["prompt_sets"] = by_set
@@ -262,6 +293,7 @@ def main() -> None:
                     ),
                     "type": "md",
                 },
+                **spread,
                 **(set_metadata(by_set) if by_set else {}),
                 "output_tokens_per_s": round(trained.output_tokens_per_s, 1),
                 "target_alone_output_tokens_per_s": round(reference.output_tokens_per_s, 1),
@@ -276,7 +308,8 @@ def main() -> None:
             check_name="acceptance_above_floor",
             passed=passed,
             severity=severity,
-            metadata={**figures, "message": message},
+            # The interval beside the verdict: a figure just above the floor over a handful of prompts is no pass to lean on.
+            metadata={**figures, **{k: spread[k] for k in ("prompts_with_acceptance", "acceptance_ci95") if k in spread}, "message": message},
         )
 
 

@@ -5,7 +5,9 @@ The target is served three ways on the same held-out prompts, greedy, same
 with a baseline draft (an untrained draft of the same shape, or the checkpoint
 training started from). vLLM's own ``/metrics`` counters, read before and
 after each pass, give the mean acceptance length (1 + accepted / drafts) and
-the acceptance rate per draft position. On a CPU the speedup is below 1 for a
+the acceptance rate per draft position; each response's own spec-decode counts
+(:mod:`~eagle3_assets.core.evaluation.spread`) give each prompt's figure in the same
+concurrent pass. On a CPU the speedup is below 1 for a
 tiny target (the draft costs about as much as the target): speedup is a GPU
 figure, acceptance length is the portable one.
 """
@@ -23,6 +25,9 @@ from eagle3_assets.core.gpu_host.stage_jobs import EVAL_MAX_TOKENS
 from eagle3_assets.core.serving.deployment import speculative_config
 from eagle3_assets.core.serving.profile import ServingProfile
 from eagle3_assets.core.serving.vllm_launcher import VLLMServer
+from eagle3_assets.core.evaluation.spread import (
+    FROM_COUNTERS, FROM_RESPONSES, PER_REQUEST_METRICS_ARG, PER_REQUEST_METRICS_LEVEL, PromptAcceptance, per_request_metrics_supported, spread,
+)  # fmt: skip
 from eagle3_assets.core.serving.vllm_metrics import SpecDecodeCounters, fetch_metrics_text
 
 
@@ -41,8 +46,12 @@ class PassResult:
     acceptance_rate_per_position: list[float] | None = None
     drafts: float | None = None
     accepted: float | None = None
-    # One prompt at a time (the held-out sets' passes): each prompt's own acceptance length, for the spread.
-    per_prompt_acceptance_length: list[float] | None = None
+    # Each prompt's own acceptance length and drafts, in the prompts' order (None: no figure for that prompt), from
+    # the responses (a concurrent pass on a vLLM with per-request metrics) or from the counters around each prompt
+    # (the held-out sets' one-at-a-time passes): ``per_prompt_source`` says which.
+    per_prompt_acceptance_length: list[float | None] | None = None
+    per_prompt_drafts: list[int | None] | None = None
+    per_prompt_source: str = ""
     # This server's passes over the other held-out sets, by set name (not in to_dict: the report lists them per set).
     per_set: dict[str, "PassResult"] = field(default_factory=dict, compare=False)
 
@@ -54,37 +63,40 @@ class PassResult:
         fields = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "per_set"}
         described = {**fields, "output_tokens_per_s": self.output_tokens_per_s}
         if self.per_prompt_acceptance_length:
-            described["spread_over_prompts"] = spread(self.per_prompt_acceptance_length)
+            described["spread_over_prompts"] = self.spread_over_prompts()
+        return described
+
+    def spread_over_prompts(self) -> dict | None:
+        """The per-prompt figures' spread, the mean's 95 % interval, and the share of the pass's drafts they cover (1.0
+        when every prompt has its figure: a check that the per-prompt counts add up to the server's counters)."""
+        if not self.per_prompt_acceptance_length:
+            return None
+        described = spread(self.per_prompt_acceptance_length, self.per_prompt_drafts, self.per_prompt_source)
+        if self.drafts and "drafts" in described:
+            described["share_of_pass_drafts"] = round(described["drafts"] / self.drafts, 4)
         return described
 
 
-def spread(values: Sequence[float]) -> dict:
-    """How the per-prompt acceptance lengths spread: min, deciles, median, max and standard deviation."""
-    import statistics
-
-    ordered = sorted(values)
-    at = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731  the nearest-rank quantile
-    return {
-        "min": round(ordered[0], 4), "p10": round(at(0.1), 4), "median": round(statistics.median(ordered), 4),
-        "p90": round(at(0.9), 4), "max": round(ordered[-1], 4),
-        "stdev": round(statistics.pstdev(ordered), 4),
-    }  # fmt: skip
+@dataclass(frozen=True)
+class Reply:
+    completion_tokens: int | None  # None: the request failed
+    acceptance: PromptAcceptance | None = None  # the server's own count for this request, where it returns one
 
 
-async def _send_all(base_url: str, model: str, conversations: Sequence[list[dict]], max_tokens: int, concurrency: int):
-    """Completion tokens per conversation, None where the request failed (no retries: a failed request is counted)."""
+async def _send_all(base_url: str, model: str, conversations: Sequence[list[dict]], max_tokens: int, concurrency: int) -> list[Reply]:
+    """One reply per conversation, in order (no retries: a failed request is counted as failed)."""
     import openai
 
     gate = asyncio.Semaphore(concurrency)
     async with async_openai_client(base_url, connect_timeout_s=10, read_timeout_s=1800, max_retries=0) as client:
 
-        async def one(messages: list[dict]) -> int | None:
+        async def one(messages: list[dict]) -> Reply:
             async with gate:
                 try:
                     response = await client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, temperature=0.0)
-                    return int(response.usage.completion_tokens)
+                    return Reply(int(response.usage.completion_tokens), PromptAcceptance.from_response(response))
                 except (openai.APIError, AttributeError, TypeError, ValueError):  # AttributeError, TypeError: no usage
-                    return None
+                    return Reply(None)
 
         return await asyncio.gather(*(one(m) for m in conversations))
 
@@ -92,22 +104,31 @@ async def _send_all(base_url: str, model: str, conversations: Sequence[list[dict
 def run_pass(
     label: str, base_url: str, model: str, conversations: Sequence[list[dict]], max_tokens: int, concurrency: int = 8, speculative: bool = True
 ) -> PassResult:
-    """Send every conversation once; with ``speculative``, diff the spec-decode counters around it."""
-    before = SpecDecodeCounters.from_metrics(fetch_metrics_text(base_url)) if speculative else None
+    """Send every conversation once; with ``speculative``, diff the spec-decode counters around it, and keep each
+    prompt's own figures where the server returns them (:mod:`~eagle3_assets.core.evaluation.spread`)."""
+    before = settled_counters(base_url) if speculative else None
     started = time.monotonic()
-    tokens = asyncio.run(_send_all(base_url, model, conversations, max_tokens, concurrency))
+    replies = asyncio.run(_send_all(base_url, model, conversations, max_tokens, concurrency))
     wall = time.monotonic() - started
-    done = [t for t in tokens if t is not None]
-    result = PassResult(label, len(tokens), len(tokens) - len(done), sum(done), wall)
+    done = [r.completion_tokens for r in replies if r.completion_tokens is not None]
+    result = PassResult(label, len(replies), len(replies) - len(done), sum(done), wall)
     if before is None:
         return result
-    delta = SpecDecodeCounters.from_metrics(fetch_metrics_text(base_url)).minus(before)
+    delta = settled_counters(base_url).minus(before)
+    per_prompt = {}
+    if any(r.acceptance is not None for r in replies):
+        per_prompt = {
+            "per_prompt_acceptance_length": [r.acceptance.mean_acceptance_length if r.acceptance else None for r in replies],
+            "per_prompt_drafts": [r.acceptance.drafts if r.acceptance else None for r in replies],
+            "per_prompt_source": FROM_RESPONSES,
+        }
     return PassResult(
         **{k: v for k, v in asdict(result).items() if k in ("label", "prompts", "failed", "output_tokens", "wall_s")},
         mean_acceptance_length=delta.mean_acceptance_length,
         acceptance_rate_per_position=delta.acceptance_rate_per_position,
         drafts=delta.drafts,
         accepted=delta.accepted,
+        **per_prompt,
     )
 
 
@@ -130,13 +151,15 @@ def run_pass_per_prompt(label: str, base_url: str, model: str, conversations: Se
     """
     first = previous = settled_counters(base_url)
     started = time.monotonic()
-    tokens, lengths = [], []
+    tokens, lengths, drafts = [], [], []
     for messages in conversations:
-        (completion,) = asyncio.run(_send_all(base_url, model, [messages], max_tokens, 1))
+        (reply,) = asyncio.run(_send_all(base_url, model, [messages], max_tokens, 1))
         now = settled_counters(base_url)
-        tokens.append(completion)
-        if completion is not None:
-            lengths.append(now.minus(previous).mean_acceptance_length)
+        this = now.minus(previous)
+        tokens.append(reply.completion_tokens)
+        answered = reply.completion_tokens is not None and this.drafts > 0  # a prompt without a draft has no figure
+        lengths.append(this.mean_acceptance_length if answered else None)
+        drafts.append(int(this.drafts) if answered else None)
         previous = now
     wall = time.monotonic() - started
     total = previous.minus(first)
@@ -144,7 +167,8 @@ def run_pass_per_prompt(label: str, base_url: str, model: str, conversations: Se
     return PassResult(
         label, len(tokens), len(tokens) - len(done), sum(done), wall,
         mean_acceptance_length=total.mean_acceptance_length, acceptance_rate_per_position=total.acceptance_rate_per_position,
-        drafts=total.drafts, accepted=total.accepted, per_prompt_acceptance_length=lengths,
+        drafts=total.drafts, accepted=total.accepted, per_prompt_acceptance_length=lengths, per_prompt_drafts=drafts,
+        per_prompt_source=FROM_COUNTERS,
     )  # fmt: skip
 
 
@@ -158,15 +182,21 @@ def evaluation_servers(
     include_reference: bool = True,
     server_log_dir: Path | None = None,
     k_by_label: dict[str, int] | None = None,
+    per_request_metrics: bool | None = None,
 ) -> list[tuple[str, VLLMServer]]:
     """The servers evaluation starts, one after the other: the target alone (``reference``), then with each draft.
 
-    Each from the target's serving ``profile``; a draft adds only its ``speculative_config``.
+    Each from the target's serving ``profile``; a draft adds its ``speculative_config`` and, with
+    ``per_request_metrics`` (default: where this host's vLLM has them), vLLM's per-request spec-decode counts, so
+    that each response says what its prompt accepted (:mod:`~eagle3_assets.core.evaluation.spread`).
     """
     k_by_label = k_by_label or {}
+    if per_request_metrics is None:
+        per_request_metrics = bool(drafts) and per_request_metrics_supported()
+    counted = {PER_REQUEST_METRICS_ARG: PER_REQUEST_METRICS_LEVEL} if per_request_metrics else {}
     setups: list[tuple[str, dict]] = [("reference", {})] if include_reference else []
     setups += [
-        (label, {"speculative_config": speculative_config(str(path), k_by_label.get(label, num_speculative_tokens))})
+        (label, {"speculative_config": speculative_config(str(path), k_by_label.get(label, num_speculative_tokens)), **counted})
         for label, path in drafts.items()
     ]
     return [
@@ -220,6 +250,9 @@ def evaluate(
                     results[label].per_set[name] = run_pass_per_prompt(label, server.base_url, server.served_model_name, prompts, max_tokens)
         r = results[label]
         acceptance = f", acceptance length {r.mean_acceptance_length:.2f}" if r.mean_acceptance_length is not None else ""
+        spread_now = r.spread_over_prompts() or {}
+        if spread_now.get("prompts"):
+            acceptance += f" (over {spread_now['prompts']} prompts: {spread_now['min']:.2f} to {spread_now['max']:.2f}, median {spread_now['median']:.2f})"
         log(f"evaluation: {label}: {r.output_tokens} tokens in {r.wall_s:.1f}s ({r.output_tokens_per_s:.0f} tok/s){acceptance}")
     return results
 
