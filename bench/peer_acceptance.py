@@ -25,6 +25,7 @@ measurement already in the work directory (``--fresh`` discards them).
 
     make peer-env && .venv/bin/python bench/peer_acceptance.py                 # the demo's states (after make demo)
     .venv/bin/python bench/peer_acceptance.py --seeds 1                        # one seed: the path end to end
+    .venv/bin/python bench/peer_acceptance.py --data /tmp/qwen3/data         # after EAGLE3_DATA_DIR=/tmp/qwen3/data make demo DEMO_TARGET=qwen3
     .venv/bin/python bench/peer_acceptance.py --hidden-states /data/hidden_states --vocab-mapping /data/vocab_mapping \\
         --eval-prompts held_out.jsonl --target /models/MyTarget                # another target's states
 """
@@ -257,6 +258,7 @@ def main() -> None:
     from eagle3_assets.core.evaluation.acceptance import evaluate, load_conversations
     from eagle3_assets.core.storage.files import file_hash, stable_hash, write_json_atomic
     from eagle3_assets.core.serving.profile import ServingProfile
+    from eagle3_assets.core.target.tokenizer import remote_code_tokenizer
     from eagle3_assets.core.training.data import index_hidden_states
 
     data = Path(args.data)
@@ -270,6 +272,9 @@ def main() -> None:
     target = Path(args.target or sidecar["target_path"])
     if not (target / "config.json").is_file():
         sys.exit(f"{target}: not a model directory (config.json); pass --target")
+    remote = remote_code_tokenizer(target)
+    if remote is not None and remote.code and not args.trust_remote_code:  # else every draft would train, then fail at its evaluation
+        sys.exit(f"{target}: {remote.describe(target)}; pass --trust-remote-code to let it run (the evaluation serves the target with it)")
     work = Path(args.work) if args.work else data / "bench_peer_acceptance"
     if args.fresh:
         shutil.rmtree(work, ignore_errors=True)
