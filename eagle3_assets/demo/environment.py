@@ -7,7 +7,7 @@ and listed with them in docs/configuration.md.
 
 from eagle3_assets.core.settings.environment import Variable
 
-DEMO_TARGET = Variable("EAGLE3_DEMO_TARGET", "str", "tiny", "the built-in target `make demo` uses (`make demo DEMO_TARGET=kimi`)")
+DEMO_TARGET = Variable("EAGLE3_DEMO_TARGET", "str", "tiny", "the built-in target `make demo` uses (`tiny`, `kimi`, `qwen3`: `make demo DEMO_TARGET=kimi`)")
 TINY_TARGET_DIR = Variable(
     "EAGLE3_TINY_TARGET_DIR", "str", None, "where the built-in tiny target is cached (the tests use `.cache/`)", unset="`<data>/demo/tiny_target`"
 )

@@ -56,6 +56,18 @@ def _kimi_serving() -> dict:
     return kimi_serving()
 
 
+def _qwen3_dir() -> Path:
+    from eagle3_assets.demo.stack import qwen3_target_dir
+
+    return qwen3_target_dir()
+
+
+def _qwen3_serving() -> dict:
+    from eagle3_assets.demo.qwen3_target import QWEN3_REASONING_PARSER
+
+    return {"profile": ServingProfile(reasoning_parser=QWEN3_REASONING_PARSER)}
+
+
 def _tiny_target_model() -> TargetModel:
     from eagle3_assets.demo.plugin import DemoTargetModel
 
@@ -68,6 +80,7 @@ DEMO_TARGETS = {
     "kimi": DemoTarget(
         "kimi", _kimi_dir, lambda: TargetModel(path=str(_kimi_dir()), trust_remote_code=True), serving=_kimi_serving(), holdout_share=0.1
     ),
+    "qwen3": DemoTarget("qwen3", _qwen3_dir, lambda: TargetModel(path=str(_qwen3_dir())), serving=_qwen3_serving(), holdout_share=0.1),
 }
 
 

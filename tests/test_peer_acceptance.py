@@ -1,0 +1,70 @@
+"""The peer bench's choices made before any training (bench/peer_acceptance.py): which held-out prompts both trainers'
+drafts are judged on, and whether the peer's drafts can be served beside the target at all.
+
+Both are decided from what a data directory and a target directory hold; neither starts vLLM or the peer environment.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from eagle3_assets.core.prompts.loading import MESSAGES_DTYPE
+from eagle3_assets.core.storage.shard_paths import HELDOUT_SUFFIX
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import peer_acceptance  # noqa: E402
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def write_held_out(data: Path, shard: str, ids: list[str]) -> None:
+    rows = pl.DataFrame(
+        {"id": ids, "messages": [[{"role": "user", "content": f"question {i}"}] for i in ids]},
+        schema={"id": pl.String, "messages": MESSAGES_DTYPE},
+    )
+    (data / "prompts").mkdir(parents=True, exist_ok=True)
+    rows.write_parquet(data / "prompts" / f"{shard}{HELDOUT_SUFFIX}")
+
+
+def test_held_out_rows_of_the_prompts_asset_when_nothing_else_names_a_set(tmp_path):
+    data, work = tmp_path / "data", tmp_path / "work"
+    write_held_out(data, "shard-00001", ["b1"])
+    write_held_out(data, "shard-00000", ["a1", "a2"])
+    work.mkdir()
+    path = peer_acceptance.default_eval_prompts(data, work)
+    assert path == work / "eval_prompts.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["id"] for r in rows] == ["a1", "a2", "b1"]  # shard order, as draft_evaluation takes them
+    assert rows[0]["messages"] == [{"role": "user", "content": "question a1"}]
+
+
+def test_the_set_draft_evaluation_served_comes_first(tmp_path):
+    data, work = tmp_path / "data", tmp_path / "work"
+    write_held_out(data, "shard-00000", ["a1"])
+    builtin = write_jsonl(data / "demo" / "eval_prompts.jsonl", [{"id": "builtin", "question": "q"}])
+    assert peer_acceptance.default_eval_prompts(data, work) == builtin  # the tiny demo's own set before held-out rows
+    served = write_jsonl(tmp_path / "elsewhere" / "served.jsonl", [{"id": "served", "question": "q"}])
+    (data / "draft_evaluation").mkdir()
+    (data / "draft_evaluation" / "report.json").write_text(json.dumps({"eval_prompts": str(served)}))
+    assert peer_acceptance.default_eval_prompts(data, work) == served
+    served.unlink()  # a report naming a file that is gone: the next source, not a missing file
+    assert peer_acceptance.default_eval_prompts(data, work) == builtin
+
+
+def test_no_held_out_prompts_anywhere_is_refused_with_what_to_pass(tmp_path):
+    (tmp_path / "data" / "prompts").mkdir(parents=True)
+    with pytest.raises(SystemExit, match="no held-out prompts.*--eval-prompts"):
+        peer_acceptance.default_eval_prompts(tmp_path / "data", tmp_path / "work")
+
+
+def test_a_standard_attention_target_serves_the_peers_llama_form_draft(qwen3_target):
+    assert peer_acceptance.peer_form_problem(qwen3_target) is None
