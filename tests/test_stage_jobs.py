@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from dagster import AssetExecutionContext, DagsterEventType, DagsterInstance, asset, materialize
 
-from eagle3_assets.core.generation.config import GenerationConfig, GenerationSettings, Sampling
+from eagle3_assets.core.generation.config import GenerationSettings, Sampling
 from eagle3_assets.core.settings.job_schema import setting_names
 from eagle3_assets.core.serving.profile import ServingProfile
 from eagle3_assets.core.gpu_host.stage_requirements import StageRequirements

@@ -11,7 +11,6 @@ import json
 import shutil
 from pathlib import Path
 
-import pytest
 from dagster import DagsterInstance, RunConfig, materialize
 
 from eagle3_assets.core.target.identity import target_identity
