@@ -20,7 +20,8 @@ from transformers import AutoTokenizer
 
 from eagle3_assets.core.validation.chat_rendering import ChatRenderer
 from eagle3_assets.core.generation.completions import Sample
-from eagle3_assets.core.generation.shard_run import generate_shard, generation_fingerprint
+from eagle3_assets.core.generation.shard_resume import generation_fingerprint
+from eagle3_assets.core.generation.shard_run import generate_shard
 from eagle3_assets.core.generation.config import GenerationConfig
 from eagle3_assets.core.storage.journal import ShardJournal
 from eagle3_assets.core.prompts.loading import PROMPTS_SCHEMA

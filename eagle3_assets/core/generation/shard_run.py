@@ -68,7 +68,6 @@ from eagle3_assets.core.generation.client import (
 from eagle3_assets.core.generation.config import DEFAULT_PROGRESS_INTERVAL_S, GenerationConfig
 from eagle3_assets.core.generation.response_rules import PROMPT_TOO_LONG
 from eagle3_assets.core.generation.shard_resume import OpenShard, ShardJob, ShardOutcome
-from eagle3_assets.core.generation.shard_resume import generation_fingerprint  # noqa: F401  (its import path before the split; tests use it)
 from eagle3_assets.core.storage.journal import JournalCorruptError
 
 class ServerUnavailableError(RuntimeError):
