@@ -70,6 +70,7 @@ from eagle3_assets.core.generation.response_rules import PROMPT_TOO_LONG
 from eagle3_assets.core.generation.shard_resume import OpenShard, ShardJob, ShardOutcome
 from eagle3_assets.core.storage.journal import JournalCorruptError
 
+
 class ServerUnavailableError(RuntimeError):
     """Too many samples in a row failed after all retries; the run stops, the journal keeps what is done."""
 
