@@ -7,8 +7,10 @@ This serves the same draft on two servers at once, without and with the
 argument, sends the standard set's concurrent pass to each in turn
 ``--repeats`` times (after one warm-up pass each), and prints the wall times,
 their ratio, and whether the per-prompt counts add up to the ``/metrics``
-counters. Only the ratio means anything: both servers run on the same host in
-the same run, and only one of them is sent requests at a time.
+counters; beside the wall times, the CPU seconds each server process spent per
+pass, which a shared host's load moves far less. Only the ratios mean anything:
+both servers run on the same host in the same run, and only one of them is sent
+requests at a time.
 
     .venv/bin/python bench/per_request_metrics.py                    # a draft trained here in a minute on the tiny target
     .venv/bin/python bench/per_request_metrics.py --draft DIR --target DIR --eval-prompts held_out.jsonl
@@ -66,24 +68,43 @@ def main() -> None:
         )
     }  # fmt: skip
     passes: dict[str, list] = {label: [] for label in servers}
+    cpu: dict[str, list[float]] = {label: [] for label in servers}
     with servers["without"], servers["with"]:
         for label, server in servers.items():
             run_pass(label, server.base_url, server.served_model_name, conversations, args.max_tokens, args.concurrency)  # warm-up
         for _ in range(args.repeats):
             for label, server in servers.items():
+                before = server_cpu_s(server.process.pid)
                 passes[label].append(run_pass(label, server.base_url, server.served_model_name, conversations, args.max_tokens, args.concurrency))
+                cpu[label].append(server_cpu_s(server.process.pid) - before)
     walls = {label: [p.wall_s for p in runs] for label, runs in passes.items()}
     for label, runs in passes.items():
         last = runs[-1]
         spread = last.spread_over_prompts() or {}
         adds_up = f"per-prompt drafts {spread.get('drafts')} of the counters' {last.drafts:.0f}" if spread else "no per-prompt figures"
-        print(f"{label} per-request metrics: passes {', '.join(f'{w:.1f}' for w in walls[label])} s; acceptance {last.mean_acceptance_length:.3f}; {adds_up}")
-    ratio = statistics.median(walls["with"]) / statistics.median(walls["without"])
-    print(
-        f"\n{len(conversations)} prompts, {args.concurrency} in flight, {args.max_tokens} tokens, k={args.k}: median pass "
-        f"{statistics.median(walls['with']):.2f} s with per-request metrics against {statistics.median(walls['without']):.2f} s without "
-        f"(ratio {ratio:.3f})"
-    )
+        print(
+            f"{label} per-request metrics: passes {', '.join(f'{w:.1f}' for w in walls[label])} s wall, "
+            f"{', '.join(f'{c:.1f}' for c in cpu[label])} s server CPU; acceptance {last.mean_acceptance_length:.3f}; {adds_up}"
+        )
+    print(f"\n{len(conversations)} prompts, {args.concurrency} in flight, {args.max_tokens} tokens, k={args.k}, medians with / without:")
+    for name, figures in (("wall s per pass", walls), ("server CPU s per pass", cpu)):
+        with_, without = statistics.median(figures["with"]), statistics.median(figures["without"])
+        print(f"  {name}: {with_:.2f} / {without:.2f} (ratio {with_ / without:.3f})")
+
+
+def server_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of a server process and its children: on a shared host, steadier than wall time."""
+    import psutil
+
+    root = psutil.Process(pid)
+    total = 0.0
+    for process in [root, *root.children(recursive=True)]:
+        try:
+            times = process.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += times.user + times.system
+    return total
 
 
 if __name__ == "__main__":
