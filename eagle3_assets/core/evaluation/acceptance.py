@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from eagle3_assets.core.generation.openai_client import async_openai_client
@@ -227,8 +227,11 @@ def evaluate(
 ) -> dict[str, PassResult]:
     """Serve the target alone (``reference``) and with each draft in turn; one pass each.
 
-    ``prompt_sets``: held-out sets each draft server (not those of ``k_by_label``) also serves, one prompt at a
-    time, while it is up: more requests to the same server, no other start; in each result's ``per_set``.
+    ``prompt_sets``: held-out sets each draft server (not those of ``k_by_label``) also serves while it is up:
+    more requests to the same server, no other start; in each result's ``per_set``. Where the server returns each
+    request's own spec-decode counts (:mod:`~eagle3_assets.core.evaluation.spread`), a set is one concurrent pass
+    like the standard one, and the set that *is* the standard set (same conversations) is that pass itself;
+    otherwise a set is served one prompt at a time, the counters read around each prompt.
 
     ``profile``: how vLLM serves the target (:class:`~eagle3_assets.core.serving.profile.ServingProfile`,
     default: the environment's). ``k_by_label``: a draft's own ``num_speculative_tokens`` where it differs from
@@ -245,9 +248,17 @@ def evaluate(
         with server:
             results[label] = run_pass(label, server.base_url, server.served_model_name, conversations, max_tokens, concurrency, speculative=speculative)
             if speculative and label not in (k_by_label or {}):
+                main_pass = results[label]
+                counted = main_pass.per_prompt_source == FROM_RESPONSES
                 for name, prompts in (prompt_sets or {}).items():
-                    log(f"evaluation: {label}: held-out set '{name}', {len(prompts)} prompts one at a time")
-                    results[label].per_set[name] = run_pass_per_prompt(label, server.base_url, server.served_model_name, prompts, max_tokens)
+                    if counted and list(prompts) == list(conversations):
+                        main_pass.per_set[name] = replace(main_pass, per_set={})
+                    elif counted:
+                        log(f"evaluation: {label}: held-out set '{name}', {len(prompts)} prompts, {concurrency} in flight")
+                        main_pass.per_set[name] = run_pass(label, server.base_url, server.served_model_name, prompts, max_tokens, concurrency)
+                    else:
+                        log(f"evaluation: {label}: held-out set '{name}', {len(prompts)} prompts one at a time")
+                        main_pass.per_set[name] = run_pass_per_prompt(label, server.base_url, server.served_model_name, prompts, max_tokens)
         r = results[label]
         acceptance = f", acceptance length {r.mean_acceptance_length:.2f}" if r.mean_acceptance_length is not None else ""
         spread_now = r.spread_over_prompts() or {}

@@ -42,8 +42,8 @@ FROM_RESPONSES = "each request's own spec-decode counts (vLLM per-request metric
 FROM_COUNTERS = "the /metrics counters read around each prompt, one prompt at a time"
 UNAVAILABLE = (
     "this host's vLLM returns no per-request spec-decode metrics (--per-request-spec-decode-metrics, in vLLM 0.32): "
-    "no spread over the standard set's concurrent pass; naming a set in prompt_sets serves the standard set one prompt at a "
-    "time too, with its spread (about three times the evaluation's time)"
+    "no spread over the standard set's concurrent pass; naming a set in prompt_sets serves every set, the standard one "
+    "included, one prompt at a time, with its spread (about three times the evaluation's time)"
 )
 
 

@@ -219,13 +219,13 @@ class EvaluationRecipe(JobSchema):
         "'untrained' (random draft of the same shape), a draft directory, or 'none': no baseline "
         "(each baseline is one more start of the target, an hour for a 1T target; the report then says it was turned off)",
     )
-    # Opt-in: each set is served one prompt at a time by the trained and baseline servers (per-prompt spread), which
-    # tripled the built-in tiny target's evaluation time on a shared 2-core machine (docs/evaluation.md).
+    # Opt-in: each set is one more pass per draft server, concurrent where vLLM counts per request and one prompt at a
+    # time where not (which tripled the tiny target's evaluation time on a shared 2-core machine: docs/evaluation.md).
     prompt_sets: list[str] = setting(
         [],
         "built-in held-out sets scored beside the standard one, each built from the standard set's prompts only: "
         "'long_context' (long system prompts filling most of the context), 'template_perturbation' (other system "
-        "prompts and turn layouts); []: none (opt-in: each set is more requests, one at a time, to the same servers)",
+        "prompts and turn layouts); []: none (opt-in: each set is one more pass of requests to the same servers)",
     )
     user_prompt_sets: dict[str, str] = setting(
         {}, "sets of your own scored beside the standard one: name -> prompts file (JSONL/Parquet with messages), held out of training"
