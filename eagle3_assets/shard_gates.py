@@ -13,6 +13,7 @@ from eagle3_assets.core.generation.response_rules import DEFAULT_MIN_REASONING_S
 from eagle3_assets.core.validation.gates import (
     DEFAULT_MAX_REQUEST_ERROR_SHARE,
     DEFAULT_MAX_TRUNCATION_RATE,
+    MAX_THINK_MARKER_SHARE,
     check_loss_mask_aligned,
     check_prompts_fit_context,
     check_reasoning_present,
@@ -66,7 +67,7 @@ TRACE_GATES = Gates(
             lambda e: check_truncation_rate_low(e.summary.raw_rows, e.summary.truncated_ids, e.config.max_truncation_rate),
         ),
         Gate(
-            "think_markers_absent", False, "no think marker left inside reasoning or answer",
+            "think_markers_absent", False, f"at most {MAX_THINK_MARKER_SHARE:.0%} of the raw rows hold a think marker inside reasoning or answer",
             lambda e: check_think_markers_absent(e.summary.raw_rows, e.summary.think_marker_ids, e.markers),
         ),
         Gate(

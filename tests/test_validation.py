@@ -495,3 +495,18 @@ def test_a_gates_outcome_reaches_dagster_through_the_one_adapter_and_over_pipes(
     assert sent["summary"] == outcome.description and sent["offending_ids"] == {"raw_value": ["q1", "q2"], "type": "json"}
     back = CheckOutcome.from_pipes(outcome.name, outcome.passed, {**sent, "offending_ids": ["q1", "q2"]})
     assert (back.description, back.offending_ids, back.metadata["truncated_rows"]) == (outcome.description, ["q1", "q2"], 2)
+
+
+def test_a_stray_think_marker_is_rejected_but_only_a_common_one_blames_the_parser():
+    """One sampled row in 64 with a marker left is the model's doing (the row is rejected either way); a parser that is
+    not the target's leaves markers in most rows, and that is what the gate warns about."""
+    from eagle3_assets.core.validation.gates import check_think_markers_absent
+
+    markers = ["<think>", "</think>"]
+    stray = check_think_markers_absent(64, ["r7"], markers)
+    assert stray.passed and "rejected as think_markers_left" in stray.description
+    assert stray.metadata["rows_with_think_markers"] == 1 and stray.offending_ids == ["r7"]
+    wrong_parser = check_think_markers_absent(64, [f"r{i}" for i in range(60)], markers)
+    assert not wrong_parser.passed and "is the server's reasoning parser the target's?" in wrong_parser.description
+    assert wrong_parser.figure == 60 / 64 and wrong_parser.threshold == 0.05
+    assert check_think_markers_absent(64, [], markers).passed

@@ -19,6 +19,10 @@ from eagle3_assets.core.generation.response_rules import NO_REASONING_DIAGNOSIS,
 MAX_OFFENDING_IDS = 10
 DEFAULT_MAX_TRUNCATION_RATE = 0.05  # truncation_rate_low warns above it
 DEFAULT_MAX_REQUEST_ERROR_SHARE = 0.05  # request_errors_rare blocks above it
+# think_markers_absent warns above it. A parser that is not the target's leaves markers in nearly every row; a sampled
+# model writes a stray one now and then (the tiny target about one row in a few hundred), and that row is rejected
+# (think_markers_left) whatever the gate says.
+MAX_THINK_MARKER_SHARE = 0.05
 
 
 def _first(ids: Iterable[str]) -> list[str]:
@@ -219,16 +223,21 @@ def check_truncation_rate_low(raw_rows: int, truncated_ids: Sequence[str], max_r
 
 
 def check_think_markers_absent(raw_rows: int, marker_ids: Sequence[str], markers: Sequence[str]) -> CheckOutcome:
-    return _none_allowed(
+    share = len(marker_ids) / raw_rows if raw_rows else 0.0
+    held = f"{len(marker_ids)} of {raw_rows} raw rows still hold {' / '.join(markers)} in their reasoning or answer ({share:.1%})"
+    return CheckOutcome.measured(
         "think_markers_absent",
-        "rows_with_think_markers",
-        marker_ids,
-        (
-            f"{len(marker_ids)} of {raw_rows} raw rows still hold {' / '.join(markers)} in their reasoning or answer: "
-            "is the server's reasoning parser the target's?"
-            if marker_ids
-            else f"no think markers left in {raw_rows} raw rows"
+        passed=share <= MAX_THINK_MARKER_SHARE,
+        figure_name="think_marker_share",
+        figure=share,
+        threshold=MAX_THINK_MARKER_SHARE,
+        offending_ids=_first(marker_ids),
+        description=(
+            f"{held}: is the server's reasoning parser the target's?" if share > MAX_THINK_MARKER_SHARE
+            else f"{held}, rejected as think_markers_left; at most {MAX_THINK_MARKER_SHARE:.0%} expected of a matching parser"
+            if marker_ids else f"no think markers left in {raw_rows} raw rows"
         ),
+        counts={"rows_with_think_markers": len(marker_ids)},
     )
 
 
