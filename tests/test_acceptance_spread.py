@@ -18,15 +18,14 @@ from eagle3_assets.core.evaluation.spread import FROM_RESPONSES, PER_REQUEST_MET
 from eagle3_assets.demo.stack import demo_eval_prompts_path
 from eagle3_assets.demo.targets import TINY_SERVING
 from eagle3_assets.stages.evaluate_draft import spread_metadata
-from tests.test_deployed_draft_watch import trained_draft
 
 K = 3
 MAX_TOKENS = 96
 
 
 @pytest.mark.vllm
-def test_each_prompts_acceptance_in_the_concurrent_pass_adds_up_to_the_servers_counters(tiny_target, tmp_path):
-    draft = trained_draft(tiny_target, tmp_path / "trained")
+def test_each_prompts_acceptance_in_the_concurrent_pass_adds_up_to_the_servers_counters(tiny_target, tiny_trained_draft, tmp_path):
+    draft = tiny_trained_draft
     _, conversations = load_conversations(str(demo_eval_prompts_path()))
     servers = dict(evaluation_servers(tiny_target, {"trained": draft}, K, profile=TINY_SERVING["profile"], server_log_dir=tmp_path))
     # Only the draft servers count per request: vLLM refuses the argument on a server without speculative decoding.

@@ -27,8 +27,6 @@ from dagster import AssetMaterialization, DagsterInstance, build_sensor_context
 
 from eagle3_assets.core.serving.deployment import draft_alias, draft_weights_hash, speculative_config
 from eagle3_assets.core.evaluation.acceptance import load_conversations, run_pass, untrained_twin
-from eagle3_assets.core.training.checkpoints import export_trained_draft
-from eagle3_assets.core.training.launch import run_training
 from eagle3_assets.core.serving.vllm_launcher import VLLMServer, free_port
 from eagle3_assets.demo.targets import TINY_SERVING
 from eagle3_assets.core.serving.vllm_metrics import SpecDecodeCounters, fetch_metrics_text
@@ -37,24 +35,14 @@ from resources.alerts import AlertChannel
 from resources.production_servers import ProductionServers
 from sensors.deployed_draft_watch import deployed_draft_watch
 from tests.alert_receiver import AlertReceiver
-from tests.demo_hidden_states import cached_demo_hidden_states
-from tests.test_training import small_config
 
 K = 3
 TOLERANCE = 0.3
 
 
-def trained_draft(tiny_target: Path, root: Path) -> Path:
-    """A draft trained for a few seconds on the cached demo hidden states: acceptance clearly above 1."""
-    states = cached_demo_hidden_states(tiny_target, shards=2, count=24)
-    config = small_config(states, tiny_target, root, epochs=20, learning_rate=3e-3, warmup_ratio=0.05, ttt_steps=3, batch_tokens=1024, max_seq_len=512)
-    result = run_training(config)
-    return export_trained_draft(result["checkpoint"], tiny_target, root / "draft")
-
-
 @pytest.mark.vllm
-def test_watch_records_the_servers_window_and_alerts_on_silence_a_stale_draft_and_a_drop(tiny_target, tmp_path):
-    trained = trained_draft(tiny_target, tmp_path / "trained")
+def test_watch_records_the_servers_window_and_alerts_on_silence_a_stale_draft_and_a_drop(tiny_target, tiny_trained_draft, tmp_path):
+    trained = tiny_trained_draft
     untrained = untrained_twin(trained, tmp_path / "untrained")
     trained_hash, untrained_hash = draft_weights_hash(trained), draft_weights_hash(untrained)
     assert trained_hash != untrained_hash
