@@ -173,7 +173,6 @@ def checked_build(name: str, out_dir: Path, spec, log: Callable[[str], None] = p
 
 def _checked_build(name: str, out_dir: Path, spec, log: Callable[[str], None] = print) -> Path:
     """:func:`checked_build` once its caller holds the directory's build lock."""
-    out_dir = Path(out_dir)
     recorded = recorded_fingerprint(name, spec)
     info_path = out_dir / BUILD_INFO
     info = json.loads(info_path.read_text()) if info_path.is_file() else {}
