@@ -63,7 +63,7 @@ from eagle3_assets.core.storage.files import asset_dir, stable_hash
 from eagle3_assets.core.settings.job_schema import values_of
 from eagle3_assets.core.training.config import TrainConfig, TrainingRecipe
 from eagle3_assets.core.training.curves import epoch_means, expected_accepted_tokens, render_accuracy, render_curve
-from eagle3_assets.core.training.streamed import describe_estimate
+from eagle3_assets.core.training.window import describe_estimate
 from eagle3_assets.core.extraction.needs import EXTRACTION_MODULES, TRACES, disk_estimate
 from eagle3_assets.lineage import states_lineage
 from eagle3_assets.core.planning.shard_selection import ShardSelection

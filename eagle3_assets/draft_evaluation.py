@@ -39,8 +39,7 @@ from eagle3_assets.core.evaluation.prompt_sets import BUILTIN_SETS, STANDARD
 from eagle3_assets.core.prompts.heldout import held_out_prompts, question_text
 from eagle3_assets.core.gpu_host.stage_requirements import StageRequirements, with_serving_need
 from eagle3_assets.core.storage.shard_files import read_shard_parquet
-from eagle3_assets.core.draft.export import CONFIG_FILE
-from eagle3_assets.core.storage.shard_paths import RESULT_FILE, DatasetPaths, training_shards
+from eagle3_assets.core.storage.shard_paths import DRAFT_CONFIG_FILE, RESULT_FILE, DatasetPaths, training_shards
 from eagle3_assets.core.evaluation.speculation_depth import validated_k_values
 from eagle3_assets.core.settings.job_schema import values_of
 from eagle3_assets.core.gpu_host.stage_jobs import EvaluationJob, EvaluationRecipe
@@ -151,7 +150,7 @@ def draft_evaluation(
         raise ValueError(f"evaluation prompts {eval_prompts} are not held out: {len(overlap)} also occur in training shards, e.g. {overlap[:5]}")
     check_prompt_sets(config.prompt_sets, config.user_prompt_sets, asset_dir("prompts"))
     draft_dir = DatasetPaths().draft_model
-    if not (draft_dir / CONFIG_FILE).is_file():
+    if not (draft_dir / DRAFT_CONFIG_FILE).is_file():
         raise FileNotFoundError(f"no exported draft at {draft_dir}: materialise draft_checkpoint first")
     baseline = resolve_baseline(config.baseline, DatasetPaths().training_dir / RESULT_FILE)
     context.log.info(f"baseline draft: {baseline}")

@@ -1,4 +1,5 @@
-"""No import cycle among the modules of ``eagle3_assets``, and no asset module imports another.
+"""No import cycle among the modules of ``eagle3_assets``, no asset module imports another, and the code
+location loads without torch.
 
 Every import statement counts, those inside functions too: a function-level
 import that closes a cycle still ties the two modules together (one cannot be
@@ -18,6 +19,9 @@ needs no GPU, no vLLM and no Dagster instance, and names the cycle it finds.
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -195,3 +199,16 @@ def test_the_checker_finds_a_cycle_closed_inside_a_function_and_ignores_type_che
     graph = import_graph(tmp_path, "pkg")
     assert graph["pkg.sub.b"] == {"pkg.c"} and graph["pkg.d"] == set()
     assert cycles(graph) == [["pkg.a", "pkg.c", "pkg.sub.b"]]
+
+
+# Imported in the Dagster processes only by the stages that need them (on the GPU host, or in a worker's function).
+HEAVY_PACKAGES = ("torch", "transformers", "vllm", "safetensors")
+
+
+def test_the_code_location_loads_without_the_ml_packages():
+    """The code server, the daemon and every run's worker load ``eagle3_assets.definitions``; torch alone adds
+    seconds and about 190 MB to each, and none of them computes with it (the stages do, in their own processes)."""
+    probe = "import sys, eagle3_assets.definitions; print(sorted({m.split('.')[0] for m in sys.modules} & set(sys.argv[1:])))"
+    out = subprocess.run([sys.executable, "-c", probe, *HEAVY_PACKAGES], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                         capture_output=True, text=True, check=True)  # fmt: skip
+    assert out.stdout.strip() == "[]", f"loading the code location imported {out.stdout.strip()}"

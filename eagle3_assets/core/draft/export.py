@@ -30,8 +30,8 @@ from eagle3_assets.core.draft.forms import DEEPSEEK_MLA, LLAMA, AnyDraftConfig, 
 from eagle3_assets.core.draft.model import DraftConfig, Eagle3Draft, norm_flags_of, rope_theta_of
 from eagle3_assets.core.draft.model_mla import MLADraftConfig
 from eagle3_assets.core.storage.files import staging_dir
+from eagle3_assets.core.storage.shard_paths import DRAFT_CONFIG_FILE
 
-CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 # Each form as vLLM names it. The MLA form's model_type must be deepseek_v2: vLLM rewrites a deepseek_v3
 # draft into its multi-token-prediction model, whatever the architecture says.
@@ -198,7 +198,7 @@ def export_draft(model: Eagle3Draft, out_dir: Path, *, dtype: str = "bfloat16", 
     staging = staging_dir(out_dir)
     try:
         save_file(tensors, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
-        (staging / CONFIG_FILE).write_text(json.dumps(draft_hf_config(config, dtype), indent=2) + "\n")
+        (staging / DRAFT_CONFIG_FILE).write_text(json.dumps(draft_hf_config(config, dtype), indent=2) + "\n")
         for path in staging.iterdir():
             with open(path, "rb") as fh:
                 os.fsync(fh.fileno())
@@ -217,9 +217,9 @@ def export_draft(model: Eagle3Draft, out_dir: Path, *, dtype: str = "bfloat16", 
 def read_draft_dir(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     """``config.json`` and every tensor of an EAGLE-3 directory (one or several safetensors files)."""
     path = Path(path)
-    config_file = path / CONFIG_FILE
+    config_file = path / DRAFT_CONFIG_FILE
     if not config_file.is_file():
-        raise FileNotFoundError(f"draft checkpoint {path}: no {CONFIG_FILE}")
+        raise FileNotFoundError(f"draft checkpoint {path}: no {DRAFT_CONFIG_FILE}")
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"draft checkpoint {path}: no *.safetensors weights")

@@ -48,6 +48,7 @@ IMPORT_SUFFIX = ".import.json"  # raw_responses: the files of responses adopted 
 LEASE_SUFFIX = ".lease"
 SUPERSEDED_DIR = "superseded"
 SIDECAR = "metadata.json"
+DRAFT_CONFIG_FILE = "config.json"  # draft_checkpoint: the exported draft's config, the file vLLM reads first
 SHARD_RECORD = "extraction.json"  # hidden_states: what the stage reported for a finished shard, written after its gates
 ENGINE_BUILDS = "engine_builds.jsonl"  # hidden_states: one JSON line per engine an extraction run built
 PART_PATTERN = "part-{:05d}.safetensors"  # hidden_states' parts, in order
