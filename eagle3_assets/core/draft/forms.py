@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from eagle3_assets.core.draft.model import DraftConfig, Eagle3Draft
-from eagle3_assets.core.draft.model_mla import DEFAULT_QK_ROPE_HEAD_DIM, Eagle3MLADraft, MLADraftConfig
+from eagle3_assets.core.draft.model_mla import Eagle3MLADraft, MLADraftConfig
 from eagle3_assets.core.target.description import text_config
 from eagle3_assets.core.target.serving import uses_mla
 

@@ -91,6 +91,6 @@ def select_shards(
         else:
             used.append(key)
     if not used:
-        detail = "; ".join(f"{k}: {why}" for k, why in list(left_out.items())[:10]) or f"no shard is registered"
+        detail = "; ".join(f"{k}: {why}" for k, why in list(left_out.items())[:10]) or "no shard is registered"
         raise ShardSelectionError(f"no shard is green to train on ({detail}): materialise the per-shard assets first")
     return ShardSelection(used, left_out)

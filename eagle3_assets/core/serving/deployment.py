@@ -16,7 +16,6 @@ recommends.
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 import shlex
 from pathlib import Path
