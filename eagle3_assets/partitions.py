@@ -10,11 +10,17 @@ the partitions, its files kept, and never registered again until restored.
 from __future__ import annotations
 
 from dagster import DagsterInstance, DynamicPartitionsDefinition
+from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG  # what a backfill's ranged run carries
 
 from eagle3_assets.core.prompts.retired import restore, retire, retired_shards
 from eagle3_assets.core.prompts.sharding import SAMPLE_SHARDS
 
 sample_shards = DynamicPartitionsDefinition(name=SAMPLE_SHARDS)
+
+
+def shard_range_tags(first: str, last: str) -> dict[str, str]:
+    """The tags of a run over the shards ``first`` to ``last``, as a backfill's ranged run carries them."""
+    return {ASSET_PARTITION_RANGE_START_TAG: first, ASSET_PARTITION_RANGE_END_TAG: last}
 
 
 def unregistered(instance: DagsterInstance, keys: list[str]) -> list[str]:

@@ -4,7 +4,8 @@ The graph is built as the story's operator ramped (10 -> 1,000 -> 10,000
 prompts): the sample cap (``prompt_dataset.max_samples``, what
 ``EAGLE3_MAX_SAMPLES`` sets) admits one shard, then three, then all; the
 ``new_prompt_shards`` sensor registers what each cap adds, only those shards
-run through the per-shard assets, and after each of the first two steps
+run through the per-shard assets (as a backfill runs them: the shards a step
+adds in one ranged run of generation and one of extraction), and after each of the first two steps
 ``vocab_mapping`` and ``draft_checkpoint`` train (a short recipe, ``loads_in_vllm``
 included) on every green shard and the capacity plan is refreshed; after the
 last step the whole-dataset assets run with the demo's recipe.
@@ -37,10 +38,9 @@ from eagle3_assets.core.evaluation.spread import FROM_RESPONSES
 from eagle3_assets.core.draft.export import config_problems
 from eagle3_assets.draft_evaluation import DraftEvaluationConfig, resolve_eval_prompts
 from eagle3_assets.capacity_plan import capacity_plan
-from eagle3_assets.demo.pipeline import demo_resources, run_whole_dataset
+from eagle3_assets.demo.pipeline import demo_resources, materialize_shards, run_whole_dataset
 from eagle3_assets.demo.plugin import SHARD_SIZE, DemoPromptDataset, DemoTargetModel
 from eagle3_assets.draft_checkpoint import DraftTrainingConfig, draft_checkpoint
-from eagle3_assets.graph import PER_SHARD_ASSETS
 from eagle3_assets.partitions import SAMPLE_SHARDS
 from eagle3_assets.vocab_mapping import VocabMappingConfig, vocab_mapping
 from sensors.new_shards import new_prompt_shards
@@ -95,12 +95,12 @@ def ramp_up(instance: DagsterInstance, vllm_server) -> list[RampStep]:
             instance.add_dynamic_partitions(SAMPLE_SHARDS, list(request.partition_keys))
         step = RampStep(cap, instance.get_dynamic_partitions(SAMPLE_SHARDS))
         steps.append(step)
-        for key in [k for k in step.registered if k not in done]:  # only the shards the raised cap added
-            run = materialize(PER_SHARD_ASSETS, partition_key=key, resources=step_resources, instance=instance, raise_on_error=False)
-            if not run.success:
-                step.shard_runs_failed.append(key)
-            step.failed_shard_checks += [(key, e.check_name, e.description) for e in run.get_asset_check_evaluations() if not e.passed]
-            done.append(key)
+        added = [k for k in step.registered if k not in done]  # only the shards the raised cap added, as a backfill runs them
+        for run in materialize_shards(instance, step_resources, added, log=lambda line: None):
+            if not run.result.success:
+                step.shard_runs_failed.append(run.label)
+            step.failed_shard_checks += [(run.label, e.check_name, e.description) for e in run.result.get_asset_check_evaluations() if not e.passed]
+        done += added
         if cap is None or step.shard_runs_failed:
             return steps
         trained = materialize(

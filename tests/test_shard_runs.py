@@ -6,8 +6,11 @@ partition's provenance, gates are recorded per partition, a failed blocking
 gate fails the run only after the other shards are recorded.
 """
 
+from types import SimpleNamespace
+
 from dagster import (
     AssetCheckKey,
+    BackfillPolicy,
     AssetKey,
     AssetSpec,
     DagsterInstance,
@@ -21,6 +24,9 @@ from dagster import (
 
 from eagle3_assets.check_results import Gate, Gates
 from eagle3_assets.core.reporting.checks import CheckOutcome
+from eagle3_assets.demo.pipeline import shard_runs
+from eagle3_assets.graph import PER_SHARD_ASSETS
+from eagle3_assets.partitions import shard_range_tags
 from eagle3_assets.shard_runs import ShardReporter, shards_per_run_policy
 
 shards = DynamicPartitionsDefinition(name="test_shards")
@@ -49,7 +55,9 @@ def ranged(context):
 
 
 def _range_tags(first: str, last: str) -> dict:
-    return {"dagster/asset_partition_range_start": first, "dagster/asset_partition_range_end": last}
+    tags = {"dagster/asset_partition_range_start": first, "dagster/asset_partition_range_end": last}
+    assert shard_range_tags(first, last) == tags  # the product's, for the demo's ranged runs
+    return tags
 
 
 def test_each_shard_of_a_ranged_run_is_its_own_partition():
@@ -124,3 +132,15 @@ def test_a_one_shard_run_goes_on_downstream_and_a_range_records_each_shard():
     for key in ["s2", "s3"]:
         tags = instance.get_latest_data_version_record(AssetKey("reported"), partition_key=key).asset_materialization.tags
         assert tags["dagster/data_version"] == f"v-{key}" and tags["dagster/input_data_version/upstream"]
+
+
+def test_the_demo_splits_its_shards_into_runs_as_a_backfill_does():
+    """Generation and extraction over every shard in one ranged run (a server kept busy, the target loaded once);
+    the assets without a backfill policy one run per shard; a policy's cap splits a longer range."""
+    keys = [f"shard-{i:05d}" for i in range(5)]
+    runs = {a.key.to_user_string(): shard_runs(a, keys) for a in PER_SHARD_ASSETS}
+    assert runs == {
+        "prompts": [[k] for k in keys], "raw_responses": [keys], "validated_traces": [[k] for k in keys], "hidden_states": [keys],
+    }  # fmt: skip
+    assert shard_runs(SimpleNamespace(backfill_policy=shards_per_run_policy(2)), ["a", "b", "c"]) == [["a", "b"], ["c"]]
+    assert shard_runs(SimpleNamespace(backfill_policy=BackfillPolicy.single_run()), ["a", "b", "c"]) == [["a", "b", "c"]]

@@ -2,8 +2,10 @@
 
 Builds (or reuses) the tiny target, writes the built-in prompt sets, starts a
 real vLLM server with the target on a free loopback port, registers the demo's
-shards as partitions, materialises the per-shard assets shard by shard, stops
-the server, then builds the draft vocabulary, trains and exports the draft,
+shards as partitions, materialises the per-shard assets as a backfill runs them
+(generation and extraction each in one run over every shard: the server kept
+busy across shard boundaries, the target loaded once to extract), stops the
+server, then builds the draft vocabulary, trains and exports the draft,
 and measures its acceptance length through vLLM speculative decoding against an
 untrained baseline. Every run goes into the Dagster instance under
 ``$DAGSTER_HOME``, so the UI shows them afterwards. Servers are stopped on exit,

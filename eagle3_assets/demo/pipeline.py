@@ -1,6 +1,6 @@
 """The demo's whole graph, as a function: ``make demo`` runs it, and so does the end-to-end test.
 
-Per shard, the per-sample assets against a running vLLM server; then, over all
+The per-sample assets over the shards against a running vLLM server, as a backfill runs them; then, over all
 shards, the draft vocabulary, training with export and the vLLM load gate, and
 the evaluation through vLLM speculative decoding. Every run goes into the given
 instance, so the UI shows them afterwards.
@@ -8,15 +8,15 @@ instance, so the UI shows them afterwards.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from dagster import DagsterInstance, RunConfig, materialize
+from dagster import DagsterInstance, ExecuteInProcessResult, RunConfig, materialize
 
 from eagle3_assets.demo.plugin import SAMPLING, TRAINING_CONFIG, VOCAB_MAPPING_CONFIG, DemoPromptDataset
 from eagle3_assets.demo.targets import DemoTarget, selected_demo_target
 from eagle3_assets.graph import PER_SHARD_ASSETS, WHOLE_DATASET_ASSETS, deployment_resources
-from eagle3_assets.partitions import register_shards
+from eagle3_assets.partitions import register_shards, shard_range_tags
 from resources.vllm_server import VLLMServerResource
 
 
@@ -37,6 +37,49 @@ class DemoOutcome:
     failed: str | None = None
 
 
+def shard_runs(asset, keys: Sequence[str]) -> list[list[str]]:
+    """The runs a backfill of ``keys`` makes for ``asset``: ranges of at most its backfill policy's shards per run
+    (one range for ``single_run``), else one run per shard."""
+    policy = asset.backfill_policy
+    if policy is None:
+        return [[key] for key in keys]
+    per_run = policy.max_partitions_per_run or len(keys)
+    return [list(keys[i : i + per_run]) for i in range(0, len(keys), per_run)]
+
+
+def materialize_shards(instance: DagsterInstance, resources: dict, keys: Sequence[str], log: Callable[[str], None] = print) -> list[ShardRun]:
+    """``keys`` through the per-shard assets as a backfill runs them: asset after asset, each in the runs of its
+    backfill policy. A ranged run keeps the server busy across shard boundaries (``raw_responses``) and loads the
+    target once for all its shards (``hidden_states``); one run per shard would start the extraction once per shard.
+    Stops at the first failed run, whose shards the next asset would not have."""
+    runs = []
+    for asset in PER_SHARD_ASSETS:
+        for shards in shard_runs(asset, keys):
+            options = {"partition_key": shards[0]} if len(shards) == 1 else {"tags": shard_range_tags(shards[0], shards[-1])}
+            result = materialize(PER_SHARD_ASSETS, selection=[asset.key], resources=resources, instance=instance, raise_on_error=False, **options)
+            run = ShardRun(asset.key.to_user_string(), shards, result)
+            runs.append(run)
+            log(f"demo: {run.label}: {'ok' if result.success else 'FAILED'} (run {result.run_id})")
+            _log_failed_gates(result, log)
+            if not result.success:
+                return runs
+    return runs
+
+
+@dataclass
+class ShardRun:
+    """One run of :func:`materialize_shards`: an asset over one shard or a range of them."""
+
+    asset: str
+    shards: list[str]
+    result: ExecuteInProcessResult
+
+    @property
+    def label(self) -> str:
+        shards = self.shards[0] if len(self.shards) == 1 else f"{self.shards[0]}..{self.shards[-1]}"
+        return f"{self.asset} {shards}"
+
+
 def run_per_shard(
     instance: DagsterInstance,
     base_url: str,
@@ -45,19 +88,13 @@ def run_per_shard(
     demo: DemoTarget | None = None,
     shards: int | None = None,
 ) -> DemoOutcome:
-    """The demo dataset's shards (every one, or the first ``shards``) through the per-sample assets, one run per shard."""
+    """The demo dataset's shards (every one, or the first ``shards``) through the per-sample assets (:func:`materialize_shards`)."""
     resources = demo_resources(base_url, served_model_name, demo)
     keys = resources["prompt_dataset"].shard_keys()[:shards]
     register_shards(instance, keys)
-    outcome = DemoOutcome(ok=True)
-    for key in keys:
-        result = materialize(PER_SHARD_ASSETS, partition_key=key, resources=resources, instance=instance, raise_on_error=False)
-        outcome.run_ids[key] = result.run_id
-        log(f"demo: {key}: {'ok' if result.success else 'FAILED'} (run {result.run_id})")
-        _log_failed_gates(result, log)
-        if not result.success:
-            return DemoOutcome(ok=False, run_ids=outcome.run_ids, failed=key)
-    return outcome
+    runs = materialize_shards(instance, resources, keys, log)
+    failed = next((run.label for run in runs if not run.result.success), None)
+    return DemoOutcome(ok=failed is None, run_ids={run.label: run.result.run_id for run in runs}, failed=failed)
 
 
 def run_whole_dataset(
