@@ -165,8 +165,10 @@ def main() -> None:
                     "acceptance": statistics.fmean(lengths.values()), "range": [min(lengths.values()), max(lengths.values())],
                     "seeds": lengths, "per_position": [statistics.fmean(p) for p in per_position],
                     "per_position_range": [[min(p), max(p)] for p in per_position], "prompts": runs[args.seeds[0]].prompts,
-                    "spread_over_prompts": spread,
+                    "failed": {seed: r.failed for seed, r in runs.items()}, "spread_over_prompts": spread,
                 }  # fmt: skip
+                if any(row["failed"].values()):  # a failed request has no acceptance: the set's figure covers fewer prompts
+                    print(f"{name}: {variant}: requests failed per seed {row['failed']}; see {work}/vllm-*.log")
                 by_set.setdefault(name, {})[variant] = row
                 row["ratio"] = row["acceptance"] / by_set[name][args.variants[0]]["acceptance"]
                 over_prompts = f"{spread['min']:.2f} / {spread['median']:.2f} / {spread['max']:.2f}" if "median" in spread else "-"
