@@ -38,6 +38,7 @@ sys.path.insert(0, str(REPO))
 from bench.training_defaults import RECIPES, train_and_export  # noqa: E402
 from eagle3_assets.core.training.throughput import NORM_VARIANTS  # noqa: E402
 
+
 def trained_draft(label: str, recipe: dict, data: Path, target: Path, work: Path, max_seq_len: int, retrain: bool) -> tuple[Path, dict, float, bool]:
     """The draft of ``label`` trained with ``recipe``: the one an earlier run of this bench exported for the same
     recipe, states and target (so a rerun after a failed evaluation does not train again), else trained now."""
