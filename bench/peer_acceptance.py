@@ -330,8 +330,10 @@ def main() -> None:
     measured: dict[str, dict[str, dict]] = report.get("measured", {})
     key = f"k{args.k}"
     profile = ServingProfile(trust_remote_code=args.trust_remote_code)  # the target's own dtype and context
-    for label in args.variants:
-        for seed in range(args.seeds):
+    # Seed by seed across the variants, not variant by variant: a run cut short still has every variant at the seeds it
+    # finished, and the machine's load over the run falls on every variant alike.
+    for seed in range(args.seeds):
+        for label in args.variants:
             if str(seed) in measured.get(label, {}).get(key, {}):
                 continue
             started = time.monotonic()
