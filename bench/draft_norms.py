@@ -3,16 +3,24 @@
 Trains the draft on a data directory's hidden states (what ``make demo`` leaves
 under ``data/``) at the demo's recipe (20 epochs, learning rate 3e-3, warm-up
 0.05, cosine, depth 3, 1,024 tokens per micro-batch) once per norm variant and
-seed: plain EAGLE-3, EAGLE 3.1 (``fc_norm`` + ``norm_output``), each flag
-alone, and speculators' defaults (``norm_before_fc`` + ``norm_output`` +
-``norm_before_residual``). Every draft is served through vLLM speculative
-decoding at ``num_speculative_tokens`` 5 on the same held-out prompts, greedy.
+seed: plain EAGLE-3 (every flag off), EAGLE 3.1 (``fc_norm`` + ``norm_output``),
+each flag alone, and speculators' defaults (``norm_before_fc`` + ``norm_output`` +
+``norm_before_residual``); each variant sets all four flags, the rest of the
+recipe is TrainConfig's defaults. Every draft is served through vLLM speculative
+decoding at ``num_speculative_tokens`` 5 on the same held-out prompts, greedy,
+and, while its server is up, on the held-out sets ``draft_evaluation`` builds
+beside the standard one (``--prompt-sets``: the long-context and the
+template-perturbation set by default), each set served as that stage serves it
+(one concurrent pass where vLLM returns each request's spec-decode counts).
 Prints, per variant, the mean acceptance length (mean of the seeds and their
 range), the acceptance rate per draft position (means), the training's time
-per optimizer step, and each against plain EAGLE-3's measured in the same run.
+per optimizer step, and each against the first variant's measured in the same
+run; then the same per held-out set, with the range over seeds per position.
+A rerun reuses the drafts this bench exported before for the same recipe,
+states and target (``--retrain``: train them again).
 
     make demo && .venv/bin/python bench/draft_norms.py                          # every variant, seed 0
-    .venv/bin/python bench/draft_norms.py --variants plain eagle3.1 --seeds 0 1 2
+    .venv/bin/python bench/draft_norms.py --variants norm_before_residual plain eagle3.1 --seeds 0 1 2
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -28,6 +37,23 @@ sys.path.insert(0, str(REPO))
 
 from bench.training_defaults import RECIPES, train_and_export  # noqa: E402
 from eagle3_assets.core.training.throughput import NORM_VARIANTS  # noqa: E402
+
+
+def trained_draft(label: str, recipe: dict, data: Path, target: Path, work: Path, max_seq_len: int, retrain: bool) -> tuple[Path, dict, float, bool]:
+    """The draft of ``label`` trained with ``recipe``: the one an earlier run of this bench exported for the same
+    recipe, states and target (so a rerun after a failed evaluation does not train again), else trained now."""
+    record = work / label / "trained.json"
+    key = {"recipe": recipe, "data": str(data.resolve()), "target": str(target), "max_seq_len": max_seq_len}
+    if not retrain and record.is_file():
+        earlier = json.loads(record.read_text())
+        if earlier["key"] == key and (Path(earlier["export"]) / "config.json").is_file():
+            return Path(earlier["export"]), earlier["schedule"], earlier["seconds"], True
+    export, schedule, seconds = train_and_export(label, recipe, data, target, work, max_seq_len)
+    written = record.with_suffix(".json.tmp")
+    written.write_text(json.dumps({"key": key, "export": str(export), "schedule": schedule, "seconds": seconds}, default=str))
+    written.replace(record)
+    return export, schedule, seconds, False
+
 
 DEFAULT_VARIANTS = ["plain", "eagle3.1", "fc_norm", "norm_output", "norm_before_fc", "norm_before_residual", "speculators"]
 
@@ -51,6 +77,7 @@ def main() -> None:
         help="held-out sets scored beside the standard one, as draft_evaluation builds them (default: both; none: the standard set alone)",
     )  # fmt: skip
     parser.add_argument("--max-tokens", type=int, default=128, help="completion tokens per prompt (draft_evaluation's default)")
+    parser.add_argument("--retrain", action="store_true", help="train every draft again, even where this bench exported it before")
     args = parser.parse_args()
 
     data = Path(args.data)
@@ -74,14 +101,19 @@ def main() -> None:
                                 max_model_len=max_model_len, max_tokens=args.max_tokens)  # fmt: skip
         extra = {"standard": conversations, **{b.name: b.conversations for b in built}}
 
+    started = time.monotonic()
     drafts, step_s = {}, {}
     for variant in args.variants:
         for seed in args.seeds:
             label = f"{variant}-seed{seed}"
             recipe = {**RECIPES["demo_recipe"], **NORM_VARIANTS[variant], "seed": seed}
-            export, schedule, seconds = train_and_export(label, recipe, data, target, work, args.max_seq_len)
+            export, schedule, seconds, reused = trained_draft(label, recipe, data, target, work, args.max_seq_len, args.retrain)
             drafts[label], step_s[label] = export, seconds / schedule["optimizer_steps"]
-            print(f"{label}: trained in {seconds:.0f}s, {schedule['optimizer_steps']} steps, {step_s[label] * 1e3:.1f} ms/step", flush=True)
+            how = "reused (trained earlier" if reused else "trained"
+            print(
+                f"{label}: {how} in {seconds:.0f}s{')' if reused else ''}, {schedule['optimizer_steps']} steps, "
+                f"{step_s[label] * 1e3:.1f} ms/step", flush=True,
+            )  # fmt: skip
 
     results = evaluate(
         target, drafts, conversations, num_speculative_tokens=args.num_speculative_tokens, max_tokens=args.max_tokens,
@@ -111,22 +143,46 @@ def main() -> None:
         )
     by_set = {}
     if extra:
-        print(f"\nper held-out set, one prompt at a time (mean of the seeds; spread: min / median / max over prompts of seed {args.seeds[0]}):")
-        print("| set | variant | acceptance | ratio | per position | spread over prompts |")
-        print("| --- | --- | --- | --- | --- | --- |")
+        print(
+            f"\nper held-out set (k = {args.num_speculative_tokens}, seeds {args.seeds}): acceptance length, mean of the seeds "
+            f"(min-max over seeds); per position, mean (min-max over seeds); ratio against {args.variants[0]} on the same set. "
+            f"Spread over prompts: min / median / max of seed {args.seeds[0]}'s prompts."
+        )
+        for name, prompts in extra.items():
+            served = {results[label].per_set[name].per_prompt_source for label in results}
+            # Each set is served as draft_evaluation serves it: one concurrent pass where vLLM returns per-request counts.
+            how = " / ".join(source or "no per-prompt figures" for source in sorted(served))
+            print(f"{name}: {len(prompts)} prompts; figures from {how}")
+        print("| set | variant | acceptance (range over seeds) | ratio | per position, mean | per position, range over seeds | spread over prompts |")
+        print("| --- | --- | --- | --- | --- | --- | --- |")
         for name in extra:
             for variant in args.variants:
-                runs = [results[f"{variant}-seed{seed}"].per_set[name] for seed in args.seeds]
-                mean = statistics.fmean(r.mean_acceptance_length for r in runs)
-                positions = [statistics.fmean(r.acceptance_rate_per_position[i] for r in runs) for i in range(args.num_speculative_tokens)]
-                spread = runs[0].to_dict()["spread_over_prompts"]
-                by_set.setdefault(name, {})[variant] = {"acceptance": mean, "per_position": positions, "spread": spread}
-                ratio = mean / by_set[name][args.variants[0]]["acceptance"]
+                runs = {seed: results[f"{variant}-seed{seed}"].per_set[name] for seed in args.seeds}
+                lengths = {seed: r.mean_acceptance_length or 1.0 for seed, r in runs.items()}  # no accepted draft: length 1
+                rates = [r.acceptance_rate_per_position or [0.0] * args.num_speculative_tokens for r in runs.values()]
+                per_position = [[seed_rates[i] for seed_rates in rates] for i in range(args.num_speculative_tokens)]
+                spread = runs[args.seeds[0]].spread_over_prompts() or {}
+                row = {
+                    "acceptance": statistics.fmean(lengths.values()), "range": [min(lengths.values()), max(lengths.values())],
+                    "seeds": lengths, "per_position": [statistics.fmean(p) for p in per_position],
+                    "per_position_range": [[min(p), max(p)] for p in per_position], "prompts": runs[args.seeds[0]].prompts,
+                    "failed": {seed: r.failed for seed, r in runs.items()}, "spread_over_prompts": spread,
+                }  # fmt: skip
+                if any(row["failed"].values()):  # a failed request has no acceptance: the set's figure covers fewer prompts
+                    print(f"{name}: {variant}: requests failed per seed {row['failed']}; see {work}/vllm-*.log")
+                by_set.setdefault(name, {})[variant] = row
+                row["ratio"] = row["acceptance"] / by_set[name][args.variants[0]]["acceptance"]
+                over_prompts = f"{spread['min']:.2f} / {spread['median']:.2f} / {spread['max']:.2f}" if "median" in spread else "-"
                 print(
-                    f"| {name} | {variant} | {mean:.3f} | {ratio:.3f} | {' '.join(f'{p:.2f}' for p in positions)} | "
-                    f"{spread['min']:.2f} / {spread['median']:.2f} / {spread['max']:.2f} |"
+                    f"| {name} | {variant} | {row['acceptance']:.3f} ({row['range'][0]:.2f}-{row['range'][1]:.2f}) | {row['ratio']:.3f} | "
+                    f"{' '.join(f'{p:.2f}' for p in row['per_position'])} | "
+                    f"{' '.join(f'{lo:.2f}-{hi:.2f}' for lo, hi in row['per_position_range'])} | {over_prompts} |"
                 )
-    report = {"table": table, "by_set": by_set, "target": str(target), "prompts": len(conversations)}
+    print(f"\nbench wall clock: {time.monotonic() - started:.0f}s (training and evaluation)")
+    report = {
+        "table": table, "by_set": by_set, "target": str(target), "prompts": len(conversations), "seeds": args.seeds,
+        "num_speculative_tokens": args.num_speculative_tokens, "variants": args.variants,
+    }  # fmt: skip
     (work / "report.json").write_text(json.dumps(report, indent=2))
 
 

@@ -217,26 +217,58 @@ def summary(values: list[float]) -> dict:
     return {"mean": statistics.fmean(values), "min": min(values), "max": max(values), "std": statistics.pstdev(values), "n": len(values)}
 
 
+def optimizer_steps(run: dict) -> int | None:
+    """A finished draft's optimizer steps, as its trainer recorded them (ours in its schedule, the peer's at the top)."""
+    return run.get("optimizer_steps") or run.get("schedule", {}).get("optimizer_steps")
+
+
+def step_seconds(entry: dict) -> float | None:
+    """Training wall clock over optimizer steps (set-up included); from the draft's own record for entries kept before
+    the steps were stored beside the measurement."""
+    steps = entry.get("optimizer_steps")
+    if steps is None and entry.get("draft") and (Path(entry["draft"]) / DONE).is_file():
+        steps = optimizer_steps(json.loads((Path(entry["draft"]) / DONE).read_text()))
+    return entry["train_s"] / steps if entry.get("train_s") and steps else None
+
+
 def variant_figures(measured: dict[str, dict]) -> dict:
-    """Mean acceptance length and per-position rates over the seeds of one variant."""
+    """Mean acceptance length, per-position rates and training seconds per optimizer step over the seeds of one variant."""
     lengths = [m["mean_acceptance_length"] for m in measured.values()]
     positions = list(zip(*(m["acceptance_rate_per_position"] for m in measured.values())))
-    return {"acceptance_length": summary(lengths), "per_position": [summary(list(p)) for p in positions], "seeds": sorted(measured)}
+    per_step = [s for s in map(step_seconds, measured.values()) if s is not None]
+    return {
+        "acceptance_length": summary(lengths), "per_position": [summary(list(p)) for p in positions],
+        "step_s": summary(per_step) if per_step else None, "seeds": sorted(measured),
+    }  # fmt: skip
 
 
 def cell(s: dict) -> str:
     return f"{s['mean']:.2f} ({s['min']:.2f}-{s['max']:.2f})" if s["n"] > 1 else f"{s['mean']:.2f}"
 
 
-def render(figures: dict, k: int, prompts: int, seeds: int) -> str:
+def against_reference(f: dict, ref: dict) -> str:
+    """A variant's mean acceptance over the reference's, and whether the difference is beyond the seeds' spread (the
+    larger of the two ranges): a change smaller than that is not resolved by these seeds."""
+    a, b = f["acceptance_length"], ref["acceptance_length"]
+    spread = max(a["max"] - a["min"], b["max"] - b["min"])
+    verdict = "above, beyond the spread" if a["mean"] - b["mean"] > spread else "below, beyond the spread" if b["mean"] - a["mean"] > spread else "within the spread"
+    return f"{a['mean'] / b['mean']:.3f} ({verdict})"
+
+
+def render(figures: dict, k: int, prompts: int, seeds: int, reference: str = "ours") -> str:
+    ref = figures.get(reference)
     lines = [
-        f"acceptance through vLLM at k = {k}, {prompts} held-out prompts (greedy), {seeds} seed(s) per trainer; mean (range over seeds):",
+        f"acceptance through vLLM at k = {k}, {prompts} held-out prompts (greedy), {seeds} seed(s) per trainer; mean (range over seeds);",
+        "training wall clock per optimizer step (set-up included; the machine's load counts too)"
+        + (f"; mean acceptance length over the {reference} row's, measured in the same run:" if ref else ":"),
         "",
-        "| trainer | acceptance length | " + " | ".join(f"position {i + 1}" for i in range(k)) + " |",
-        "| --- | --- | " + " | ".join("---" for _ in range(k)) + " |",
+        "| trainer | acceptance length | " + " | ".join(f"position {i + 1}" for i in range(k)) + " | s per step |" + (f" over {reference} |" if ref else ""),
+        "| --- | --- | " + " | ".join("---" for _ in range(k)) + " | --- |" + (" --- |" if ref else ""),
     ]
     for label, f in figures.items():
-        lines.append(f"| {label} | {cell(f['acceptance_length'])} | " + " | ".join(cell(p) for p in f["per_position"]) + " |")
+        step = f"{f['step_s']['mean']:.3f} ({f['step_s']['min']:.3f}-{f['step_s']['max']:.3f})" if f.get("step_s") else "-"
+        versus = (" 1 |" if label == reference else f" {against_reference(f, ref)} |") if ref else ""
+        lines.append(f"| {label} | {cell(f['acceptance_length'])} | " + " | ".join(cell(p) for p in f["per_position"]) + f" | {step} |" + versus)
     return "\n".join(lines)
 
 
@@ -330,8 +362,10 @@ def main() -> None:
     measured: dict[str, dict[str, dict]] = report.get("measured", {})
     key = f"k{args.k}"
     profile = ServingProfile(trust_remote_code=args.trust_remote_code)  # the target's own dtype and context
-    for label in args.variants:
-        for seed in range(args.seeds):
+    # Seed by seed across the variants, not variant by variant: a run cut short still has every variant at the seeds it
+    # finished, and the machine's load over the run falls on every variant alike.
+    for seed in range(args.seeds):
+        for label in args.variants:
             if str(seed) in measured.get(label, {}).get(key, {}):
                 continue
             started = time.monotonic()
@@ -348,7 +382,7 @@ def main() -> None:
             )[f"{label}-seed{seed}"]  # fmt: skip
             if result.failed or result.mean_acceptance_length is None:
                 sys.exit(f"{label} seed {seed}: {result.failed} of {result.prompts} requests failed or no drafts counted; see {work / 'logs'}")
-            entry = {**result.to_dict(), "train_s": run.get("train_s"), "draft": str(draft)}
+            entry = {**result.to_dict(), "train_s": run.get("train_s"), "optimizer_steps": optimizer_steps(run), "draft": str(draft)}
             measured.setdefault(label, {}).setdefault(key, {})[str(seed)] = entry
             report = {**report, "measured": measured}
             write_json_atomic(report_path, report)  # each measurement kept at once: a rerun measures only what is missing

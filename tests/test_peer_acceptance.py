@@ -68,3 +68,18 @@ def test_no_held_out_prompts_anywhere_is_refused_with_what_to_pass(tmp_path):
 
 def test_a_standard_attention_target_serves_the_peers_llama_form_draft(qwen3_target):
     assert peer_acceptance.peer_form_problem(qwen3_target) is None
+
+
+def measurement(length: float, train_s: float, steps: int) -> dict:
+    return {"mean_acceptance_length": length, "acceptance_rate_per_position": [length / 5] * 5, "train_s": train_s, "optimizer_steps": steps}
+
+
+def test_a_change_counts_against_the_reference_only_beyond_the_seeds_spread():
+    reference = peer_acceptance.variant_figures({"0": measurement(3.8, 34.0, 340), "1": measurement(4.0, 68.0, 340)})
+    close = peer_acceptance.variant_figures({"0": measurement(3.9, 34.0, 340), "1": measurement(4.05, 34.0, 340)})
+    far = peer_acceptance.variant_figures({"0": measurement(3.5, 34.0, 340), "1": measurement(3.55, 34.0, 340)})
+    assert reference["step_s"]["mean"] == pytest.approx(0.15) and reference["step_s"]["min"] == pytest.approx(0.1)
+    assert peer_acceptance.against_reference(close, reference).endswith("(within the spread)")  # +0.075, ranges 0.2 and 0.15
+    assert peer_acceptance.against_reference(far, reference) == f"{3.525 / 3.9:.3f} (below, beyond the spread)"
+    table = peer_acceptance.render({"ours": reference, "far": far}, 5, 32, 2)
+    assert "| far | 3.52 (3.50-3.55) |" in table and "| 0.100 (0.100-0.100) | 0.904 (below, beyond the spread) |" in table

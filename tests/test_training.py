@@ -207,6 +207,41 @@ def test_fine_tuning_refuses_a_draft_trained_on_other_layers_or_widths(tiny_targ
         start(unnamed, sidecar_index((1, 3, 5)))
 
 
+def test_a_frozen_lm_head_ends_bit_for_bit_as_it_started_and_has_no_optimizer_state(hidden_states, tiny_target, tmp_path):
+    """freeze_lm_head: the head stays the target's rows of the draft vocabulary; trained, it moves, and its AdamW state exists."""
+    from eagle3_assets.core.draft.vocab import load_vocab_mapping
+    from eagle3_assets.core.training.memory import StepShape, estimate_step_bytes
+
+    runs = {}
+    for frozen in (True, False):
+        config = small_config(hidden_states, tiny_target, tmp_path / f"frozen-{frozen}", epochs=1, freeze_lm_head=frozen)
+        result = run_training(config)
+        saved = torch.load(Path(result["checkpoint"]) / "trainer.pt", weights_only=True)["optimizer"]["state"]
+        runs[frozen] = (config, final_weights(result), {index: state["exp_avg"].numel() for index, state in saved.items()})
+    mapping = load_vocab_mapping(Path(runs[True][0].vocab_mapping))
+    initial = load_head_weights(tiny_target)["lm_head"][mapping.draft_to_target]
+
+    frozen_head, trained_head = runs[True][1]["lm_head.weight"], runs[False][1]["lm_head.weight"]
+    assert torch.equal(frozen_head, initial), "a frozen lm_head changed in training"
+    assert not torch.equal(trained_head, initial), "the trained lm_head did not move: the comparison shows nothing"
+    # No AdamW state for the head: one tensor fewer, the head's weights fewer.
+    assert len(runs[True][2]) == len(runs[False][2]) - 1
+    assert sum(runs[False][2].values()) - sum(runs[True][2].values()) == initial.numel()
+    # The memory plan counts the frozen head's weights but neither its gradient nor its optimizer state.
+    draft_config = DraftConfig.for_target(json.loads((tiny_target / "config.json").read_text()), initial.shape[0], [2, 3, 4])
+    shapes = {frozen: StepShape.of(draft_config, 64, 64, 2, bf16=False, frozen_lm_head=frozen) for frozen in (True, False)}
+    trained, frozen = estimate_step_bytes(shapes[False]), estimate_step_bytes(shapes[True])
+    assert trained["weights"] == frozen["weights"]
+    assert trained["gradients"] + trained["optimizer"] - frozen["gradients"] - frozen["optimizer"] == initial.numel() * 12
+
+
+def test_a_frozen_lm_head_without_the_targets_head_is_refused(hidden_states, tiny_target, tmp_path):
+    config = small_config(hidden_states, tiny_target, tmp_path, freeze_lm_head=True, head_from_target=False)
+    with pytest.raises(ValueError, match="freeze_lm_head with head_from_target false"):
+        run_training(config)
+    assert not (Path(config.training_dir) / "checkpoints").exists(), "refused after training had started"
+
+
 def test_killed_training_resumes_from_its_last_complete_checkpoint_to_the_same_weights(hidden_states, tiny_target, tmp_path):
     config = small_config(hidden_states, tiny_target, tmp_path / "a", epochs=3)
     uninterrupted = run_training(config)

@@ -221,6 +221,13 @@ def _train(config: TrainConfig, source: BatchSource, emit: OnEvent, device: torc
         raise ValueError(f"target {config.target_path}: lm_head {tuple(target['lm_head'].shape)} does not fit the hidden states")
     draft, init_report = initial_draft(config, index, mapping, target)
     draft.embed_tokens.weight.requires_grad_(False)  # the target's embedding: frozen, shared by vLLM
+    if config.freeze_lm_head:
+        if init_report.lm_head_rows_new:
+            raise ValueError(
+                f"freeze_lm_head: {init_report.lm_head_rows_new} of the draft vocabulary's lm_head rows are new to {config.init_from} "
+                "(random weights) and a frozen head would never learn them; train the head or use the starting draft's vocabulary map"
+            )
+        draft.lm_head.weight.requires_grad_(False)  # no gradient, so no AdamW state either (the Trainer takes requires_grad ones)
     fingerprint = run_fingerprint(config, index)
     training_dir = Path(config.training_dir)
     checkpoints, journal = training_dir / "checkpoints", training_dir / JOURNAL

@@ -6,7 +6,8 @@ already there):
 
 - the draft's weights, gradients and AdamW state (float32: 4 + 4 + 8 bytes a
   trainable parameter; under bf16 autocast a 2-byte copy of each weight too),
-  its frozen embedding, and the target's ``lm_head`` and norm;
+  its frozen embedding (and, with ``freeze_lm_head``, its head's weights alone),
+  and the target's ``lm_head`` and norm;
 - the micro-batch: the three auxiliary states and the final one in float32;
 - the target's head: its draft-vocabulary logits (kept for every unrolled
   step), its distribution over them (kept unless the loss runs in chunks),
@@ -64,6 +65,7 @@ class StepShape:
     target_head_chunk_tokens: int = 0
     attention_parameters: int = 0  # the MLA form's projections (0: grouped-query attention's, from the widths above)
     latent_width: int = 0  # the MLA form's query and KV latents per token
+    frozen_lm_head: bool = False  # freeze_lm_head: the head's weights only, no gradient or optimizer state
 
     @classmethod
     def of(cls, draft: DraftConfig | MLADraftConfig, tokens: int, seq_len: int, ttt_steps: int, *, bf16: bool, **settings) -> StepShape:
@@ -89,8 +91,12 @@ class StepShape:
             + (self.attention_parameters or 2 * h * (q + 2 * kv) + q * h)  # q/k/v over [embedding ; state], o
             + 3 * h * self.intermediate  # MLP
             + 4 * h  # four norms
-            + self.draft_vocab * h  # lm_head
+            + (0 if self.frozen_lm_head else self.lm_head_parameters)
         )
+
+    @property
+    def lm_head_parameters(self) -> int:
+        return self.draft_vocab * self.hidden
 
 
 def mla_attention_parameters(draft: MLADraftConfig) -> int:
@@ -134,8 +140,9 @@ def estimate_step_bytes(shape: StepShape) -> dict[str, int]:
     """
     s, n, a = shape, shape.tokens, shape.activation_bytes
     params = s.trainable_parameters
+    held = params + (s.lm_head_parameters if s.frozen_lm_head else 0)  # every weight of the draft but the embedding
     parts = {
-        "weights": params * FLOAT32 + s.vocab * s.hidden * FLOAT32 + (params * 2 if a == 2 else 0),
+        "weights": held * FLOAT32 + s.vocab * s.hidden * FLOAT32 + (held * 2 if a == 2 else 0),
         "gradients": params * FLOAT32,
         "optimizer": params * 2 * FLOAT32,
         "target_head": s.vocab * s.target_hidden * FLOAT32,
@@ -244,6 +251,7 @@ def plan_micro_batch(
         activation_checkpointing=config.activation_checkpointing,
         loss_chunk_tokens=config.loss_chunk_tokens,
         target_head_chunk_tokens=config.target_head_chunk_tokens,
+        frozen_lm_head=config.freeze_lm_head,
     )
     seq_len = min(longest, config.max_seq_len)
 

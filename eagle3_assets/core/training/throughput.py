@@ -79,15 +79,20 @@ def step_flops(p: dict, ttt: int) -> float:
 
 
 # The draft's norm flags (core/draft/model.py) each variant sets: plain EAGLE-3, EAGLE 3.1, each flag alone,
-# and speculators' training defaults.
+# and speculators' training defaults. Every variant names all four flags: DraftConfig defaults them off but
+# TrainConfig has norm_before_residual on, so a variant that left a flag out would differ between the two.
+_NORM_FLAGS_OFF = {"fc_norm": False, "norm_output": False, "norm_before_fc": False, "norm_before_residual": False}
 NORM_VARIANTS = {
-    "plain": {},
-    "eagle3.1": {"fc_norm": True, "norm_output": True},
-    "fc_norm": {"fc_norm": True},
-    "norm_output": {"norm_output": True},
-    "norm_before_fc": {"norm_before_fc": True},
-    "norm_before_residual": {"norm_before_residual": True},
-    "speculators": {"norm_before_fc": True, "norm_output": True, "norm_before_residual": True},
+    name: {**_NORM_FLAGS_OFF, **on}
+    for name, on in {
+        "plain": {},
+        "eagle3.1": {"fc_norm": True, "norm_output": True},
+        "fc_norm": {"fc_norm": True},
+        "norm_output": {"norm_output": True},
+        "norm_before_fc": {"norm_before_fc": True},
+        "norm_before_residual": {"norm_before_residual": True},
+        "speculators": {"norm_before_fc": True, "norm_output": True, "norm_before_residual": True},
+    }.items()
 }
 
 
