@@ -1,5 +1,6 @@
 """The peer bench's choices made before any training (bench/peer_acceptance.py): which held-out prompts both trainers'
-drafts are judged on, and whether the peer's drafts can be served beside the target at all.
+drafts are judged on, and whether the peer's drafts can be served beside the target at all; and how its table reads a
+variant against the reference measured in the same run.
 
 Both are decided from what a data directory and a target directory hold; neither starts vLLM or the peer environment.
 """
