@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import statistics
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -260,7 +261,8 @@ def test_wrong_layer_ids_score_clearly_below_and_are_rejected_before_evaluation(
 
     The ids here are the last layers' ([5, 6, 7]) instead of the trained ones:
     vLLM feeds the draft the wrong states and nothing fails, only acceptance
-    drops (2.89 -> 2.33 measured here). An off-by-one export costs far less
+    drops (3.65 -> 3.17 and 3.73 -> 3.48 in two runs here; [0, 1, 2] or
+    [0, 5, 6] drop a short-trained draft as far as [5, 6, 7] does). An off-by-one export costs far less
     on a 7-layer target (2.75 -> 2.69), whose neighbouring layers' states are
     close, so for that one only the gate tells them apart (docs/evaluation.md).
     vLLM treats the ids as a set: the same ids reversed score the same.
@@ -291,6 +293,14 @@ def test_wrong_layer_ids_score_clearly_below_and_are_rejected_before_evaluation(
         max_tokens=DraftEvaluationConfig().max_tokens,
         include_reference=False,
     ).values()
-    right = report["results"]["trained"]["mean_acceptance_length"]
+    right = report["results"]["trained"]
     assert wrong.drafts > 0 and wrong.failed == 0
-    assert wrong.mean_acceptance_length <= right - 0.25, (wrong.mean_acceptance_length, right)
+    # Clearly below, prompt by prompt on the same greedy prompts: the drop's 95 % interval over the prompts lies above
+    # zero, and the mean drop is at least 5 % of the right draft's length. How far it drops depends on what the draft
+    # learned (0.25 to 0.5 in runs of this graph), so no fixed distance is asserted.
+    per_prompt = right["per_prompt_acceptance_length"], wrong.per_prompt_acceptance_length
+    assert all(len(lengths) == len(conversations) and None not in lengths for lengths in per_prompt), per_prompt
+    drops = [r - w for r, w in zip(*per_prompt)]
+    mean_drop, half_width = statistics.fmean(drops), 1.96 * statistics.stdev(drops) / len(drops) ** 0.5
+    assert mean_drop - half_width > 0 and mean_drop >= 0.05 * right["mean_acceptance_length"], (
+        mean_drop, half_width, wrong.mean_acceptance_length, right["mean_acceptance_length"])  # fmt: skip
