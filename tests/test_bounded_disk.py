@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -30,7 +28,7 @@ from eagle3_assets.core.gpu_host.stage_jobs import BoundedModeError, TrainingJob
 from eagle3_assets.core.serving.profile import ServingProfile
 from eagle3_assets.core.extraction.state_layout import FP8_DTYPE, bytes_per_token
 from eagle3_assets.core.storage.files import write_json_atomic
-from eagle3_assets.core.training.checkpoints import JOURNAL, read_journal
+from eagle3_assets.core.training.checkpoints import JOURNAL, checkpoint_name, read_journal
 from eagle3_assets.core.training.launch import EVENT_PREFIX
 from eagle3_assets.core.training.loop import train
 from eagle3_assets.core.training.streamed import StreamedGateError, StreamedWindow
@@ -39,6 +37,7 @@ from safetensors.torch import load_file
 
 from tests.extraction_helpers import write_validated_traces
 from tests.fs_watch import TreeWatcher
+from tests.hold_point import HoldPoint
 
 REPO = Path(__file__).resolve().parents[1]
 LAYER_IDS = [2, 3, 4]
@@ -85,8 +84,9 @@ def run_settings(tiny_target, streamed, work: Path, *, dtype="bfloat16", epochs=
     return {"train": train, "export_dir": str(work / "model"), "bounded": bounded}
 
 
-def start_stage(config_file: Path, log: Path) -> subprocess.Popen:
+def start_stage(config_file: Path, log: Path, hold: HoldPoint | None = None) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = hold.env(env) if hold else env
     return subprocess.Popen(
         [sys.executable, "-m", "eagle3_assets.stages.train_draft", "--config", str(config_file)],
         stdout=open(log, "a"), stderr=subprocess.STDOUT, env=env,
@@ -121,19 +121,27 @@ def test_killed_bounded_training_resumes_to_the_uninterrupted_run_and_never_exce
     watcher = TreeWatcher(Path(settings["bounded"]["window_dir"]))
     watcher.start()
 
-    # First run: SIGKILL once some steps are committed, in the middle of the run.
-    process = start_stage(config_file, log)
-    deadline = time.monotonic() + 300
-    try:
-        while len(read_journal(training / JOURNAL)) < 6:  # mid-shard when the kill lands in time (4 steps a shard)
-            assert process.poll() is None, "the stage exited before the kill:\n" + log.read_text()[-3000:]
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-    finally:
-        os.kill(process.pid, signal.SIGKILL)
-        process.wait()
-    assert not (training / "result.json").exists(), "the kill came too late to interrupt anything"
-    committed_before = len(read_journal(training / JOURNAL))
+    # The kill lands right after the third commit (a checkpoint, then its journal lines) of the first run,
+    # however fast or loaded the machine: the stage is held there until killed.
+    reference_log = uninterrupted.parent / "stage.log"
+    reference_commits = [e["step"] for e in events(reference_log) if e["event"] == "checkpoint"]
+    reference_journal = read_journal(uninterrupted / JOURNAL)
+    killed_at = reference_commits[2]
+    assert reference_journal[killed_at]["shard"] == reference_journal[killed_at - 1]["shard"], "the third commit falls mid-shard"
+    with HoldPoint("eagle3_assets.core.training.loop:append_journal", call=3) as hold:
+        process = start_stage(config_file, log, hold)
+        try:
+            assert hold.wait(lambda: process.poll() is None, "the first run's third commit") == process.pid, log.read_text()[-3000:]
+            hold.kill()
+        finally:
+            process.kill()
+            process.wait()
+    # What the killed run left: exactly the steps up to the third commit, in a complete checkpoint and in the journal.
+    durable = read_journal(training / JOURNAL)
+    assert [(r["step"], r["shard"], r["samples"]) for r in durable] == [(r["step"], r["shard"], r["samples"]) for r in reference_journal[:killed_at]]
+    checkpoints = sorted(c.name for c in (training / "checkpoints").glob("step-*"))
+    assert checkpoints[-1] == checkpoint_name(killed_at) and set(checkpoints) <= {checkpoint_name(s) for s in reference_commits[:3]}
+    assert not (training / "result.json").exists()
 
     # Second run: resumes and finishes.
     process = start_stage(config_file, log)
@@ -156,7 +164,7 @@ def test_killed_bounded_training_resumes_to_the_uninterrupted_run_and_never_exce
     assert [r["step"] for r in journal] == list(range(1, len(journal) + 1)), "steps are committed once each, in order"
     batch_ids = [b for r in journal for b in r["batches"]]
     assert len(batch_ids) == len(set(batch_ids)), f"trained twice: {[b for b, n in Counter(batch_ids).items() if n > 1]}"
-    assert len({r["pid"] for r in journal}) == 2 and committed_before < len(journal), "the second process trained the rest"
+    assert len({r["pid"] for r in journal}) == 2 and len({r["pid"] for r in journal[killed_at:]}) == 1, "the second process trained the rest"
     for epoch in (1, 2):
         for key, path in streamed["traces"].items():
             ids = [t.id for t in read_traces(path)]
@@ -164,7 +172,7 @@ def test_killed_bounded_training_resumes_to_the_uninterrupted_run_and_never_exce
             assert sorted(seen) == sorted(ids), f"epoch {epoch} {key}: every sample exactly once"
     logged = events(log)
     (resumed,) = [e for e in logged if e["event"] == "resumed"]
-    assert 0 < resumed["step"] < len(journal)
+    assert resumed["step"] == killed_at and resumed["checkpoint"].endswith(f"step-{killed_at:08d}")
 
     # -- the window, from every change the kernel reported under it during both runs
     result = json.loads((training / "result.json").read_text())

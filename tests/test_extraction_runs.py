@@ -14,7 +14,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import polars as pl
@@ -24,9 +23,10 @@ from dagster import AssetCheckKey, AssetKey, DagsterInstance, RunConfig, materia
 from eagle3_assets.core.extraction.shard_reading import read_sidecar
 from eagle3_assets.core.extraction.shard_record import engine_builds
 from eagle3_assets.core.storage.shard_lease import lease_path
-from eagle3_assets.core.storage.shard_paths import SHARD_RECORD, SIDECAR
+from eagle3_assets.core.storage.shard_paths import PART_GLOB, SHARD_RECORD, SIDECAR
 from eagle3_assets.partitions import register_shards
 from tests.extraction_helpers import in_process_vllm_environment, write_validated_traces
+from tests.hold_point import HoldPoint
 
 REPO = Path(__file__).resolve().parents[1]
 ASSET = AssetKey("hidden_states")
@@ -155,23 +155,26 @@ def test_a_stage_killed_mid_run_keeps_the_finished_shards_and_the_rerun_extracts
     home = tmp_path / "dagster_home"
     home.mkdir()
     (home / "dagster.yaml").write_text("")
-    worker = subprocess.Popen(
-        [sys.executable, "-c", WORKER, str(home), str(tiny_target), ",".join(keys)], cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )  # fmt: skip
     third = data_dir / "hidden_states" / keys[2]
-    try:
-        deadline = time.monotonic() + 300
-        # Two shards finished (their records written), the third being written: the stage dies there, as in an OOM kill.
-        while not (list(third.glob("*.partial")) and lease_path(third.parent, keys[2]).exists()):
-            assert worker.poll() is None and time.monotonic() < deadline, "the stage never reached the third shard"
-            time.sleep(0.01)
-        os.kill(json.loads(lease_path(third.parent, keys[2]).read_text())["pid"], signal.SIGKILL)
-        assert worker.wait(120) == 0, "the orchestrator outlives its stage and records the failure"
-    finally:
-        if worker.poll() is None:
-            os.killpg(worker.pid, signal.SIGKILL)
-            worker.wait(60)
+    # Two shards finished (their records written), the third's first part being written: the stage is held
+    # there, with that part's file created, and dies there, as in an OOM kill (whatever the machine's speed).
+    with HoldPoint("eagle3_assets.core.extraction.part_files:PartFileWriter.__init__", matching=f"{os.sep}{keys[2]}{os.sep}") as hold:
+        worker = subprocess.Popen(
+            [sys.executable, "-c", WORKER, str(home), str(tiny_target), ",".join(keys)], cwd=REPO,
+            env=hold.env({**os.environ, "PYTHONPATH": str(REPO)}), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )  # fmt: skip
+        try:
+            stage = hold.wait(lambda: worker.poll() is None, "the stage writing the third shard")
+            assert json.loads(lease_path(third.parent, keys[2]).read_text())["pid"] == stage, "the held stage holds the third shard's lease"
+            (partial,) = third.glob("*.partial")
+            assert not list(third.glob(PART_GLOB)) and not (data_dir / "hidden_states" / keys[3]).exists()
+            hold.kill()
+            assert worker.wait(120) == 0, "the orchestrator outlives its stage and records the failure"
+        finally:
+            if worker.poll() is None:
+                os.killpg(worker.pid, signal.SIGKILL)
+                worker.wait(60)
 
     with DagsterInstance.from_config(str(home)) as instance:
         (killed_run,) = instance.get_run_records()
@@ -191,6 +194,7 @@ def test_a_stage_killed_mid_run_keeps_the_finished_shards_and_the_rerun_extracts
         assert engine_build_ids(instance, keys[:2]) == first_build and engine_build_ids(instance, keys[2:]) == {builds[1]["id"]}
         logs = [entry.user_message for entry in instance.all_logs(rerun.run_id)]
         assert any("took over the lease" in line and "gone (dead)" in line for line in logs)
+        assert any(f"removed {partial}" in line for line in logs), "the killed stage's part file is cleared"
         assert_each_shard_is_its_own(instance, data_dir, keys)
 
 

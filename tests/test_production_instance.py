@@ -22,6 +22,7 @@ daemon log line.
 
 from __future__ import annotations
 
+import json
 import os
 import pwd
 import secrets
@@ -216,6 +217,19 @@ class DagsterDaemon:
 # --------------------------------------------------------------------------- helpers
 
 
+POOL_BLOCKED = " is blocked by global concurrency limits: "
+
+
+def pool_blocked(daemon_log: Path) -> dict[str, dict]:
+    """The runs the daemon's run queue left queued for a pool, with what it said of each pool (``Run <id> is blocked by ...: {...}``)."""
+    blocked = {}
+    for line in daemon_log.read_text(errors="replace").splitlines():
+        if POOL_BLOCKED in line:
+            head, info = line.split(POOL_BLOCKED, 1)
+            blocked[head.rsplit("Run ", 1)[1]] = json.loads(info)
+    return blocked
+
+
 def range_of(run) -> tuple[str, str]:
     """The shards a run materialises: its range (a ranged run), or its one partition."""
     tags = run.tags
@@ -355,8 +369,14 @@ def test_backfill_through_the_production_instance(postgres, vllm_server, data_di
                 r.status != DagsterRunStatus.SUCCESS for r in backfill_runs() if r not in generation_runs()
             ):
                 wait("the generation runs of all four shards queued")
-            time.sleep(3)  # a few dequeue intervals: nothing may start
+            # The run queue considered each of them and held it for the pool, in the daemon's own words (its
+            # QueuedRunCoordinatorDaemon logs this once per run it leaves queued): none of them may have started.
+            while set(pool_blocked(daemon.log_path)) != {r.run_id for r in generation_runs()}:
+                # (NOT_STARTED: created by the backfill daemon, not yet submitted to the queue)
+                assert {r.status for r in generation_runs()} <= {DagsterRunStatus.NOT_STARTED, DagsterRunStatus.QUEUED}, "a generation run left the queue"
+                wait("the run queue holding every generation run for the pool")
             assert {r.status for r in generation_runs()} == {DagsterRunStatus.QUEUED}
+            assert all(info[GENERATION_POOL]["slot_count"] == 0 for info in pool_blocked(daemon.log_path).values())
 
             # Open the pool (what `dagster instance concurrency set vllm_generation 1` does) and
             # count the generation runs alive until the backfill is over.

@@ -22,12 +22,13 @@ from dagster import DagsterEventType, DagsterInstance, RunConfig, materialize
 
 from eagle3_assets.core.extraction.part_files import HiddenStateFileError
 from eagle3_assets.core.extraction.shard_reading import read_sidecar
-from eagle3_assets.core.storage.shard_paths import SIDECAR
+from eagle3_assets.core.storage.shard_paths import PART_GLOB, SIDECAR
 from eagle3_assets.core.storage.shard_lease import ShardBusyError, ShardLease, lease_path
 from eagle3_assets.core.training.data import index_hidden_states, load_batch
 from eagle3_assets.demo.plugin import DemoTargetModel
 from eagle3_assets.partitions import register_shards
 from tests.extraction_helpers import write_validated_traces
+from tests.hold_point import HoldPoint
 
 REPO = Path(__file__).resolve().parents[1]
 SHARD = "shard-00000"
@@ -126,24 +127,24 @@ materialize([hidden_states], partition_key=sys.argv[1], instance=instance,
 
 
 def test_sigkill_mid_hidden_states_then_one_plain_rerun_completes_the_shard(data_dir, tiny_target):
-    traces = write_validated_traces(data_dir, SHARD, tiny_target, count=48)
+    traces = write_validated_traces(data_dir, SHARD, tiny_target, count=12)
     shard = data_dir / "hidden_states" / SHARD
-    worker = subprocess.Popen(
-        [sys.executable, "-c", WORKER, SHARD, str(tiny_target)], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 300
-        while not (list(shard.glob("*.partial")) and lease_path(shard.parent, SHARD).exists()):
-            assert worker.poll() is None and time.monotonic() < deadline, "the stage never started writing"
-            time.sleep(0.01)
-        stage_pid = json.loads(lease_path(shard.parent, SHARD).read_text())["pid"]
-        os.kill(stage_pid, signal.SIGKILL)  # the process writing the shard dies mid-part, as in an OOM kill
-    finally:
-        os.killpg(worker.pid, signal.SIGKILL)
-        worker.wait(60)
+    # The stage is held mid-part (the states of 3 of the part's 12 samples written into its file) and dies there,
+    # as in an OOM kill, however fast or loaded the machine.
+    with HoldPoint("eagle3_assets.core.extraction.part_files:PartFileWriter.write_rows", call=3, matching="final_hidden_states") as hold:
+        worker = subprocess.Popen(
+            [sys.executable, "-c", WORKER, SHARD, str(tiny_target)], cwd=REPO, env=hold.env({**os.environ, "PYTHONPATH": str(REPO)}),
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        )  # fmt: skip
+        try:
+            stage = hold.wait(lambda: worker.poll() is None, "the stage writing the shard")
+            assert json.loads(lease_path(shard.parent, SHARD).read_text())["pid"] == stage, "the held stage holds the shard's lease"
+            hold.kill()
+        finally:
+            os.killpg(worker.pid, signal.SIGKILL)
+            worker.wait(60)
     (partial,) = shard.glob("*.partial")
-    assert not (shard / SIDECAR).exists()
+    assert not (shard / SIDECAR).exists() and not list(shard.glob(PART_GLOB)), "no part of the shard was finished"
 
     instance = DagsterInstance.ephemeral()
     register_shards(instance, [SHARD])
@@ -377,7 +378,7 @@ def test_a_killed_run_in_the_local_instance_is_marked_failed_and_frees_its_pool_
             os.killpg(worker.pid, signal.SIGKILL)
             worker.wait(30)
             worker.stdout.close()
-        assert journal_rows(data_dir) > already, "the killed run made no progress"
+        assert journal_rows(data_dir) == already + 4, "the killed run journaled exactly the 4 rows answered before the hold"
         (run,) = [r for r in instance.get_runs() if r.status.value == "STARTED"]
         # Pools are per run (deploy/dagster-dev.yaml): the dead run holds the pool's place by being STARTED
         # (the queue counts it), not by a claimed op slot; marking it failed is what gives the place back.
@@ -419,4 +420,4 @@ def test_a_killed_run_in_the_local_instance_is_marked_failed_and_frees_its_pool_
         )  # fmt: skip
     assert result.success
     (mat,) = result.asset_materializations_for_node("raw_responses")
-    assert mat.metadata["reused_rows"].value >= durable
+    assert durable == 8 and mat.metadata["reused_rows"].value == durable, "every row the two killed runs journaled is reused"

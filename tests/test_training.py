@@ -10,10 +10,8 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import signal
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -32,6 +30,7 @@ from eagle3_assets.core.training.initial_weights import initial_draft
 from eagle3_assets.core.training.launch import run_training
 from eagle3_assets.core.draft.vocab import VocabMapping, build_vocab_mapping, save_vocab_mapping
 from tests.demo_hidden_states import cached_demo_hidden_states
+from tests.hold_point import HoldPoint
 
 REPO = Path(__file__).resolve().parents[1]
 # Loss curves of 1 and 2 processes agree to this relative tolerance: the batches are identical,
@@ -253,32 +252,33 @@ def test_killed_training_resumes_from_its_last_complete_checkpoint_to_the_same_w
     Path(interrupted.training_dir).mkdir(parents=True)
     launch = Path(interrupted.training_dir) / "launch.json"
     write_json_atomic(launch, interrupted.to_dict())
-    # The one-process form of the worker docs/training.md runs by hand.
-    process = subprocess.Popen([sys.executable, "-m", "eagle3_assets.core.training", "--config", str(launch)], stdout=subprocess.DEVNULL)
+    # The one-process form of the worker docs/training.md runs by hand, held right after its first commit
+    # (epoch 1's checkpoint, then its journal lines) and killed there, however fast or loaded the machine.
     checkpoints = Path(interrupted.training_dir) / "checkpoints"
-    deadline = time.monotonic() + 300
-    try:
-        while not any((c / "manifest.json").is_file() for c in checkpoints.glob("step-*")):
-            assert process.poll() is None, "training exited before its first checkpoint"
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-    finally:
-        os.kill(process.pid, signal.SIGKILL)
-        process.wait()
-    assert not (Path(interrupted.training_dir) / "result.json").exists(), "the kill came too late to interrupt anything"
-    first = min(c for c in checkpoints.glob("step-*") if (c / "manifest.json").is_file())
-    steps_per_epoch = int(first.name.split("-")[1])
-    assert json.loads((first / "state.json").read_text())["epoch"] == 1, "offline mode commits at each epoch's end"
+    with HoldPoint("eagle3_assets.core.training.loop:append_journal", call=1) as hold:
+        command = [sys.executable, "-m", "eagle3_assets.core.training", "--config", str(launch)]
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, env=hold.env(os.environ))
+        try:
+            assert hold.wait(lambda: process.poll() is None, "the first checkpoint") == process.pid
+            hold.kill()
+        finally:
+            process.kill()
+            process.wait()
+    steps_per_epoch = sum(1 for r in history if r["epoch"] == 1)
+    first = checkpoints / checkpoint_name(steps_per_epoch)
+    assert sorted(checkpoints.glob("step-*")) == [first], "offline mode commits at each epoch's end: epoch 1's checkpoint alone"
+    assert json.loads((first / "state.json").read_text())["epoch"] == 1
+    assert [r["step"] for r in read_journal(Path(interrupted.training_dir) / JOURNAL)] == list(range(1, steps_per_epoch + 1))
+    assert not (Path(interrupted.training_dir) / "result.json").exists()
 
     # Fault injection: what a crash while writing epoch 2's checkpoint and a damaged one would leave.
     second = checkpoints / checkpoint_name(2 * steps_per_epoch)
     crashed = checkpoints / f".{second.name}.crashed.partial"
     crashed.mkdir(exist_ok=True)
     (crashed / "model.safetensors").write_bytes(b"half a file")
-    if not second.exists():
-        second.mkdir()
-        for name in ("model.safetensors", "trainer.pt", "state.json", "manifest.json"):
-            (second / name).write_bytes((first / name).read_bytes())
+    second.mkdir()
+    for name in ("model.safetensors", "trainer.pt", "state.json", "manifest.json"):
+        (second / name).write_bytes((first / name).read_bytes())
     with open(second / "model.safetensors", "r+b") as fh:
         fh.truncate(100)
     assert latest_checkpoint(checkpoints, uninterrupted["fingerprint"]) == first

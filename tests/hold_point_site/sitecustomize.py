@@ -1,0 +1,90 @@
+"""Fault injection for tests (tests/hold_point.py): hold this process at a named call of the product.
+
+Python imports ``sitecustomize`` at start-up from the first ``sys.path`` entry
+that has one; a test that starts a process with this directory first on
+``PYTHONPATH`` and ``EAGLE3_TEST_HOLD_AT`` set gets that process (and every
+Python process it starts, which inherit both) patched as follows. Without
+``EAGLE3_TEST_HOLD_AT`` nothing happens.
+
+``EAGLE3_TEST_HOLD_AT=module:Qualified.name``: when ``module`` is imported, that
+function (or method) is wrapped. Its ``EAGLE3_TEST_HOLD_CALL``-th call (1 by
+default) counting only calls with an argument (a ``str`` or a path) that contains
+``EAGLE3_TEST_HOLD_MATCH`` (any call when unset) is held
+``EAGLE3_TEST_HOLD_WHEN`` (``before`` it runs or ``after`` it returns): the
+calling thread connects to the test's Unix socket ``EAGLE3_TEST_HOLD_SOCKET``
+(an abstract name), says which process it is, and waits there until the test
+answers or closes the socket (or goes away). The test kills it there: the point
+the test means, however fast or slow the machine.
+"""
+
+import os
+
+if os.environ.get("EAGLE3_TEST_HOLD_AT"):
+    import functools
+    import importlib.abc
+    import importlib.machinery
+    import json
+    import socket
+    import sys
+    import threading
+
+    _MODULE, _NAME = os.environ["EAGLE3_TEST_HOLD_AT"].split(":", 1)
+    _CALL = int(os.environ.get("EAGLE3_TEST_HOLD_CALL", "1"))
+    _MATCH = os.environ.get("EAGLE3_TEST_HOLD_MATCH", "")
+    _WHEN = os.environ.get("EAGLE3_TEST_HOLD_WHEN", "after")
+    _SOCKET = "\0" + os.environ["EAGLE3_TEST_HOLD_SOCKET"]
+
+    def _mentions(args, kwargs) -> bool:
+        if not _MATCH:
+            return True
+        return any(isinstance(a, (str, os.PathLike)) and _MATCH in os.fspath(a) for a in (*args, *kwargs.values()))
+
+    def _hold(call: int) -> None:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as held:
+            held.connect(_SOCKET)
+            held.sendall(json.dumps({"pid": os.getpid(), "at": os.environ["EAGLE3_TEST_HOLD_AT"], "call": call, "when": _WHEN}).encode() + b"\n")
+            held.recv(1)  # until the test answers, closes the socket or kills this process
+
+    def _wrap(original):
+        calls, lock = [0], threading.Lock()
+
+        @functools.wraps(original)
+        def held(*args, **kwargs):
+            if not _mentions(args, kwargs):
+                return original(*args, **kwargs)
+            with lock:
+                calls[0] += 1
+                this = calls[0]
+            if this == _CALL and _WHEN == "before":
+                _hold(this)
+            result = original(*args, **kwargs)
+            if this == _CALL and _WHEN == "after":
+                _hold(this)
+            return result
+
+        return held
+
+    def _patch(module) -> None:
+        *owners, attribute = _NAME.split(".")
+        owner = module
+        for name in owners:
+            owner = getattr(owner, name)
+        setattr(owner, attribute, _wrap(getattr(owner, attribute)))  # an AttributeError names a hold point that is gone
+
+    class _PatchOnImport(importlib.abc.MetaPathFinder):
+        def find_spec(self, fullname, path, target=None):
+            if fullname != _MODULE:
+                return None
+            spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+            if spec is None or spec.loader is None:
+                return spec
+            load = spec.loader.exec_module
+
+            def exec_module(module):
+                load(module)
+                _patch(module)
+
+            spec.loader.exec_module = exec_module
+            return spec
+
+    sys.meta_path.insert(0, _PatchOnImport())
