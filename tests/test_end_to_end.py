@@ -259,18 +259,20 @@ def test_wrong_layer_ids_score_clearly_below_and_are_rejected_before_evaluation(
     """The demo draft exported with other layer ids: vLLM serves it without a word, it scores clearly lower,
     and ``config_complete`` rejects the export before evaluation would run.
 
-    The ids here are the last layers' ([5, 6, 7]) instead of the trained ones:
-    vLLM feeds the draft the wrong states and nothing fails, only acceptance
-    drops (3.65 -> 3.17 and 3.73 -> 3.48 in two runs here; [0, 1, 2] or
-    [0, 5, 6] drop a short-trained draft as far as [5, 6, 7] does). An off-by-one export costs far less
-    on a 7-layer target (2.75 -> 2.69), whose neighbouring layers' states are
-    close, so for that one only the gate tells them apart (docs/evaluation.md).
+    The ids here are the first layers' ([0, 1, 2]: the embedding's output and
+    the first two layers) instead of the trained ones: vLLM feeds the draft the
+    wrong states and nothing fails, only acceptance drops (3.57 -> 3.15 in a run
+    here, the drop's 95 % interval over the prompts 0.39 +- 0.17). Later layers
+    cost far less on a 7-layer target, whose residual states change little from
+    layer to layer: [5, 6, 7] dropped the same draft by 0.13 +- 0.17, and by
+    0.25 to 0.48 in other runs of this graph, so for those only the gate tells
+    them apart (docs/evaluation.md).
     vLLM treats the ids as a set: the same ids reversed score the same.
     """
     instance, data = demo_graph
     model_dir = data / "draft_checkpoint" / "model"
     right_ids = json.loads((model_dir / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
-    wrong_ids = [5, 6, 7]
+    wrong_ids = [0, 1, 2]
     assert right_ids == [2, 3, 4]  # vLLM's defaults for 7 layers, which the demo trains on
     wrong_dir = tmp_path / "wrong_layer_ids"
     shutil.copytree(model_dir, wrong_dir)
@@ -297,7 +299,7 @@ def test_wrong_layer_ids_score_clearly_below_and_are_rejected_before_evaluation(
     assert wrong.drafts > 0 and wrong.failed == 0
     # Clearly below, prompt by prompt on the same greedy prompts: the drop's 95 % interval over the prompts lies above
     # zero, and the mean drop is at least 5 % of the right draft's length. How far it drops depends on what the draft
-    # learned (0.25 to 0.5 in runs of this graph), so no fixed distance is asserted.
+    # learned, so no fixed distance is asserted.
     per_prompt = right["per_prompt_acceptance_length"], wrong.per_prompt_acceptance_length
     assert all(len(lengths) == len(conversations) and None not in lengths for lengths in per_prompt), per_prompt
     drops = [r - w for r, w in zip(*per_prompt)]
