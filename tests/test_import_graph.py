@@ -13,7 +13,8 @@ gates, a helper) lives below both, so that reading, testing or changing one
 asset never drags in another, and the graph stays low.
 
 The graph is read from the source (``ast``), not by importing, so the test
-needs no GPU, no vLLM and no Dagster instance, and names the cycle it finds.
+needs no GPU, no vLLM and no Dagster instance, and names the cycle it finds;
+only the code location's load is tried for real, in a fresh interpreter.
 """
 
 from __future__ import annotations

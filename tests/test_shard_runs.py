@@ -54,19 +54,13 @@ def ranged(context):
     yield from ()
 
 
-def _range_tags(first: str, last: str) -> dict:
-    tags = {"dagster/asset_partition_range_start": first, "dagster/asset_partition_range_end": last}
-    assert shard_range_tags(first, last) == tags  # the product's, for the demo's ranged runs
-    return tags
-
-
 def test_each_shard_of_a_ranged_run_is_its_own_partition():
     instance = DagsterInstance.ephemeral()
     instance.add_dynamic_partitions("test_shards", ["s0", "s1", "s2", "s3"])
     for key in ["s0", "s1", "s2", "s3"]:
         assert materialize([upstream], instance=instance, partition_key=key).success
 
-    result = materialize([upstream, ranged], instance=instance, selection=[AssetKey("ranged")], tags=_range_tags("s0", "s3"), raise_on_error=False)
+    result = materialize([upstream, ranged], instance=instance, selection=[AssetKey("ranged")], tags=shard_range_tags("s0", "s3"), raise_on_error=False)
 
     # The bad shard fails the run, naming it, after every shard was recorded.
     assert not result.success
@@ -127,7 +121,7 @@ def test_a_one_shard_run_goes_on_downstream_and_a_range_records_each_shard():
     # A range: every shard recorded as its own partition, with its own version.
     for key in ["s2", "s3"]:
         materialize([upstream], instance=instance, partition_key=key)
-    ranged_run = materialize([upstream, reported], instance=instance, selection=[AssetKey("reported")], tags=_range_tags("s2", "s3"))
+    ranged_run = materialize([upstream, reported], instance=instance, selection=[AssetKey("reported")], tags=shard_range_tags("s2", "s3"))
     assert ranged_run.success
     for key in ["s2", "s3"]:
         tags = instance.get_latest_data_version_record(AssetKey("reported"), partition_key=key).asset_materialization.tags
@@ -138,6 +132,8 @@ def test_the_demo_splits_its_shards_into_runs_as_a_backfill_does():
     """Generation and extraction over every shard in one ranged run (a server kept busy, the target loaded once);
     the assets without a backfill policy one run per shard; a policy's cap splits a longer range."""
     keys = [f"shard-{i:05d}" for i in range(5)]
+    # A ranged run carries the tags a backfill's does.
+    assert shard_range_tags(keys[0], keys[-1]) == {"dagster/asset_partition_range_start": keys[0], "dagster/asset_partition_range_end": keys[-1]}
     runs = {a.key.to_user_string(): shard_runs(a, keys) for a in PER_SHARD_ASSETS}
     assert runs == {
         "prompts": [[k] for k in keys], "raw_responses": [keys], "validated_traces": [[k] for k in keys], "hidden_states": [keys],
