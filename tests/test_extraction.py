@@ -208,6 +208,13 @@ def test_a_run_killed_mid_shard_resumes_to_identical_files(tmp_path, tiny_target
     for name in names:
         assert (clean / name).read_bytes() == (killed / name).read_bytes(), name
 
+    # Extracted again once complete: every part reused and no file written, the sidecar included (a resumed streamed
+    # window holds the shard, never a second copy of any of its files).
+    untouched = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in killed.iterdir()}
+    again = extract_shard(traces, killed, settings_for(tiny_target), tf_backend)
+    assert (again.parts_reused, again.parts_written) == (again.parts, 0)
+    assert {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in killed.iterdir()} == untouched
+
 
 def test_wrong_layer_ids_in_the_sidecar_are_caught(tmp_path, tiny_target, traces, tf_backend):
     facts = TargetFacts.from_path(tiny_target)

@@ -281,11 +281,12 @@ def extract_shard(
     key = extraction_key(settings, backend.name, backend.final_state, traces_digest(traces), facts)
     sidecar_path = shard_dir / SIDECAR
     recorded: dict[str, str] = {}  # part name -> the sha256 the sidecar of this same extraction recorded
+    previous: dict = {}
     if sidecar_path.is_file():
         try:
             previous = json.loads(sidecar_path.read_text())
         except ValueError:
-            previous = {}
+            pass
         if previous.get("extraction_key") != key:
             sidecar_path.unlink()  # the shard reads as incomplete while it is redone
         else:
@@ -362,7 +363,10 @@ def extract_shard(
         "storage_order": "by length, then row of validated_traces",
         "extraction_key": key,
     }
-    write_json_atomic(sidecar_path, sidecar)
+    # A complete shard extracted again writes nothing: replacing an equal sidecar would briefly hold two copies of it,
+    # beyond what a streamed window of shards promises to hold.
+    if not (sidecar_path.is_file() and previous == sidecar):
+        write_json_atomic(sidecar_path, sidecar)
     report = ExtractionReport(
         shard_dir=shard_dir,
         samples=len(traces),
