@@ -234,6 +234,17 @@ def test_a_frozen_lm_head_ends_bit_for_bit_as_it_started_and_has_no_optimizer_st
     assert trained["gradients"] + trained["optimizer"] - frozen["gradients"] - frozen["optimizer"] == initial.numel() * 12
 
 
+def test_the_loss_setting_reaches_the_loop_and_the_run_records_it(hidden_states, tiny_target, tmp_path):
+    """Each loss trains the same steps from the same start to other weights (tests/test_training_losses.py: what each is)."""
+    results = {loss: run_training(small_config(hidden_states, tiny_target, tmp_path / loss, epochs=1, loss=loss)) for loss in ("kl", "nla", "lk_hybrid")}
+    weights = {loss: final_weights(r) for loss, r in results.items()}
+    for loss in ("nla", "lk_hybrid"):
+        state = json.loads((Path(results[loss]["checkpoint"]) / "state.json").read_text())
+        assert state["config"]["loss"] == loss and state["step"] == json.loads((Path(results["kl"]["checkpoint"]) / "state.json").read_text())["step"]
+        assert not torch.allclose(weights[loss]["fc.weight"], weights["kl"]["fc.weight"]), f"loss {loss} trained the default's weights"
+        assert all(torch.isfinite(t).all() for t in weights[loss].values())
+
+
 def test_a_frozen_lm_head_without_the_targets_head_is_refused(hidden_states, tiny_target, tmp_path):
     config = small_config(hidden_states, tiny_target, tmp_path, freeze_lm_head=True, head_from_target=False)
     with pytest.raises(ValueError, match="freeze_lm_head with head_from_target false"):

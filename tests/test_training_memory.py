@@ -16,6 +16,7 @@ import torch
 
 from eagle3_assets.core.draft.model import DraftConfig, Eagle3Draft
 from eagle3_assets.core.target.head import TargetHead
+from eagle3_assets.core.training.config import LOSSES
 from eagle3_assets.core.training.loss import TrainingTimeTest
 from eagle3_assets.core.training.memory import (
     MemoryPlanError,
@@ -77,15 +78,15 @@ def random_batch(config: DraftConfig, rows: int, length: int, seed=1):
     return aux, final, ids, mask
 
 
-def gradients(draft, head, mapping, batch, *, ttt=3, checkpoint_steps=False, loss_chunk_tokens=0, target_chunk=0):
+def gradients(draft, head, mapping, batch, *, ttt=3, checkpoint_steps=False, loss_chunk_tokens=0, target_chunk=0, loss="kl"):
     aux, final, ids, mask = batch
     draft.zero_grad(set_to_none=True)
     chunk = target_chunk or final.shape[0] * final.shape[1]
     target_logits, target_top = head.draft_logits(final, "post_norm", mapping.draft_to_target, chunk=chunk)
-    ttt_module = TrainingTimeTest(draft, ttt, 0.8, checkpoint_steps=checkpoint_steps, loss_chunk_tokens=loss_chunk_tokens)
-    loss, stats = ttt_module(aux, ids, mask, target_logits, target_top)
-    loss.backward()
-    return loss.detach(), stats, {n: p.grad.clone() for n, p in draft.named_parameters() if p.requires_grad}
+    ttt_module = TrainingTimeTest(draft, ttt, 0.8, checkpoint_steps=checkpoint_steps, loss_chunk_tokens=loss_chunk_tokens, loss=loss)
+    total, stats = ttt_module(aux, ids, mask, target_logits, target_top)
+    total.backward()
+    return total.detach(), stats, {n: p.grad.clone() for n, p in draft.named_parameters() if p.requires_grad}
 
 
 @pytest.mark.parametrize(
@@ -113,12 +114,31 @@ def test_each_memory_setting_computes_the_same_gradients(setting):
         torch.testing.assert_close(on[name], off[name], rtol=GRAD_RTOL, atol=GRAD_ATOL, msg=f"{name} differs with {setting}")
 
 
-def measured_step_peak(draft, head, mapping, rows: int, length: int, ttt: int, *, checkpoint: bool, loss_chunk: int, target_chunk: int) -> int:
+@pytest.mark.parametrize("loss", LOSSES)
+def test_each_losss_chunked_gradient_is_the_autograd_gradient_of_the_unchunked_loss(loss):
+    """The chunked loss's backward is written out (no graph is kept); unchunked, autograd differentiates the same loss."""
+    torch.set_num_threads(1)
+    draft, head, mapping = small_draft()
+    batch = random_batch(draft.config, rows=3, length=20)
+    loss_off, stats_off, off = gradients(draft, head, mapping, batch, loss=loss)
+    loss_on, stats_on, on = gradients(draft, head, mapping, batch, loss=loss, loss_chunk_tokens=7, checkpoint_steps=True)
+    assert float(loss_off) > 0 and stats_off[2].sum() > 0
+    torch.testing.assert_close(loss_on, loss_off, rtol=GRAD_RTOL, atol=GRAD_ATOL)
+    torch.testing.assert_close(stats_on, stats_off, rtol=GRAD_RTOL, atol=GRAD_ATOL)
+    for name in off:
+        assert off[name].abs().max() > 0, f"{name}: no gradient at all, the comparison would be empty"
+        torch.testing.assert_close(on[name], off[name], rtol=GRAD_RTOL, atol=GRAD_ATOL, msg=f"{name} differs for loss {loss}")
+    if loss != "kl":  # another loss: other gradients than the default's, or the setting reached nothing
+        _, _, kl = gradients(draft, head, mapping, batch)
+        assert not torch.allclose(kl["lm_head.weight"], off["lm_head.weight"], rtol=1e-3, atol=1e-6)
+
+
+def measured_step_peak(draft, head, mapping, rows: int, length: int, ttt: int, *, checkpoint: bool, loss_chunk: int, target_chunk: int, loss="kl") -> int:
     """Peak bytes of one optimizer step: the tensors alive before it plus the most it allocated at once."""
     batch = random_batch(draft.config, rows, length)
     trainable = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-4)
-    ttt_module = TrainingTimeTest(draft, ttt, 0.8, checkpoint_steps=checkpoint, loss_chunk_tokens=loss_chunk)
+    ttt_module = TrainingTimeTest(draft, ttt, 0.8, checkpoint_steps=checkpoint, loss_chunk_tokens=loss_chunk, loss=loss)
 
     def step():
         aux, final, ids, mask = batch
@@ -143,16 +163,18 @@ def measured_draft(form: str):
     return small_mla_draft() if form == "deepseek_mla" else small_draft(**MEASURED_DRAFT)
 
 
-def measure_in_this_process(rows: int, length: int, settings: dict, form: str = "llama") -> int:
+def measure_in_this_process(rows: int, length: int, settings: dict, form: str = "llama") -> int:  # settings may name the loss
     torch.set_num_threads(1)
     draft, head, mapping = measured_draft(form)
     return measured_step_peak(draft, head, mapping, rows, length, 3, **settings)
 
 
 @pytest.mark.parametrize(
-    "memory_settings, form", [(False, "llama"), (True, "llama"), (False, "deepseek_mla")], ids=["settings off", "settings on", "MLA form"]
+    "memory_settings, form, loss",
+    [(False, "llama", "kl"), (True, "llama", "kl"), (False, "deepseek_mla", "kl"), (False, "llama", "lk_hybrid"), (True, "llama", "lk_hybrid")],
+    ids=["settings off", "settings on", "MLA form", "LK loss, settings off", "LK loss, settings on"],
 )
-def test_the_estimate_holds_the_measured_peak_at_two_sizes(memory_settings, form):
+def test_the_estimate_holds_the_measured_peak_at_two_sizes(memory_settings, form, loss):
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
@@ -161,14 +183,14 @@ def test_the_estimate_holds_the_measured_peak_at_two_sizes(memory_settings, form
     assert StepShape.of(draft.config, 1, 1, 3, bf16=False).trainable_parameters == trainable
     figures = []
     for rows, length in ((2, 64), (4, 160)):
-        settings = dict(checkpoint=memory_settings, loss_chunk=32 if memory_settings else 0, target_chunk=48 if memory_settings else 0)
+        settings = dict(checkpoint=memory_settings, loss_chunk=32 if memory_settings else 0, target_chunk=48 if memory_settings else 0, loss=loss)
         # Measured in a fresh interpreter: what earlier tests left in this process (seen: 17.7 MB instead of 21.2 MB
         # after the bounded-disk tests) is not the step's.
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
             measured = pool.submit(measure_in_this_process, rows, length, settings, form).result()
         shape = StepShape.of(
             draft.config, rows * length, length, 3, bf16=False, activation_checkpointing=settings["checkpoint"],
-            loss_chunk_tokens=settings["loss_chunk"], target_head_chunk_tokens=settings["target_chunk"],
+            loss_chunk_tokens=settings["loss_chunk"], target_head_chunk_tokens=settings["target_chunk"], loss=loss,
         )  # fmt: skip
         estimate = estimate_step_bytes(shape)["total"]
         figures.append((rows * length, estimate, measured, estimate / measured))

@@ -12,6 +12,8 @@ from typing import ClassVar
 
 from eagle3_assets.core.settings.job_schema import JobSchema, given, setting
 
+LOSSES = ("kl", "ce", "nla", "lk_hybrid")  # core/training/loss.py computes each
+
 
 class TrainingRecipe(JobSchema):
     """The training settings a run of ``draft_checkpoint`` sets in the launchpad (its Dagster config is this class).
@@ -31,6 +33,13 @@ class TrainingRecipe(JobSchema):
     grad_clip: float = setting(0.5, "gradient norm clip")
     ttt_steps: int = setting(7, "training-time test: draft steps unrolled on the draft's own states")
     step_weight: float = setting(0.8, "loss weight of unrolled step i is step_weight**i")
+    # core/training/loss.py defines each; speculators trains with forward KL by default and offers the LK losses.
+    loss: str = setting(
+        "kl",
+        "what each position is trained towards: 'kl' (forward KL to the target's distribution), 'ce' (the target's top "
+        "token alone), or an LK loss (acceptance itself): 'nla' (-log acceptance) or 'lk_hybrid' (KL blended into TV)",
+    )
+    lk_eta: float = setting(3.0, "lk_hybrid: the blend's weight of KL is exp(-lk_eta * acceptance)", gt=0)
     # speculators trains with its head frozen; ours trains it by default. Frozen: no gradient, no AdamW state for it
     # (12 bytes a weight in float32: 2.56 GiB per process at Kimi width, 7,168 x a 32,000-token draft vocabulary).
     freeze_lm_head: bool = setting(False, "keep the draft's lm_head at its initial weights (from scratch: the target's rows): no gradient, no optimizer state")
@@ -113,6 +122,8 @@ class TrainConfig(TrainingRecipe):
             problems.append("fc_norm and norm_before_fc both set: one norm per auxiliary state or one over their concatenation, not both")
         if self.freeze_lm_head and not self.head_from_target and self.init_from is None:
             problems.append("freeze_lm_head with head_from_target false: the draft's lm_head would stay at its random initial weights")
+        if self.loss not in LOSSES:
+            problems.append(f"loss {self.loss!r}: one of {', '.join(repr(name) for name in LOSSES)}")
         if self.draft_form not in ("auto", "llama", "deepseek_mla"):
             problems.append(f"draft_form {self.draft_form!r}: one of 'auto', 'llama', 'deepseek_mla'")
         if problems:

@@ -42,6 +42,13 @@ from eagle3_assets.core.draft.model import DraftConfig
 from eagle3_assets.core.draft.model_mla import MLADraftConfig
 
 FLOAT32 = 4
+# Vocabulary-wide float32 tensors per position of each loss (core/training/loss.py): kept for backward when the loss
+# is not chunked (the log-softmax and the target's shifted distribution; the LK losses also the softmax and the
+# overlap's terms: 4 fits the peak measured in tests/test_training_memory.py), and alive at once in one chunk's
+# backward when it is (the logits, the target's distribution, the gradient; the LK losses also the overlap's mask and
+# its gradient).
+LOSS_KEPT_TENSORS = {"kl": 2, "ce": 2, "nla": 4, "lk_hybrid": 4}
+LOSS_CHUNK_BACKWARD_TENSORS = {"kl": 3, "ce": 3, "nla": 5, "lk_hybrid": 5}
 
 
 @dataclass(frozen=True)
@@ -66,6 +73,7 @@ class StepShape:
     attention_parameters: int = 0  # the MLA form's projections (0: grouped-query attention's, from the widths above)
     latent_width: int = 0  # the MLA form's query and KV latents per token
     frozen_lm_head: bool = False  # freeze_lm_head: the head's weights only, no gradient or optimizer state
+    loss: str = "kl"  # the training loss (its vocabulary-wide tensors)
 
     @classmethod
     def of(cls, draft: DraftConfig | MLADraftConfig, tokens: int, seq_len: int, ttt_steps: int, *, bf16: bool, **settings) -> StepShape:
@@ -129,7 +137,7 @@ def step_activation_bytes(shape: StepShape, k: int, tokens: int | None = None) -
         + s.latent_width * (a + 2 * FLOAT32)
     )
     if not s.loss_chunk_tokens:
-        per_token += 2 * s.draft_vocab * FLOAT32  # the log-softmax of the logits and the target's shifted distribution
+        per_token += LOSS_KEPT_TENSORS[s.loss] * s.draft_vocab * FLOAT32
     return per_token * n
 
 
@@ -163,7 +171,7 @@ def estimate_step_bytes(shape: StepShape) -> dict[str, int]:
     # (one loss chunk's when chunked) exist while its activations are freed.
     last = s.ttt_steps - 1
     loss_chunk = min(s.loss_chunk_tokens or n, n)
-    parts["backward_transient"] = n * s.heads * (s.seq_len + last) * FLOAT32 + (3 if s.loss_chunk_tokens else 1) * loss_chunk * s.draft_vocab * FLOAT32
+    parts["backward_transient"] = n * s.heads * (s.seq_len + last) * FLOAT32 + (LOSS_CHUNK_BACKWARD_TENSORS[s.loss] if s.loss_chunk_tokens else 1) * loss_chunk * s.draft_vocab * FLOAT32
     fixed = parts["weights"] + parts["gradients"] + parts["optimizer"] + parts["target_head"] + parts["batch"]
     training = parts["target_logits"] + parts["activations"] + parts["backward_transient"]
     parts["total"] = fixed + max(parts["target_head_transient"], training)
@@ -252,6 +260,7 @@ def plan_micro_batch(
         loss_chunk_tokens=config.loss_chunk_tokens,
         target_head_chunk_tokens=config.target_head_chunk_tokens,
         frozen_lm_head=config.freeze_lm_head,
+        loss=config.loss,
     )
     seq_len = min(longest, config.max_seq_len)
 

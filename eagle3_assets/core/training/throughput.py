@@ -25,6 +25,8 @@ float32 on CPU, where training runs in float32).
 ``fc_norm`` + ``norm_output``, each flag alone, ``speculators``' defaults),
 each variant's time per step printed against the first variant's at the same
 depth in the same run. The norms' own FLOPs (elementwise) are not counted.
+``--losses``: the training loss (``kl``, ``ce``, or the LK losses ``nla`` and
+``lk_hybrid``), compared the same way (every norm variant with every loss).
 
 Peak memory: on CUDA ``torch.cuda.max_memory_allocated`` against the card's
 memory; on CPU the child's maximum RSS (torch itself included); beside it the
@@ -46,6 +48,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from eagle3_assets.core.training.config import LOSSES
 
 # Draft shapes: one decoder layer as wide as the target, over a draft vocabulary.
 PRESETS = {
@@ -149,7 +153,8 @@ def child(spec: dict) -> dict:
     }
     target_head, draft_to_target = TargetHead.from_weights(target).to(device), mapping.draft_to_target.to(device)
     ttt = TrainingTimeTest(
-        draft, spec["ttt"], 0.8, checkpoint_steps=memory["activation_checkpointing"], loss_chunk_tokens=memory["loss_chunk_tokens"]
+        draft, spec["ttt"], 0.8, checkpoint_steps=memory["activation_checkpointing"], loss_chunk_tokens=memory["loss_chunk_tokens"],
+        loss=spec.get("loss", "kl"),
     ).to(device)
     trainable = [q for q in draft.parameters() if q.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-4)
@@ -191,17 +196,17 @@ def child(spec: dict) -> dict:
     return {"tokens_per_s": batch * length * spec["steps"] / elapsed, "step_s": elapsed / spec["steps"], "peak_bytes": peak, "capacity_bytes": capacity, "batch": batch, "seq_len": length}
 
 
-def run_depth(shape: dict, args, depth: int, memory: dict, norms: str = "plain") -> dict:
+def run_depth(shape: dict, args, depth: int, memory: dict, norms: str = "plain", loss: str = "kl") -> dict:
     spec = {
         "shape": shape, "device": args.device, "ttt": depth, "steps": args.steps, "warmup": args.warmup, "threads": args.threads,
-        "memory": memory, "norms": norms,
+        "memory": memory, "norms": norms, "loss": loss,
     }  # fmt: skip
     # The child imports this package from where the parent did (a checkout run by bench/training.py, or an install).
     root = str(Path(__file__).resolve().parents[3])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     done = subprocess.run([sys.executable, "-m", __name__, "--child", json.dumps(spec)], capture_output=True, text=True, env=env)
     if done.returncode != 0:
-        raise RuntimeError(f"ttt={depth} norms={norms} failed:\n{done.stderr[-3000:]}")
+        raise RuntimeError(f"ttt={depth} norms={norms} loss={loss} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -233,28 +238,28 @@ def run(args) -> list[dict]:
         f"memory settings {memory}, {args.steps} steps per configuration, median of {args.rounds} round(s)"
     )
     print(f"  reference: one {'bf16' if bf16 else 'float32'} {args.matmul_size}x{args.matmul_size} matrix product: {rate / 1e12:.3f} TFLOP/s")
-    grid = [(n, d) for n in args.norms for d in args.ttt]
+    grid = [(n, loss, d) for n in args.norms for loss in args.losses for d in args.ttt]
     # Rounds, each in the other order (drift of a shared machine's load cancels); each configuration's median round.
-    runs: dict[tuple[str, int], list[dict]] = {key: [] for key in grid}
+    runs: dict[tuple[str, str, int], list[dict]] = {key: [] for key in grid}
     for round_index in range(args.rounds):
         for key in grid if round_index % 2 == 0 else grid[::-1]:
-            runs[key].append(run_depth(shape, args, key[1], memory, key[0]))
+            runs[key].append(run_depth(shape, args, key[2], memory, key[0], key[1]))
     rows = []
-    for norms, depth in grid:
-        r = sorted(runs[(norms, depth)], key=lambda each: each["step_s"])[len(runs[(norms, depth)]) // 2]
+    for norms, loss, depth in grid:
+        r = sorted(runs[(norms, loss, depth)], key=lambda each: each["step_s"])[len(runs[(norms, loss, depth)]) // 2]
         flops = step_flops(shape, depth)
         estimate = estimate_step_bytes(
             StepShape.of(draft_config_of(shape), r["batch"] * r["seq_len"], r["seq_len"], depth, bf16=bf16,
                          activation_checkpointing=memory["activation_checkpointing"], loss_chunk_tokens=memory["loss_chunk_tokens"],
-                         target_head_chunk_tokens=memory["target_head_chunk_tokens"])
+                         target_head_chunk_tokens=memory["target_head_chunk_tokens"], loss=loss)
         )["total"]  # fmt: skip
         achieved = flops * r["tokens_per_s"]
-        row = {**r, "ttt": depth, "norms": norms, "gflop_per_token": flops / 1e9, "tflops": achieved / 1e12, "share": achieved / rate, "estimate_bytes": estimate,
+        row = {**r, "ttt": depth, "norms": norms, "loss": loss, "gflop_per_token": flops / 1e9, "tflops": achieved / 1e12, "share": achieved / rate, "estimate_bytes": estimate,
                "reference_tflops": rate / 1e12}  # fmt: skip
         rows.append(row)
         capacity = f" of {r['capacity_bytes'] / 2**30:.0f} GiB" if r["capacity_bytes"] else " (RSS, torch included)"
         print(
-            f"  norms {norms:>20}, ttt_steps={depth}: {r['step_s'] * 1e3:9.1f} ms/step, {r['tokens_per_s']:10.0f} tokens/s, {flops / 1e9:8.3f} GFLOP/token, {achieved / 1e12:8.4f} TFLOP/s, "
+            f"  norms {norms:>20}, loss {loss:>9}, ttt_steps={depth}: {r['step_s'] * 1e3:9.1f} ms/step, {r['tokens_per_s']:10.0f} tokens/s, {flops / 1e9:8.3f} GFLOP/token, {achieved / 1e12:8.4f} TFLOP/s, "
             f"share of the matrix product {achieved / rate:.3f}, peak memory {r['peak_bytes'] / 2**30:.2f} GiB{capacity} "
             f"(estimate {estimate / 2**30:.2f} GiB; batch {r['batch']} x {r['seq_len']})"
         )
@@ -264,12 +269,12 @@ def run(args) -> list[dict]:
             f"  ratio ttt_steps={row['ttt']} / {base['ttt']} ({base['norms']}): tokens/s {row['tokens_per_s'] / base['tokens_per_s']:.2f}, "
             f"peak memory {row['peak_bytes'] / base['peak_bytes']:.2f}"
         )
-    # What the norms cost: each variant's time per step against the first variant's at the same depth, measured in this run.
+    # What the norms and losses cost: each variant's time per step against the first one's at the same depth, in this run.
     reference = {row["ttt"]: row for row in rows[: len(args.ttt)]}
     for row in rows[len(args.ttt) :]:
         ref = reference[row["ttt"]]
         print(
-            f"  ratio norms {row['norms']} / {ref['norms']}, ttt_steps={row['ttt']}: time per step {row['step_s'] / ref['step_s']:.3f}, "
+            f"  ratio norms {row['norms']}, loss {row['loss']} / norms {ref['norms']}, loss {ref['loss']}, ttt_steps={row['ttt']}: time per step {row['step_s'] / ref['step_s']:.3f}, "
             f"peak memory {row['peak_bytes'] / ref['peak_bytes']:.2f}"
         )
     return rows
@@ -285,6 +290,7 @@ def parser() -> argparse.ArgumentParser:
         "--norms", nargs="+", choices=list(NORM_VARIANTS), default=["plain", "eagle3.1"],
         help="the draft's norm flags to compare (eagle3.1: fc_norm + norm_output); ratios against the first",
     )  # fmt: skip
+    p.add_argument("--losses", nargs="+", choices=list(LOSSES), default=["kl"], help="training losses to compare; ratios against the first")
     p.add_argument("--steps", type=int, default=10, help="timed optimizer steps per configuration")
     p.add_argument("--rounds", type=int, default=1, help="runs of every configuration, alternating the order; the median is printed")
     p.add_argument("--warmup", type=int, default=2)
