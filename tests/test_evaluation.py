@@ -229,3 +229,22 @@ def test_the_spread_reaches_dagster_as_a_table_json_and_the_interval():
     shown = {key: value.value for key, value in metadata_map_from_external(sent).items()}
     assert shown["prompts_with_acceptance"] == 4 and shown["acceptance_ci95"] == shown["spread_over_prompts"]["trained"]["ci95"]
     assert "| trained | 4 | 1.846 (" in shown["acceptance_spread"] and shown["spread_over_prompts"]["trained"]["share_of_pass_drafts"] == 1.0
+
+
+def test_sampled_evaluation_requests_are_seeded_by_their_position_and_greedy_ones_are_not_sampled(vllm_server):
+    """temperature > 0: every server and rerun samples prompt i with seed i, so drafts are compared on the same draws."""
+    import asyncio
+
+    from eagle3_assets.core.evaluation.acceptance import _send_all
+
+    conversations = [[{"role": "user", "content": f"Say something about the number {i}."}] for i in range(8)]
+
+    def lengths(**sampling) -> list[int | None]:
+        replies = asyncio.run(_send_all(vllm_server.base_url, vllm_server.served_model_name, conversations, 48, 4, **sampling))
+        return [r.completion_tokens for r in replies]
+
+    greedy, sampled = lengths(), lengths(temperature=1.0)
+    assert None not in greedy + sampled
+    assert lengths(temperature=1.0) == sampled, "the same seeds drew other completions"
+    assert lengths(temperature=1.0, first=100) != sampled, "other seeds drew the same completions: the seed reached nothing"
+    assert sampled != greedy and lengths() == greedy

@@ -207,7 +207,8 @@ def main() -> None:
         if len(prompt_sets) > 1:
             pipes.log.info(f"{STAGE}: held-out sets {[(p.name, len(p.conversations)) for p in prompt_sets]}, each served by the trained and baseline servers")
         how = "one server per k (throughput measured)" if measure_each else f"one server at k={served_k}, smaller k derived per position"
-        pipes.log.info(f"{STAGE}: {len(conversations)} held-out prompts, k in {k_values}: {how}")
+        sampling = "greedy" if job.temperature == 0 else f"sampled at temperature {job.temperature}, each prompt seeded by its position"
+        pipes.log.info(f"{STAGE}: {len(conversations)} held-out prompts ({sampling}), k in {k_values}: {how}")
         drafts, k_by_label = served_drafts(draft_dir, baseline_dir, k_values, measure_each)
         pipes.log.info(f"{STAGE}: the target is started {len(drafts) + 1} time(s): alone, then with {', '.join(drafts)}")
         results = evaluate(
@@ -216,6 +217,7 @@ def main() -> None:
             conversations,
             num_speculative_tokens=served_k,
             max_tokens=job.max_tokens,
+            temperature=job.temperature,
             concurrency=job.concurrency,
             server_log_dir=work,
             log=pipes.log.info,
@@ -236,6 +238,7 @@ def main() -> None:
             "num_speculative_tokens": served_k,
             "k_values": k_values,
             "prompts": len(conversations),
+            "temperature": job.temperature,
             "prompt_ids": ids,
             "eval_prompts": job.eval_prompts,
             "baseline": baseline_label,
@@ -280,6 +283,7 @@ def main() -> None:
                 "baseline": baseline_label,
                 "target_starts": report["target_starts"],
                 "num_speculative_tokens": served_k,
+                "temperature": job.temperature,  # the deployed-draft watch compares like with like
                 "recommended_num_speculative_tokens": best.k,
                 "acceptance_length_at_recommended_k": round(best.acceptance_length, 4),
                 "acceptance_curve": {"raw_value": table + "\n\n" + rule, "type": "md"},

@@ -83,32 +83,44 @@ class Reply:
     acceptance: PromptAcceptance | None = None  # the server's own count for this request, where it returns one
 
 
-async def _send_all(base_url: str, model: str, conversations: Sequence[list[dict]], max_tokens: int, concurrency: int) -> list[Reply]:
-    """One reply per conversation, in order (no retries: a failed request is counted as failed)."""
+def sampling_args(temperature: float, position: int) -> dict:
+    """A request's sampling: greedy at 0; above it, seeded by the prompt's position in its set, so that every
+    draft server (and a rerun) samples each prompt with the same seed."""
+    return {"temperature": temperature} if temperature == 0 else {"temperature": temperature, "seed": position}
+
+
+async def _send_all(
+    base_url: str, model: str, conversations: Sequence[list[dict]], max_tokens: int, concurrency: int, temperature: float = 0.0, first: int = 0
+) -> list[Reply]:
+    """One reply per conversation, in order (no retries: a failed request is counted as failed); ``first``: the
+    position of the first conversation in its set (the seed of a sampled request)."""
     import openai
 
     gate = asyncio.Semaphore(concurrency)
     async with async_openai_client(base_url, connect_timeout_s=10, read_timeout_s=1800, max_retries=0) as client:
 
-        async def one(messages: list[dict]) -> Reply:
+        async def one(position: int, messages: list[dict]) -> Reply:
             async with gate:
                 try:
-                    response = await client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, temperature=0.0)
+                    response = await client.chat.completions.create(
+                        model=model, messages=messages, max_tokens=max_tokens, **sampling_args(temperature, position)
+                    )
                     return Reply(int(response.usage.completion_tokens), PromptAcceptance.from_response(response))
                 except (openai.APIError, AttributeError, TypeError, ValueError):  # AttributeError, TypeError: no usage
                     return Reply(None)
 
-        return await asyncio.gather(*(one(m) for m in conversations))
+        return await asyncio.gather(*(one(first + i, m) for i, m in enumerate(conversations)))
 
 
 def run_pass(
-    label: str, base_url: str, model: str, conversations: Sequence[list[dict]], max_tokens: int, concurrency: int = 8, speculative: bool = True
+    label: str, base_url: str, model: str, conversations: Sequence[list[dict]], max_tokens: int, concurrency: int = 8, speculative: bool = True,
+    temperature: float = 0.0,
 ) -> PassResult:
     """Send every conversation once; with ``speculative``, diff the spec-decode counters around it, and keep each
     prompt's own figures where the server returns them (:mod:`~eagle3_assets.core.evaluation.spread`)."""
     before = settled_counters(base_url) if speculative else None
     started = time.monotonic()
-    replies = asyncio.run(_send_all(base_url, model, conversations, max_tokens, concurrency))
+    replies = asyncio.run(_send_all(base_url, model, conversations, max_tokens, concurrency, temperature))
     wall = time.monotonic() - started
     done = [r.completion_tokens for r in replies if r.completion_tokens is not None]
     result = PassResult(label, len(replies), len(replies) - len(done), sum(done), wall)
@@ -144,7 +156,9 @@ def settled_counters(base_url: str, tries: int = 5) -> SpecDecodeCounters:
     return counters
 
 
-def run_pass_per_prompt(label: str, base_url: str, model: str, conversations: Sequence[list[dict]], max_tokens: int) -> PassResult:
+def run_pass_per_prompt(
+    label: str, base_url: str, model: str, conversations: Sequence[list[dict]], max_tokens: int, temperature: float = 0.0
+) -> PassResult:
     """Send the conversations one at a time, diffing the counters around each: the pass's figures and each prompt's.
 
     Sequential, so its wall time is no throughput figure; the totals equal one diff around the whole pass.
@@ -152,8 +166,8 @@ def run_pass_per_prompt(label: str, base_url: str, model: str, conversations: Se
     first = previous = settled_counters(base_url)
     started = time.monotonic()
     tokens, lengths, drafts = [], [], []
-    for messages in conversations:
-        (reply,) = asyncio.run(_send_all(base_url, model, [messages], max_tokens, 1))
+    for position, messages in enumerate(conversations):
+        (reply,) = asyncio.run(_send_all(base_url, model, [messages], max_tokens, 1, temperature, first=position))
         now = settled_counters(base_url)
         this = now.minus(previous)
         tokens.append(reply.completion_tokens)
@@ -224,6 +238,7 @@ def evaluate(
     profile: ServingProfile | None = None,
     k_by_label: dict[str, int] | None = None,
     prompt_sets: dict[str, Sequence[list[dict]]] | None = None,
+    temperature: float = 0.0,
 ) -> dict[str, PassResult]:
     """Serve the target alone (``reference``) and with each draft in turn; one pass each.
 
@@ -235,7 +250,8 @@ def evaluate(
 
     ``profile``: how vLLM serves the target (:class:`~eagle3_assets.core.serving.profile.ServingProfile`,
     default: the environment's). ``k_by_label``: a draft's own ``num_speculative_tokens`` where it differs from
-    the common one (the same draft served at several k, each under its label).
+    the common one (the same draft served at several k, each under its label). ``temperature``: 0 is greedy;
+    above it every request is sampled, seeded by its prompt's position (:func:`sampling_args`).
     """
     results: dict[str, PassResult] = {}
     servers = evaluation_servers(
@@ -246,7 +262,9 @@ def evaluate(
         log(f"evaluation: serving the target for '{label}'")
         speculative = "speculative_config" in server.launch.engine_args
         with server:
-            results[label] = run_pass(label, server.base_url, server.served_model_name, conversations, max_tokens, concurrency, speculative=speculative)
+            results[label] = run_pass(
+                label, server.base_url, server.served_model_name, conversations, max_tokens, concurrency, speculative=speculative, temperature=temperature
+            )
             if speculative and label not in (k_by_label or {}):
                 main_pass = results[label]
                 counted = main_pass.per_prompt_source == FROM_RESPONSES
@@ -255,10 +273,14 @@ def evaluate(
                         main_pass.per_set[name] = replace(main_pass, per_set={})
                     elif counted:
                         log(f"evaluation: {label}: held-out set '{name}', {len(prompts)} prompts, {concurrency} in flight")
-                        main_pass.per_set[name] = run_pass(label, server.base_url, server.served_model_name, prompts, max_tokens, concurrency)
+                        main_pass.per_set[name] = run_pass(
+                            label, server.base_url, server.served_model_name, prompts, max_tokens, concurrency, temperature=temperature
+                        )
                     else:
                         log(f"evaluation: {label}: held-out set '{name}', {len(prompts)} prompts one at a time")
-                        main_pass.per_set[name] = run_pass_per_prompt(label, server.base_url, server.served_model_name, prompts, max_tokens)
+                        main_pass.per_set[name] = run_pass_per_prompt(
+                            label, server.base_url, server.served_model_name, prompts, max_tokens, temperature
+                        )
         r = results[label]
         acceptance = f", acceptance length {r.mean_acceptance_length:.2f}" if r.mean_acceptance_length is not None else ""
         spread_now = r.spread_over_prompts() or {}

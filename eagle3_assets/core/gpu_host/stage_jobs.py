@@ -210,7 +210,12 @@ class EvaluationRecipe(JobSchema):
         "(used when throughput is not measured per k)",
         gt=0,
     )
-    max_tokens: int = setting(EVAL_MAX_TOKENS, "completion tokens per prompt (greedy)")
+    max_tokens: int = setting(EVAL_MAX_TOKENS, "completion tokens per prompt")
+    # Greedy acceptance is argmax agreement; sampled, a drafted token is accepted with min(1, p/q), so a draft trained
+    # for one can differ at the other (the LK losses train the sampled one): measure at the temperature you serve.
+    temperature: float = setting(
+        0.0, "sampling temperature of every evaluation request: 0 greedy; above it each prompt is sampled with its position as seed", ge=0
+    )
     concurrency: int = setting(8, "requests in flight")
     floor: float = setting(2.0, "acceptance_above_floor fails (ERROR) below this mean acceptance length")
     baseline: str = setting(
