@@ -247,4 +247,4 @@ def test_sampled_evaluation_requests_are_seeded_by_their_position_and_greedy_one
     assert None not in greedy + sampled
     assert lengths(temperature=1.0) == sampled, "the same seeds drew other completions"
     assert lengths(temperature=1.0, first=100) != sampled, "other seeds drew the same completions: the seed reached nothing"
-    assert sampled != greedy and lengths() == greedy
+    assert sampled != greedy
