@@ -70,6 +70,10 @@ def parser() -> argparse.ArgumentParser:
         help="sampling temperature of the held-out requests (0: greedy; above it each prompt seeded by its position); "
         "the drafts of an earlier run in --work are measured again, not retrained",
     )  # fmt: skip
+    p.add_argument(
+        "--draft-sample-method", choices=["greedy", "probabilistic"], default="greedy",
+        help="how vLLM's draft proposes (speculative_config): its argmax (vLLM's default) or a sample of its distribution",
+    )  # fmt: skip
     p.add_argument("--ttt-steps", type=int, default=3, help="training depth of both trainers (P5c is defined at 3)")
     p.add_argument("--variants", nargs="+", default=["ours", *PEER_VARIANTS], help="ours, peer-defaults, peer-plain, and --ours-variant labels")
     p.add_argument("--ours-setting", action="append", default=[], metavar="KEY=VALUE", help="a TrainConfig setting of ours (repeatable)")
@@ -260,9 +264,10 @@ def against_reference(f: dict, ref: dict) -> str:
     return f"{a['mean'] / b['mean']:.3f} ({verdict})"
 
 
-def render(figures: dict, k: int, prompts: int, seeds: int, reference: str = "ours", temperature: float = 0.0) -> str:
+def render(figures: dict, k: int, prompts: int, seeds: int, reference: str = "ours", temperature: float = 0.0, draft_sample_method: str = "greedy") -> str:
     ref = figures.get(reference)
     sampling = "greedy" if temperature == 0 else f"sampled at temperature {temperature:g}, each prompt seeded by its position"
+    sampling += "" if draft_sample_method == "greedy" else f", the draft sampling its own distribution ({draft_sample_method})"
     lines = [
         f"acceptance through vLLM at k = {k}, {prompts} held-out prompts ({sampling}), {seeds} seed(s) per trainer; mean (range over seeds);",
         "training wall clock per optimizer step (set-up included; the machine's load counts too)"
@@ -347,7 +352,8 @@ def main() -> None:
     peer_recipe = {**recipe, "betas": list(recipe.get("betas", TrainConfig.model_fields["betas"].default))}
     print(
         f"peer_acceptance: {len(index.samples)} samples in {len(shards)} shard(s) ({index.final_state} final state), target {target}, "
-        f"{len(conversations)} held-out prompts ({'greedy' if args.temperature == 0 else f'temperature {args.temperature:g}'}), "
+        f"{len(conversations)} held-out prompts ({'greedy' if args.temperature == 0 else f'temperature {args.temperature:g}'}; "
+        f"draft proposes {args.draft_sample_method}), "
         f"k = {args.k}, seeds 0..{args.seeds - 1}; recipe {recipe}",
         flush=True,
     )
@@ -367,7 +373,7 @@ def main() -> None:
         sys.exit(f"{work}: {changed} were measured with other settings; pass --fresh, or give the new settings another label")
     report = {**report, "shared_inputs_key": shared_key, "variant_settings": {**kept, **settings_now}}
     measured: dict[str, dict[str, dict]] = report.get("measured", {})
-    key = f"k{args.k}" if args.temperature == 0 else f"k{args.k}-t{args.temperature:g}"
+    key = f"k{args.k}" + (f"-t{args.temperature:g}" if args.temperature else "") + ("-probabilistic" if args.draft_sample_method != "greedy" else "")
     profile = ServingProfile(trust_remote_code=args.trust_remote_code)  # the target's own dtype and context
     # Seed by seed across the variants, not variant by variant: a run cut short still has every variant at the seeds it
     # finished, and the machine's load over the run falls on every variant alike.
@@ -386,6 +392,7 @@ def main() -> None:
             result = evaluate(
                 target, {f"{label}-seed{seed}": draft}, conversations, num_speculative_tokens=args.k, concurrency=args.concurrency,
                 include_reference=False, server_log_dir=work / "logs", profile=profile, temperature=args.temperature,
+                draft_sample_method=args.draft_sample_method,
             )[f"{label}-seed{seed}"]  # fmt: skip
             if result.failed or result.mean_acceptance_length is None:
                 sys.exit(f"{label} seed {seed}: {result.failed} of {result.prompts} requests failed or no drafts counted; see {work / 'logs'}")
@@ -401,7 +408,7 @@ def main() -> None:
         for label in args.variants
     }  # fmt: skip
     comparison = compare(figures)
-    table = render(figures, args.k, len(conversations), args.seeds, temperature=args.temperature)
+    table = render(figures, args.k, len(conversations), args.seeds, temperature=args.temperature, draft_sample_method=args.draft_sample_method)
     print("\n" + table)
     if comparison:
         below = comparison["positions_below_by_more_than_spread"]
@@ -410,7 +417,7 @@ def main() -> None:
         print(f"positions where ours is below the peer by more than the seeds' spread{spread_note}: " + (", ".join(str(b["position"]) for b in below) or "none"))
     report = {
         **report, "measured": measured, "figures": figures, "comparison": comparison, "table": table,
-        "k": args.k, "temperature": args.temperature, "seeds": args.seeds, "ttt_steps": args.ttt_steps, "recipe": recipe, "ours_variants": ours_variants,
+        "k": args.k, "temperature": args.temperature, "draft_sample_method": args.draft_sample_method, "seeds": args.seeds, "ttt_steps": args.ttt_steps, "recipe": recipe, "ours_variants": ours_variants,
         "prompts": len(conversations), "eval_prompts": eval_prompts, "target": str(target), "shards": [str(s) for s in shards],
         "samples": len(index.samples), "final_state": index.final_state,
         "machine": f"{platform.node()}: {os.cpu_count()} CPU(s), {platform.machine()}", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

@@ -43,6 +43,7 @@ from eagle3_assets.core.storage.shard_paths import DRAFT_CONFIG_FILE, RESULT_FIL
 from eagle3_assets.core.evaluation.speculation_depth import validated_k_values
 from eagle3_assets.core.settings.job_schema import values_of
 from eagle3_assets.core.gpu_host.stage_jobs import EvaluationJob, EvaluationRecipe
+from eagle3_assets.core.serving.deployment import DRAFT_SAMPLE_METHODS
 from eagle3_assets.core.storage.files import asset_dir, write_bytes_atomic
 from resources.gpu_host import GPU_POOL, GPUHost, register_stage
 from resources.target_model import TargetModel
@@ -142,6 +143,8 @@ def draft_evaluation(
     context: AssetExecutionContext, config: DraftEvaluationConfig, target_model: TargetModel, gpu_host: GPUHost
 ) -> MaterializeResult:
     """Mean acceptance length and per-position acceptance of the trained draft and of a baseline, through vLLM."""
+    if config.draft_sample_method not in DRAFT_SAMPLE_METHODS:
+        raise ValueError(f"draft_evaluation draft_sample_method {config.draft_sample_method!r}: one of {', '.join(DRAFT_SAMPLE_METHODS)}")
     eval_prompts = resolve_eval_prompts(config.eval_prompts, target_model, config.max_eval_prompts)
     ids, conversations = load_conversations(eval_prompts)
     context.log.info(f"evaluating on {len(ids)} held-out prompts from {eval_prompts}")

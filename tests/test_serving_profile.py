@@ -82,6 +82,10 @@ def test_the_tp8_int4_profile_is_parsed_by_vllm_at_every_start_site(tmp_path):
     engine = server_engine_args(["python", "-m", "vllm.entrypoints.openai.api_server", *command[2:]])
     assert engine.served_model_name == ["kimi-k2.5", "eagle3-draft-0123456789abcdef"] and engine.speculative_config["num_speculative_tokens"] == 3
     assert (engine.tensor_parallel_size, engine.reasoning_parser, engine.enable_expert_parallel) == (8, "kimi_k2", True)
+    assert "draft_sample_method" not in engine.speculative_config  # vLLM's own default (greedy) unless asked otherwise
+    sampled = serve_command(str(KIMI_K25), "kimi-k2.5", str(draft), "0123456789abcdef", 3, STORY_PROFILE, draft_sample_method="probabilistic")
+    engine = server_engine_args(["python", "-m", "vllm.entrypoints.openai.api_server", *sampled[2:]])
+    assert engine.speculative_config["draft_sample_method"] == "probabilistic"
 
     # The extraction engine: offline vllm.LLM(**engine_args), which builds EngineArgs from them.
     launch = extraction_launch(KIMI_K25, [2, 30, 58, 61], tmp_path / "scratch", STORY_PROFILE, context=4096)

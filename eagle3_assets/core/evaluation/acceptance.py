@@ -197,6 +197,7 @@ def evaluation_servers(
     server_log_dir: Path | None = None,
     k_by_label: dict[str, int] | None = None,
     per_request_metrics: bool | None = None,
+    draft_sample_method: str = "greedy",
 ) -> list[tuple[str, VLLMServer]]:
     """The servers evaluation starts, one after the other: the target alone (``reference``), then with each draft.
 
@@ -210,7 +211,7 @@ def evaluation_servers(
     counted = {PER_REQUEST_METRICS_ARG: PER_REQUEST_METRICS_LEVEL} if per_request_metrics else {}
     setups: list[tuple[str, dict]] = [("reference", {})] if include_reference else []
     setups += [
-        (label, {"speculative_config": speculative_config(str(path), k_by_label.get(label, num_speculative_tokens)), **counted})
+        (label, {"speculative_config": speculative_config(str(path), k_by_label.get(label, num_speculative_tokens), draft_sample_method), **counted})
         for label, path in drafts.items()
     ]
     return [
@@ -239,6 +240,7 @@ def evaluate(
     k_by_label: dict[str, int] | None = None,
     prompt_sets: dict[str, Sequence[list[dict]]] | None = None,
     temperature: float = 0.0,
+    draft_sample_method: str = "greedy",
 ) -> dict[str, PassResult]:
     """Serve the target alone (``reference``) and with each draft in turn; one pass each.
 
@@ -251,12 +253,13 @@ def evaluate(
     ``profile``: how vLLM serves the target (:class:`~eagle3_assets.core.serving.profile.ServingProfile`,
     default: the environment's). ``k_by_label``: a draft's own ``num_speculative_tokens`` where it differs from
     the common one (the same draft served at several k, each under its label). ``temperature``: 0 is greedy;
-    above it every request is sampled, seeded by its prompt's position (:func:`sampling_args`).
+    above it every request is sampled, seeded by its prompt's position (:func:`sampling_args`), and
+    ``draft_sample_method`` says how the drafts propose (:func:`~eagle3_assets.core.serving.deployment.speculative_config`).
     """
     results: dict[str, PassResult] = {}
     servers = evaluation_servers(
         target_dir, drafts, num_speculative_tokens, profile=profile, include_reference=include_reference,
-        server_log_dir=server_log_dir, k_by_label=k_by_label,
+        server_log_dir=server_log_dir, k_by_label=k_by_label, draft_sample_method=draft_sample_method,
     )  # fmt: skip
     for label, server in servers:
         log(f"evaluation: serving the target for '{label}'")

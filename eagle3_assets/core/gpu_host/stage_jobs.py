@@ -216,6 +216,11 @@ class EvaluationRecipe(JobSchema):
     temperature: float = setting(
         0.0, "sampling temperature of every evaluation request: 0 greedy; above it each prompt is sampled with its position as seed", ge=0
     )
+    draft_sample_method: str = setting(
+        "greedy",
+        "how the served draft proposes (vLLM's speculative_config): 'greedy' its argmax, accepted with the target's "
+        "probability of it; 'probabilistic' a sample of its distribution, accepted with min(1, p/q); the serving notes use it too",
+    )
     concurrency: int = setting(8, "requests in flight")
     floor: float = setting(2.0, "acceptance_above_floor fails (ERROR) below this mean acceptance length")
     baseline: str = setting(

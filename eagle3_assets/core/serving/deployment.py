@@ -58,18 +58,26 @@ def served_draft_hashes(model_ids: list[str]) -> list[str]:
     return [m.group(1) for model_id in model_ids if (m := ALIAS_PATTERN.match(model_id))]
 
 
-def speculative_config(draft_path: str, num_speculative_tokens: int) -> dict:
-    return {"method": "eagle3", "model": draft_path, "num_speculative_tokens": int(num_speculative_tokens)}
+DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")  # vLLM's speculative_config draft_sample_method
+
+
+def speculative_config(draft_path: str, num_speculative_tokens: int, draft_sample_method: str = "greedy") -> dict:
+    """vLLM's ``--speculative-config``. ``draft_sample_method`` (vLLM's default ``greedy``): the draft proposes its
+    argmax, taken as certain, so a sampled request accepts it with the target's probability of that token;
+    ``probabilistic`` samples the draft's own distribution and accepts with min(1, p / q)."""
+    config = {"method": "eagle3", "model": draft_path, "num_speculative_tokens": int(num_speculative_tokens)}
+    return config if draft_sample_method == "greedy" else {**config, "draft_sample_method": draft_sample_method}
 
 
 def serve_command(
-    target: str, served_name: str, draft_path: str, weights_hash: str, num_speculative_tokens: int, profile: ServingProfile | None = None
+    target: str, served_name: str, draft_path: str, weights_hash: str, num_speculative_tokens: int, profile: ServingProfile | None = None,
+    draft_sample_method: str = "greedy",
 ) -> list[str]:
     """``vllm serve`` for the target with this draft, as the target's serving ``profile`` says (its parallelism,
     parser, ...), answering to its own name and to the draft's alias."""
     launch = vllm_launch(
         profile or ServingProfile(), target, served_model_name=[served_name, draft_alias(weights_hash)],
-        site_args={"speculative_config": speculative_config(draft_path, num_speculative_tokens)},
+        site_args={"speculative_config": speculative_config(draft_path, num_speculative_tokens, draft_sample_method)},
     )  # fmt: skip
     return launch.vllm_serve_command()
 
@@ -83,18 +91,19 @@ def write_serving_notes(
     chosen_by: str = "the export's default (draft_evaluation has not chosen k yet)",
     curve_markdown: str = "",
     profile: ServingProfile | None = None,
+    draft_sample_method: str = "greedy",
 ) -> dict:
     """Write ``SERVING.md`` and ``serving.json`` beside the weights (atomically); return the JSON."""
     draft_dir = Path(draft_dir)
     weights_hash = draft_weights_hash(draft_dir)
     draft_path = str(draft_dir.resolve())
-    command = serve_command(target, served_name, draft_path, weights_hash, num_speculative_tokens, profile)
+    command = serve_command(target, served_name, draft_path, weights_hash, num_speculative_tokens, profile, draft_sample_method)
     facts = {
         "draft_weights_hash": weights_hash,
         "served_model_alias": draft_alias(weights_hash),
         "num_speculative_tokens": int(num_speculative_tokens),
         "num_speculative_tokens_chosen_by": chosen_by,
-        "speculative_config": speculative_config(draft_path, num_speculative_tokens),
+        "speculative_config": speculative_config(draft_path, num_speculative_tokens, draft_sample_method),
         "serve_command": command,
     }
     text = "\n".join(
