@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from eagle3_assets.core.training.config import LOSSES, TrainConfig
-from eagle3_assets.core.training.loss import ChunkedSoftCrossEntropy, position_loss
+from eagle3_assets.core.training.loss import ChunkedHeadLoss, position_loss
 
 
 def acceptance(q: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -52,7 +52,7 @@ def test_a_draft_that_cannot_match_every_target_reaches_more_acceptance_under_th
         optimizer = torch.optim.Adam([head], lr=0.1)
         for _ in range(600):  # through the chunked loss's written-out backward, two positions a chunk
             optimizer.zero_grad()
-            total, _ = ChunkedSoftCrossEntropy.apply(hidden, head, targets.log(), rows, weight, 2, loss, 3.0)
+            total, _ = ChunkedHeadLoss.apply(hidden, head, targets.log(), rows, weight, 2, loss, 3.0)
             total.backward()
             optimizer.step()
         reached[loss] = float(acceptance(torch.softmax(head.detach().T, -1), targets).mean())

@@ -211,8 +211,9 @@ class EvaluationRecipe(JobSchema):
         gt=0,
     )
     max_tokens: int = setting(EVAL_MAX_TOKENS, "completion tokens per prompt")
-    # Greedy acceptance is argmax agreement; sampled, a drafted token is accepted with min(1, p/q), so a draft trained
-    # for one can differ at the other (the LK losses train the sampled one): measure at the temperature you serve.
+    # Greedy acceptance is argmax agreement; sampled, vLLM accepts a drafted token with the target's probability of it
+    # (the draft proposing its argmax) or with min(1, p/q) (sampling its own q): a draft trained for one can differ at
+    # another (the LK losses train the last), so measure as you serve (docs/evaluation.md).
     temperature: float = setting(
         0.0, "sampling temperature of every evaluation request: 0 greedy; above it each prompt is sampled with its position as seed", ge=0
     )

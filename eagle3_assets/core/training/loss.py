@@ -97,7 +97,7 @@ def position_loss_grad(logits: torch.Tensor, target: torch.Tensor, loss: str, et
     raise ValueError(f"loss {loss!r}: one of {LOSSES}")
 
 
-class ChunkedSoftCrossEntropy(torch.autograd.Function):
+class ChunkedHeadLoss(torch.autograd.Function):
     """``sum_n weight[n] * position_loss(h[n] @ W.T, softmax(target_logits[rows[n]]))`` a chunk of positions at a time.
 
     Forward keeps nothing of size [tokens, vocabulary]; backward recomputes
@@ -193,7 +193,7 @@ class TrainingTimeTest(nn.Module):
                     # clamped where the mask is 0 anyway.
                     rows = (torch.arange(batch * length, device=hidden.device) + 1 + k).clamp(max=batch * length - 1)
                     token_weight = mask.reshape(-1).float() / count.clamp(min=1)
-                    step_loss, argmax = ChunkedSoftCrossEntropy.apply(
+                    step_loss, argmax = ChunkedHeadLoss.apply(
                         normed.reshape(batch * length, -1), draft.lm_head.weight, flat_targets, rows, token_weight,
                         self.loss_chunk_tokens, self.loss, self.lk_eta,
                     )  # fmt: skip
