@@ -80,7 +80,10 @@ def test_a_change_counts_against_the_reference_only_beyond_the_seeds_spread():
     close = peer_acceptance.variant_figures({"0": measurement(3.9, 34.0, 340), "1": measurement(4.05, 34.0, 340)})
     far = peer_acceptance.variant_figures({"0": measurement(3.5, 34.0, 340), "1": measurement(3.55, 34.0, 340)})
     assert reference["step_s"]["mean"] == pytest.approx(0.15) and reference["step_s"]["min"] == pytest.approx(0.1)
-    assert peer_acceptance.against_reference(close, reference).endswith("(within the spread)")  # +0.075, ranges 0.2 and 0.15
-    assert peer_acceptance.against_reference(far, reference) == f"{3.525 / 3.9:.3f} (below, beyond the spread)"
+    # +0.075, ranges 0.2 and 0.15: not resolved by the ranges, though above in each seed
+    assert peer_acceptance.against_reference(close, reference).endswith("(within the spread; seed by seed above in 2, below in 0 of 2)")
+    assert peer_acceptance.against_reference(far, reference) == f"{3.525 / 3.9:.3f} (below, beyond the spread; seed by seed above in 0, below in 2 of 2)"
+    mixed = peer_acceptance.variant_figures({"0": measurement(3.7, 34.0, 340), "1": measurement(4.1, 34.0, 340), "2": measurement(4.0, 34.0, 340)})
+    assert peer_acceptance.against_reference(mixed, reference).endswith("seed by seed above in 1, below in 1 of 2)")  # seed 2: no reference
     table = peer_acceptance.render({"ours": reference, "far": far}, 5, 32, 2)
-    assert "| far | 3.52 (3.50-3.55) |" in table and "| 0.100 (0.100-0.100) | 0.904 (below, beyond the spread) |" in table
+    assert "| far | 3.52 (3.50-3.55) |" in table and "| 0.100 (0.100-0.100) | 0.904 (below, beyond the spread; seed by seed above in 0, below in 2 of 2) |" in table
