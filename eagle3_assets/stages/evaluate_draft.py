@@ -216,7 +216,8 @@ def main() -> None:
             pipes.log.info(f"{STAGE}: held-out sets {[(p.name, len(p.conversations)) for p in prompt_sets]}, each served by the trained and baseline servers")
         how = "one server per k (throughput measured)" if measure_each else f"one server at k={served_k}, smaller k derived per position"
         sampling = "greedy" if job.temperature == 0 else f"sampled at temperature {job.temperature}, each prompt seeded by its position"
-        if job.temperature > 0 and not gpu_available():
+        sampled_on_cpu = job.temperature > 0 and not gpu_available()
+        if sampled_on_cpu:
             pipes.log.warning(f"{STAGE}: {SAMPLED_ON_CPU_NOTE}")
         pipes.log.info(f"{STAGE}: {len(conversations)} held-out prompts ({sampling}), k in {k_values}: {how}")
         drafts, k_by_label = served_drafts(draft_dir, baseline_dir, k_values, measure_each)
@@ -265,7 +266,7 @@ def main() -> None:
             "host_draft_cost_ratio": host_ratio,
             "speedup_vs_target_alone": speedup,
             "note": CPU_NOTE,
-            **({"sampling_note": SAMPLED_ON_CPU_NOTE} if job.temperature > 0 and not gpu_available() else {}),
+            **({"sampling_note": SAMPLED_ON_CPU_NOTE} if sampled_on_cpu else {}),
         }
         spread = spread_metadata(results)
         report["spread_over_prompts_note"] = SPREAD_NOTE if "spread_over_prompts" in spread else spread["acceptance_spread"]

@@ -42,12 +42,12 @@ from eagle3_assets.core.draft.model import DraftConfig
 from eagle3_assets.core.draft.model_mla import MLADraftConfig
 
 FLOAT32 = 4
-# Vocabulary-wide float32 tensors per position of each loss (core/training/loss.py): kept for backward when the loss
-# is not chunked (the log-softmax and the target's shifted distribution; the LK losses also the softmax and the
-# overlap's terms: with 4 the estimate was 1.09 and 1.06 of the peak measured as tests/test_training_memory.py
-# measures it, at both of its sizes, where 3 fell under it), and alive at once in one chunk's
-# backward when it is (the logits, the target's distribution, the gradient; the LK losses also the overlap's mask and
-# its gradient).
+# Vocabulary-wide float32 tensors per position of each loss (core/training/loss.py).
+# Kept for backward when the loss is not chunked: the log-softmax and the target's shifted distribution; the LK losses
+# also the softmax and the overlap's terms (with 4, the estimate was 1.09 and 1.06 of the peak measured as
+# tests/test_training_memory.py measures it, at both of its sizes; with 3 it fell under it).
+# Alive at once in one chunk's backward when it is chunked: the logits, the target's distribution, the gradient; the
+# LK losses also the overlap's mask and its gradient.
 LOSS_KEPT_TENSORS = {"kl": 2, "ce": 2, "nla": 4, "lk_hybrid": 4}
 LOSS_CHUNK_BACKWARD_TENSORS = {"kl": 3, "ce": 3, "nla": 5, "lk_hybrid": 5}
 
