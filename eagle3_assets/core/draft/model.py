@@ -163,11 +163,21 @@ def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tens
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
 
 
-def chain_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], scale: float) -> torch.Tensor:
+def chain_attention(
+    q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], scale: float, documents: torch.Tensor | None = None
+) -> torch.Tensor:
     """Training-time-test attention of step ``len(keys) - 1``: ``q`` [B, heads, T, d], one key/value per head and step.
 
-    Step 0's keys causally; then each later step's key of the same chain (the diagonal).
+    Step 0's keys causally; then each later step's key of the same chain (the diagonal). A packed row
+    (``documents`` [1, T], each token's sample) is attended one sample at a time, each within itself: the
+    scores of the whole row would cost its width squared, almost all of them masked.
     """
+    if documents is not None:
+        if documents.shape[0] != 1:
+            raise ValueError(f"packed attention takes one row of samples, got {documents.shape[0]}")
+        sizes = torch.unique_consecutive(documents[0], return_counts=True)[1].tolist()
+        by_sample = zip(q.split(sizes, dim=2), zip(*(k.split(sizes, dim=2) for k in keys)), zip(*(v.split(sizes, dim=2) for v in values)))
+        return torch.cat([chain_attention(qs, list(ks), list(vs), scale) for qs, ks, vs in by_sample], dim=2)
     length = q.shape[2]
     causal = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
     scores = [(q @ keys[0].transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))]
@@ -189,7 +199,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
         self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, documents: torch.Tensor | None = None) -> torch.Tensor:
         """``x`` [B, T, 2H] at ``positions`` [B, T]; appends this step's keys/values to ``cache``."""
         batch, length, _ = x.shape
 
@@ -203,7 +213,7 @@ class Attention(nn.Module):
         groups = self.heads // self.kv_heads
         keys = [kv[0].repeat_interleave(groups, dim=1) for kv in cache]
         values = [kv[1].repeat_interleave(groups, dim=1) for kv in cache]
-        out = chain_attention(q, keys, values, self.head_dim**-0.5)
+        out = chain_attention(q, keys, values, self.head_dim**-0.5, documents)
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, self.heads * self.head_dim))
 
 
@@ -232,11 +242,11 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
         self.norm_before_residual = config.norm_before_residual
 
-    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cache: KVCache):
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cache: KVCache, documents: torch.Tensor | None = None):
         normed = self.hidden_norm(hidden)
         residual = normed if self.norm_before_residual else hidden
         x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
-        residual = self.self_attn(x, positions, cache) + residual
+        residual = self.self_attn(x, positions, cache, documents) + residual
         return self.mlp(self.post_attention_layernorm(residual)), residual
 
 
@@ -286,15 +296,16 @@ class Eagle3Draft(nn.Module):
         return self.lm_head(normed), next_hidden
 
     def step_states(
-        self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cache: KVCache
+        self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cache: KVCache, documents: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`step` without the ``lm_head``: (what the ``lm_head`` reads, the state the next step takes).
 
         The next step takes the pre-norm state, or under ``norm_output`` the
         post-norm one. Training applies the ``lm_head`` itself where it
-        computes the loss in chunks of positions.
+        computes the loss in chunks of positions, and passes a packed row's
+        ``documents`` (:func:`chain_attention`).
         """
-        out, residual = self.midlayer(self.embed_tokens(input_ids), hidden, positions, cache)
+        out, residual = self.midlayer(self.embed_tokens(input_ids), hidden, positions, cache, documents)
         prenorm = out + residual
         normed = self.norm(prenorm)
         return normed, normed if self.config.norm_output else prenorm

@@ -142,7 +142,7 @@ class MLAttention(nn.Module):
         self.kv_b_proj = nn.Linear(c.kv_lora_rank, c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim), bias=False)
         self.o_proj = nn.Linear(c.num_attention_heads * c.v_head_dim, c.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, documents: torch.Tensor | None = None) -> torch.Tensor:
         """``x`` [B, T, 2H] at ``positions`` [B, T]; appends this step's per-head keys/values to ``cache``."""
         batch, length, _ = x.shape
 
@@ -155,7 +155,7 @@ class MLAttention(nn.Module):
         q = torch.cat([q_nope, rotate_interleaved(q_pe, positions, self.theta)], dim=-1)
         k_pe = rotate_interleaved(k_pe[:, None], positions, self.theta).expand(-1, self.heads, -1, -1)
         cache.append((torch.cat([k_nope, k_pe], dim=-1), v))
-        out = chain_attention(q, [kv[0] for kv in cache], [kv[1] for kv in cache], (self.nope + self.rope) ** -0.5)
+        out = chain_attention(q, [kv[0] for kv in cache], [kv[1] for kv in cache], (self.nope + self.rope) ** -0.5, documents)
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, self.heads * self.v_dim))
 
 

@@ -97,13 +97,16 @@ class Batch:
     input_ids: torch.Tensor  # [B, T] int64, 0 after a sample's end
     loss_mask: torch.Tensor  # [B, T] bool, False after a sample's end
     num_tokens: int
+    documents: torch.Tensor | None = None  # packed ([1, T]): each token's sample, counted from 0; None: one sample a row
 
     def to(self, device: torch.device) -> Batch:
-        return Batch(self.aux.to(device), self.final.to(device), self.input_ids.to(device), self.loss_mask.to(device), self.num_tokens)
+        documents = self.documents.to(device) if self.documents is not None else None
+        return Batch(self.aux.to(device), self.final.to(device), self.input_ids.to(device), self.loss_mask.to(device), self.num_tokens, documents)
 
 
-def load_batch(samples: list[Sample], max_seq_len: int) -> Batch:
-    """Read the samples' tensors (slices only, never whole files) into right-padded tensors."""
+def load_batch(samples: list[Sample], max_seq_len: int, packed: bool = False) -> Batch:
+    """Read the samples' tensors (slices only, never whole files): right-padded rows, or with ``packed`` one row of
+    the samples end to end with each token's sample in ``documents``."""
     lengths = [min(s.length, max_seq_len) for s in samples]
     width = max(lengths)
     rows: dict[str, list] = {"aux": [], "final": [], "ids": [], "mask": []}
@@ -118,6 +121,11 @@ def load_batch(samples: list[Sample], max_seq_len: int) -> Batch:
             for i in members:
                 a, b = samples[i].start, samples[i].start + lengths[i]
                 loaded[i] = (states.aux(a, b), states.final(a, b), ids[a:b], mask[a:b])
+    if packed:
+        columns = [torch.cat([loaded[i][n] for i in range(len(samples))]) for n in range(4)]
+        documents = torch.cat([torch.full((n,), i, dtype=torch.long) for i, n in enumerate(lengths)])
+        aux, final, ids, mask = columns
+        return Batch(aux.float()[None], final.float()[None], ids.long()[None], (mask.long() == 1)[None], sum(lengths), documents[None])
     for i in range(len(samples)):
         aux, final, ids, mask = loaded[i]
         pad = width - lengths[i]
@@ -133,13 +141,25 @@ def load_batch(samples: list[Sample], max_seq_len: int) -> Batch:
 # --------------------------------------------------------------------------- batch plan
 
 
-def epoch_micro_batches(lengths: list[int], batch_tokens: int, seed: int, epoch: int) -> list[list[int]]:
-    """Samples packed into micro-batches of at most ``batch_tokens`` padded tokens, in a shuffled order.
+def epoch_micro_batches(lengths: list[int], batch_tokens: int, seed: int, epoch: int, packed: bool = False) -> list[list[int]]:
+    """Samples grouped into micro-batches of at most ``batch_tokens`` tokens, in a shuffled order.
 
-    Similar lengths go together (little padding); ties are broken randomly so
-    that an epoch's batches differ from the last one's.
+    Padded (the default), a micro-batch costs its longest sample times its
+    samples, so similar lengths go together (little padding); ties are broken
+    randomly so that an epoch's batches differ from the last one's. Packed
+    (``load_batch(packed=True)``), it costs its tokens alone: the samples are
+    taken in a shuffled order, each into the first micro-batch with room for
+    it (first fit: filling only the newest one would leave each a sample's
+    worth short). A sample longer than ``batch_tokens`` is a micro-batch of its own.
     """
     rng = random.Random(f"{seed}:{epoch}")
+    batches = first_fit(lengths, batch_tokens, rng) if packed else similar_lengths(lengths, batch_tokens, rng)
+    rng.shuffle(batches)
+    return batches
+
+
+def similar_lengths(lengths: list[int], batch_tokens: int, rng: random.Random) -> list[list[int]]:
+    """Samples sorted by length (ties in a random order), cut into groups whose padded size fits ``batch_tokens``."""
     order = sorted(range(len(lengths)), key=lambda i: (lengths[i], rng.random()))
     batches: list[list[int]] = []
     current: list[int] = []
@@ -151,7 +171,28 @@ def epoch_micro_batches(lengths: list[int], batch_tokens: int, seed: int, epoch:
         current.append(i)
     if current:
         batches.append(current)
-    rng.shuffle(batches)
+    return batches
+
+
+def first_fit(lengths: list[int], batch_tokens: int, rng: random.Random) -> list[list[int]]:
+    """Samples in a random order, each into the first group with room for its tokens (a new group where none has)."""
+    order = list(range(len(lengths)))
+    rng.shuffle(order)
+    batches: list[list[int]] = []
+    room: list[int] = []
+    shortest = min(lengths, default=0)
+    open_rows: list[int] = []  # groups with room for at least the shortest sample, oldest first
+    for i in order:
+        row = next((r for r in open_rows if room[r] >= lengths[i]), None)
+        if row is None:
+            row = len(batches)
+            batches.append([])
+            room.append(batch_tokens)
+            open_rows.append(row)
+        batches[row].append(i)
+        room[row] -= lengths[i]
+        if room[row] < shortest:
+            open_rows.remove(row)
     return batches
 
 
@@ -161,7 +202,7 @@ def epoch_steps(lengths: list[int], config: TrainConfig, world_size: int, epoch:
     The last step is filled up with the epoch's first micro-batches, so that
     every process runs the same number of steps and no sample is dropped.
     """
-    micro = epoch_micro_batches(lengths, config.batch_tokens, config.seed, epoch)
+    micro = epoch_micro_batches(lengths, config.batch_tokens, config.seed, epoch, config.pack_samples)
     per_step = world_size * config.grad_accumulation
     epoch_order = list(micro)
     while len(micro) % per_step:

@@ -117,7 +117,7 @@ class Trainer:
             sync = self.model.no_sync() if self.distributed and i < count - 1 else nullcontext()
             with sync:
                 with self.autocast:
-                    loss, stats = self.model(batch.aux, batch.input_ids, batch.loss_mask, target_logits, target_top)
+                    loss, stats = self.model(batch.aux, batch.input_ids, batch.loss_mask, target_logits, target_top, batch.documents)
                 (loss / count).backward()
             loss_sum += loss.detach()
             totals += stats

@@ -54,6 +54,14 @@ def shift_left(x: torch.Tensor, by: int, fill=0) -> torch.Tensor:
     return torch.cat([x[:, by:], pad], dim=1) if by < x.shape[1] else torch.full_like(x, fill)
 
 
+def sample_starts(documents: torch.Tensor) -> torch.Tensor:
+    """Each token's offset of its sample's first token in a packed row ``documents`` [B, T] (samples contiguous)."""
+    index = torch.arange(documents.shape[1], device=documents.device).expand_as(documents)
+    first = torch.ones_like(documents, dtype=torch.bool)
+    first[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    return torch.where(first, index, torch.zeros_like(index)).cummax(dim=1).values
+
+
 ACCEPTANCE_FLOOR = 1e-5  # nla: -log alpha is clamped here (no gradient below), as speculators does
 
 
@@ -166,10 +174,17 @@ class TrainingTimeTest(nn.Module):
         self.checkpoint_steps, self.loss_chunk_tokens = checkpoint_steps, loss_chunk_tokens
         self.loss, self.lk_eta = loss, lk_eta
 
-    def forward(self, aux: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor, target_logits: torch.Tensor, target_top: torch.Tensor):
+    def forward(
+        self, aux: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor, target_logits: torch.Tensor, target_top: torch.Tensor,
+        documents: torch.Tensor | None = None,
+    ):  # fmt: skip
+        """``documents`` (a packed row's sample per token, :func:`~eagle3_assets.core.training.data.load_batch`): each
+        sample then counts its positions from 0, attends only within itself, and no chain runs past its end."""
         draft = self.draft
         batch, length = input_ids.shape
         positions = torch.arange(length, device=input_ids.device).expand_as(input_ids)
+        if documents is not None:
+            positions = positions - sample_starts(documents)
         if self.loss_chunk_tokens:
             flat_targets = target_logits.reshape(batch * length, -1)
         else:
@@ -181,13 +196,15 @@ class TrainingTimeTest(nn.Module):
         for k in range(self.steps):
             top_k = shift_left(target_top, 1 + k)
             mask = shift_left(loss_mask, 2 + k, False) & draft.t2d[top_k]
+            if documents is not None:  # the position predicted is in the chain's own sample
+                mask = mask & (shift_left(documents, 2 + k, -1) == documents)
             count = mask.sum()
             ids_k = shift_left(input_ids, 1 + k)
 
             def one_step(hidden: torch.Tensor, *cache_flat: torch.Tensor, k=k, ids_k=ids_k, mask=mask, count=count):
                 """Step k from the draft's state and the cache: (weighted loss, next state, this step's key, value, argmax)."""
                 cache = [(cache_flat[i], cache_flat[i + 1]) for i in range(0, len(cache_flat), 2)]
-                normed, next_hidden = draft.step_states(ids_k, hidden, positions + k, cache)
+                normed, next_hidden = draft.step_states(ids_k, hidden, positions + k, cache, documents)
                 if self.loss_chunk_tokens:
                     # Position (b, t) is trained towards the target's distribution at (b, t + 1 + k): a row index,
                     # clamped where the mask is 0 anyway.

@@ -97,11 +97,11 @@ class BatchSource(Protocol):
 
 
 class _StoredUnit:
-    def __init__(self, index: HiddenStateIndex, max_seq_len: int):
-        self.index, self.max_seq_len = index, max_seq_len
+    def __init__(self, index: HiddenStateIndex, max_seq_len: int, packed: bool):
+        self.index, self.max_seq_len, self.packed = index, max_seq_len, packed
 
     def load(self, members: tuple[int, ...]) -> Batch:
-        return load_batch([self.index.samples[j] for j in members], self.max_seq_len)
+        return load_batch([self.index.samples[j] for j in members], self.max_seq_len, self.packed)
 
     def sample_ids(self, members: tuple[int, ...]) -> list[str]:
         return [self.index.samples[j].sample_id for j in members]
@@ -120,10 +120,11 @@ class StoredShards:
         self.index: HiddenStateIndex | None = None
         self.lengths: list[int] = []
         self.max_seq_len = 0
+        self.packed = False
 
     def describe(self, config: TrainConfig) -> tuple[HiddenStateIndex, DataSize]:
         self.index = index_hidden_states(self.shard_dirs)
-        self.max_seq_len = config.max_seq_len
+        self.max_seq_len, self.packed = config.max_seq_len, config.pack_samples
         self.lengths = [min(s.length, config.max_seq_len) for s in self.index.samples]
         size = DataSize(len(self.lengths), sum(self.lengths), supervised_token_count(self.index, config.max_seq_len), max(self.lengths))
         return self.index, size
@@ -155,7 +156,7 @@ class StoredShards:
 
     def open(self, unit: int, emit: OnEvent) -> UnitStates:
         assert self.index is not None
-        return _StoredUnit(self.index, self.max_seq_len)
+        return _StoredUnit(self.index, self.max_seq_len, self.packed)
 
     def finish(self, unit: int) -> None:
         pass

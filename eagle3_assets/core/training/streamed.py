@@ -141,12 +141,12 @@ class ShardProducer(threading.Thread):
 
 
 class _ShardStates:
-    def __init__(self, shard_dir: Path, rows: list[str], max_seq_len: int):
+    def __init__(self, shard_dir: Path, rows: list[str], max_seq_len: int, packed: bool):
         self.samples = {s.sample_id: s for s in index_hidden_states([shard_dir]).samples}  # verifies each part's checksum
-        self.rows, self.max_seq_len = rows, max_seq_len
+        self.rows, self.max_seq_len, self.packed = rows, max_seq_len, packed
 
     def load(self, members: tuple[int, ...]) -> Batch:
-        return load_batch([self.samples[self.rows[r]] for r in members], self.max_seq_len)
+        return load_batch([self.samples[self.rows[r]] for r in members], self.max_seq_len, self.packed)
 
     def sample_ids(self, members: tuple[int, ...]) -> list[str]:
         return [self.rows[r] for r in members]
@@ -184,7 +184,7 @@ class StreamedWindow:
             dtype=run.extraction.dtype,
             part_bytes=run.extraction.part_size_bytes,
         )
-        self.max_seq_len = config.max_seq_len
+        self.max_seq_len, self.packed = config.max_seq_len, config.pack_samples
         self.lengths, self.ids_by_row, supervised = {}, {}, 0
         for shard in run.shards:
             traces = read_traces(Path(shard.traces), facts.vocab_size)
@@ -216,7 +216,7 @@ class StreamedWindow:
         return index, DataSize(len(all_lengths), sum(all_lengths), supervised, max(all_lengths))
 
     def steps_per_epoch(self, config: TrainConfig, world: int) -> int:
-        micro = [epoch_micro_batches(v, config.batch_tokens, config.seed, 0) for v in self.lengths.values()]
+        micro = [epoch_micro_batches(v, config.batch_tokens, config.seed, 0, config.pack_samples) for v in self.lengths.values()]
         return sum(-(-len(m) // config.grad_accumulation) for m in micro)
 
     def plan(self, config: TrainConfig, world: int) -> list[PlannedStep]:
@@ -231,7 +231,7 @@ class StreamedWindow:
                 item = StreamItem(len(self.items), epoch + 1, shard)
                 self.items.append(item)
                 # The epoch "number" is a string here: the shard's batches shuffle by (seed, epoch, shard).
-                micro = epoch_micro_batches(self.lengths[shard.key], config.batch_tokens, config.seed, f"{epoch}:{shard.key}")  # type: ignore[arg-type]
+                micro = epoch_micro_batches(self.lengths[shard.key], config.batch_tokens, config.seed, f"{epoch}:{shard.key}", config.pack_samples)  # type: ignore[arg-type]
                 named = [(f"e{epoch + 1}/{shard.key}/b{k:05d}", tuple(rows)) for k, rows in enumerate(micro)]
                 for i in range(0, len(named), config.grad_accumulation):
                     steps.append(PlannedStep(len(steps) + 1, epoch + 1, item.position, tuple(named[i : i + config.grad_accumulation])))
@@ -301,7 +301,7 @@ class StreamedWindow:
         item = self.items[unit]
         self.prepared[unit] = prepared = self.producer.take(item)
         emit({"event": "extracted", **prepared})
-        return _ShardStates(self.window / item.name, self.ids_by_row[item.shard.key], self.max_seq_len)
+        return _ShardStates(self.window / item.name, self.ids_by_row[item.shard.key], self.max_seq_len, self.packed)
 
     def finish(self, unit: int) -> None:
         self.streamed.append(self.prepared.pop(unit))
