@@ -109,6 +109,19 @@ def parse_settings(pairs: list[str], where: str) -> dict:
     return settings
 
 
+def trained_settings(settings: dict) -> dict:
+    """Every setting a variant of ours trains with: its own over the training defaults of the day, so that a draft
+    kept in the work directory is not taken for a variant whose unnamed settings have since changed default."""
+    from eagle3_assets.core.training.config import TrainConfig
+
+    defaults = {
+        name: field.get_default(call_default_factory=True)
+        for name, field in TrainConfig.model_fields.items()
+        if not field.is_required() and name not in TrainConfig._NOT_IN_FINGERPRINT
+    }
+    return {**defaults, **settings}
+
+
 def demo_recipe() -> dict:
     """The recipe the demo's draft_checkpoint trains with: the fields its run config sets, under TrainConfig's names."""
     from eagle3_assets.core.training.config import TrainConfig
@@ -367,16 +380,22 @@ def main() -> None:
     report_path = work / "report.json"
     report = json.loads(report_path.read_text()) if report_path.is_file() else {}
     # What the drafts and measurements kept in the work directory depend on: reuse them only for the same inputs,
-    # and a variant's only for the same settings (a new variant can join an earlier run's).
+    # and a variant's only for the same settings, the defaults it leaves unnamed included (a new variant can join an
+    # earlier run's).
     inputs = {"index": index.fingerprint, "vocab": file_hash(vocab), "target": str(target), "eval_prompts": file_hash(Path(eval_prompts)), "recipe": recipe}
     shared_key = stable_hash(inputs)
     if report.get("shared_inputs_key", shared_key) != shared_key:
         sys.exit(f"{work}: holds drafts and measurements of other states, prompts or recipe; pass --fresh to discard them, or --work elsewhere")
-    settings_now = {label: stable_hash(ours_variants.get(label, PEER_VARIANTS.get(label))) for label in args.variants}
+    settings_now = {
+        label: stable_hash(trained_settings(ours_variants[label]) if label in ours_variants else PEER_VARIANTS[label]) for label in args.variants
+    }
     kept = report.get("variant_settings", {})
     changed = [label for label in args.variants if kept.get(label, settings_now[label]) != settings_now[label]]
     if changed:
-        sys.exit(f"{work}: {changed} were measured with other settings; pass --fresh, or give the new settings another label")
+        sys.exit(
+            f"{work}: {changed} were measured with other settings (theirs, or training defaults since changed); "
+            "pass --fresh, or give the new settings another label"
+        )
     report = {**report, "shared_inputs_key": shared_key, "variant_settings": {**kept, **settings_now}}
     measured: dict[str, dict[str, dict]] = report.get("measured", {})
     key = f"k{args.k}" + (f"-t{args.temperature:g}" if args.temperature else "") + ("-probabilistic" if args.draft_sample_method != "greedy" else "")

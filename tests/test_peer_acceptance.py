@@ -87,3 +87,17 @@ def test_a_change_counts_against_the_reference_only_beyond_the_seeds_spread():
     assert peer_acceptance.against_reference(mixed, reference).endswith("seed by seed above in 1, below in 1 of 2)")  # seed 2: no reference
     table = peer_acceptance.render({"ours": reference, "far": far}, 5, 32, 2)
     assert "| far | 3.52 (3.50-3.55) |" in table and "| 0.100 (0.100-0.100) | 0.904 (below, beyond the spread; seed by seed above in 0, below in 2 of 2) |" in table
+
+
+def test_a_kept_draft_is_reused_only_for_the_settings_it_was_trained_with_defaults_included(monkeypatch):
+    """A variant is what it names over the training defaults: when a default changes, a draft trained under the old
+    one is another variant (its work directory then asks for --fresh or another label)."""
+    from eagle3_assets.core.training.config import TrainConfig
+
+    recipe = {"epochs": 20, "ttt_steps": 3}
+    settings = peer_acceptance.trained_settings(recipe)
+    assert settings["epochs"] == 20 and settings["pack_samples"] == TrainConfig.model_fields["pack_samples"].default
+    assert "log_every" not in settings and "hidden_state_dirs" not in settings  # neither changes what is trained
+    monkeypatch.setattr(TrainConfig.model_fields["pack_samples"], "default", not settings["pack_samples"])
+    assert peer_acceptance.trained_settings(recipe) != settings, "a changed default changes the variant"
+    assert peer_acceptance.trained_settings({**recipe, "pack_samples": settings["pack_samples"]}) == settings
