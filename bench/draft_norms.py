@@ -42,8 +42,11 @@ from eagle3_assets.core.training.throughput import NORM_VARIANTS  # noqa: E402
 def trained_draft(label: str, recipe: dict, data: Path, target: Path, work: Path, max_seq_len: int, retrain: bool) -> tuple[Path, dict, float, bool]:
     """The draft of ``label`` trained with ``recipe``: the one an earlier run of this bench exported for the same
     recipe, states and target (so a rerun after a failed evaluation does not train again), else trained now."""
+    from eagle3_assets.core.training.config import trained_settings
+
     record = work / label / "trained.json"
-    key = {"recipe": recipe, "data": str(data.resolve()), "target": str(target), "max_seq_len": max_seq_len}
+    # The defaults the recipe leaves unnamed count too: a draft trained before one changed is another draft.
+    key = {"recipe": trained_settings(recipe), "data": str(data.resolve()), "target": str(target), "max_seq_len": max_seq_len}
     if not retrain and record.is_file():
         earlier = json.loads(record.read_text())
         if earlier["key"] == key and (Path(earlier["export"]) / "config.json").is_file():

@@ -109,19 +109,6 @@ def parse_settings(pairs: list[str], where: str) -> dict:
     return settings
 
 
-def trained_settings(settings: dict) -> dict:
-    """Every setting a variant of ours trains with: its own over the training defaults of the day, so that a draft
-    kept in the work directory is not taken for a variant whose unnamed settings have since changed default."""
-    from eagle3_assets.core.training.config import TrainConfig
-
-    defaults = {
-        name: field.get_default(call_default_factory=True)
-        for name, field in TrainConfig.model_fields.items()
-        if not field.is_required() and name not in TrainConfig._NOT_IN_FINGERPRINT
-    }
-    return {**defaults, **settings}
-
-
 def demo_recipe() -> dict:
     """The recipe the demo's draft_checkpoint trains with: the fields its run config sets, under TrainConfig's names."""
     from eagle3_assets.core.training.config import TrainConfig
@@ -386,6 +373,8 @@ def main() -> None:
     shared_key = stable_hash(inputs)
     if report.get("shared_inputs_key", shared_key) != shared_key:
         sys.exit(f"{work}: holds drafts and measurements of other states, prompts or recipe; pass --fresh to discard them, or --work elsewhere")
+    from eagle3_assets.core.training.config import trained_settings
+
     settings_now = {
         label: stable_hash(trained_settings(ours_variants[label]) if label in ours_variants else PEER_VARIANTS[label]) for label in args.variants
     }

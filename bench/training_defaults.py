@@ -38,9 +38,9 @@ RECIPES = {
 def train_and_export(label: str, recipe: dict, data: Path, target: Path, work: Path, max_seq_len: int) -> tuple[Path, dict, float]:
     from eagle3_assets.core.training.checkpoints import export_trained_draft
     from eagle3_assets.core.training.config import TrainConfig
-    from eagle3_assets.core.training.data import index_hidden_states
     from eagle3_assets.core.training.launch import run_training
     from eagle3_assets.core.training.loop import resolve_schedule
+    from eagle3_assets.core.training.sources import StoredShards
 
     shards = sorted(str(p) for p in (data / "hidden_states").iterdir() if (p / "metadata.json").is_file())
     settings = {k: v for k, v in recipe.items() if k != "lr_factor"}
@@ -53,9 +53,7 @@ def train_and_export(label: str, recipe: dict, data: Path, target: Path, work: P
         **settings,
     )
     if "lr_factor" in recipe:
-        index = index_hidden_states(shards)
-        lengths = [min(s.length, max_seq_len) for s in index.samples]
-        fitted, _ = resolve_schedule(config, index, lengths, 1)
+        fitted, _, _, _ = resolve_schedule(config, StoredShards(shards))
         config = TrainConfig(**{**config.to_dict(), "learning_rate": fitted.learning_rate * recipe["lr_factor"]})
     started = time.monotonic()
     result = run_training(config)

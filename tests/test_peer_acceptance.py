@@ -91,13 +91,13 @@ def test_a_change_counts_against_the_reference_only_beyond_the_seeds_spread():
 
 def test_a_kept_draft_is_reused_only_for_the_settings_it_was_trained_with_defaults_included(monkeypatch):
     """A variant is what it names over the training defaults: when a default changes, a draft trained under the old
-    one is another variant (its work directory then asks for --fresh or another label)."""
-    from eagle3_assets.core.training.config import TrainConfig
+    one is another variant (its work directory then asks for --fresh or another label; bench/draft_norms.py retrains)."""
+    from eagle3_assets.core.training.config import TrainConfig, trained_settings
 
     recipe = {"epochs": 20, "ttt_steps": 3}
-    settings = peer_acceptance.trained_settings(recipe)
+    settings = trained_settings(recipe)
     assert settings["epochs"] == 20 and settings["pack_samples"] == TrainConfig.model_fields["pack_samples"].default
     assert "log_every" not in settings and "hidden_state_dirs" not in settings  # neither changes what is trained
     monkeypatch.setattr(TrainConfig.model_fields["pack_samples"], "default", not settings["pack_samples"])
-    assert peer_acceptance.trained_settings(recipe) != settings, "a changed default changes the variant"
-    assert peer_acceptance.trained_settings({**recipe, "pack_samples": settings["pack_samples"]}) == settings
+    assert trained_settings(recipe) != settings, "a changed default changes the variant"
+    assert trained_settings({**recipe, "pack_samples": settings["pack_samples"]}) == settings

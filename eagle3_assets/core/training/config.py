@@ -135,3 +135,17 @@ class TrainConfig(TrainingRecipe):
             problems.append(f"draft_form {self.draft_form!r}: one of 'auto', 'llama', 'deepseek_mla'")
         if problems:
             raise ValueError("training settings: " + "; ".join(problems))
+
+
+def trained_settings(settings: dict) -> dict:
+    """Every setting that changes what a run trains: ``settings`` over :class:`TrainConfig`'s defaults of the day.
+
+    What a bench keys a kept draft by, so that a draft trained before a default changed is not taken for one
+    trained after it.
+    """
+    defaults = {
+        name: field.get_default(call_default_factory=True)
+        for name, field in TrainConfig.model_fields.items()
+        if not field.is_required() and name not in TrainConfig._NOT_IN_FINGERPRINT
+    }
+    return {**defaults, **settings}
