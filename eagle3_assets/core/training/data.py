@@ -144,7 +144,7 @@ def load_batch(samples: list[Sample], max_seq_len: int, packed: bool = False) ->
 def epoch_micro_batches(lengths: list[int], batch_tokens: int, seed: int, epoch: int, packed: bool = False) -> list[list[int]]:
     """Samples grouped into micro-batches of at most ``batch_tokens`` tokens, in a shuffled order.
 
-    Padded (the default), a micro-batch costs its longest sample times its
+    Padded (``packed`` false), a micro-batch costs its longest sample times its
     samples, so similar lengths go together (little padding); ties are broken
     randomly so that an epoch's batches differ from the last one's. Packed
     (``load_batch(packed=True)``), it costs its tokens alone: the samples are

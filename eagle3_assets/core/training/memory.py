@@ -8,7 +8,10 @@ already there):
   trainable parameter; under bf16 autocast a 2-byte copy of each weight too),
   its frozen embedding (and, with ``freeze_lm_head``, its head's weights alone),
   and the target's ``lm_head`` and norm;
-- the micro-batch: the three auxiliary states and the final one in float32;
+- the micro-batch: the three auxiliary states and the final one in float32
+  (a packed one is counted as its padded shape, ``batch_tokens`` tokens whose
+  attention spans the longest sample: its samples attend one at a time, each
+  within itself, so that bounds it);
 - the target's head: its draft-vocabulary logits (kept for every unrolled
   step), its distribution over them (kept unless the loss runs in chunks),
   and one chunk of its full-vocabulary logits while they are computed;
