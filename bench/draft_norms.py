@@ -21,6 +21,8 @@ states and target (``--retrain``: train them again).
 
     make demo && .venv/bin/python bench/draft_norms.py                          # every variant, seed 0
     .venv/bin/python bench/draft_norms.py --variants norm_before_residual plain eagle3.1 --seeds 0 1 2
+    .venv/bin/python bench/draft_norms.py --variants norm_before_residual --seeds 0 1 2 --setting pack_samples=false \
+        --work data/bench_draft_norms_padded                                     # another setting under every variant
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.peer_acceptance import parse_settings  # noqa: E402
 from bench.training_defaults import RECIPES, train_and_export  # noqa: E402
 from eagle3_assets.core.training.throughput import NORM_VARIANTS  # noqa: E402
 
@@ -81,6 +84,10 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--max-tokens", type=int, default=128, help="completion tokens per prompt (draft_evaluation's default)")
     parser.add_argument("--retrain", action="store_true", help="train every draft again, even where this bench exported it before")
+    parser.add_argument(
+        "--setting", action="append", default=[], metavar="KEY=VALUE",
+        help="a TrainConfig setting every variant trains with (repeatable), e.g. pack_samples=false",
+    )  # fmt: skip
     args = parser.parse_args()
 
     data = Path(args.data)
@@ -104,12 +111,13 @@ def main() -> None:
                                 max_model_len=max_model_len, max_tokens=args.max_tokens)  # fmt: skip
         extra = {"standard": conversations, **{b.name: b.conversations for b in built}}
 
+    settings = parse_settings(args.setting, "--setting")
     started = time.monotonic()
     drafts, step_s = {}, {}
     for variant in args.variants:
         for seed in args.seeds:
             label = f"{variant}-seed{seed}"
-            recipe = {**RECIPES["demo_recipe"], **NORM_VARIANTS[variant], "seed": seed}
+            recipe = {**RECIPES["demo_recipe"], **settings, **NORM_VARIANTS[variant], "seed": seed}
             export, schedule, seconds, reused = trained_draft(label, recipe, data, target, work, args.max_seq_len, args.retrain)
             drafts[label], step_s[label] = export, seconds / schedule["optimizer_steps"]
             how = "reused (trained earlier" if reused else "trained"

@@ -68,26 +68,37 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", default=str(REPO / "data"), help="data directory holding hidden_states/ and vocab_mapping/")
-    parser.add_argument("--target", default=None, help="target model directory (default: the data directory's demo target)")
+    parser.add_argument("--target", default=None, help="target model directory (default: the hidden states' own target)")
     parser.add_argument("--eval-prompts", default=None, help="held-out prompts (default: the demo's)")
     parser.add_argument("--trust-remote-code", action="store_true")
     parser.add_argument("--max-seq-len", type=int, default=4096)
     parser.add_argument("--num-speculative-tokens", type=int, default=3)
     parser.add_argument("--recipes", nargs="*", default=list(RECIPES), choices=list(RECIPES))
     parser.add_argument("--work", default=None, help="where drafts are written (default: <data>/bench_training_defaults)")
+    parser.add_argument(
+        "--setting", action="append", default=[], metavar="KEY=VALUE",
+        help="a TrainConfig setting every recipe trains with (repeatable), e.g. pack_samples=false",
+    )  # fmt: skip
     args = parser.parse_args()
+    from bench.peer_acceptance import parse_settings
+
+    settings = parse_settings(args.setting, "--setting")
 
     data = Path(args.data)
     if not (data / "vocab_mapping" / "vocab_mapping.safetensors").is_file() or not (data / "hidden_states").is_dir():
         sys.exit(f"{data}: no hidden_states/ and vocab_mapping/ here; run `make demo` (or the graph on your target) first")
-    target = Path(args.target) if args.target else data / "demo" / "tiny_target"
+    if args.target:
+        target = Path(args.target)
+    else:  # the target the states were extracted from, as their sidecar records it
+        sidecar = next((data / "hidden_states").glob("*/metadata.json"))
+        target = Path(json.loads(sidecar.read_text())["target_path"])
     eval_prompts = args.eval_prompts or str(data / "demo" / "eval_prompts.jsonl")
     work = Path(args.work) if args.work else data / "bench_training_defaults"
     _, conversations = load_conversations(eval_prompts)
 
     drafts, facts = {}, {}
     for label in args.recipes:
-        export, schedule, seconds = train_and_export(label, RECIPES[label], data, target, work, args.max_seq_len)
+        export, schedule, seconds = train_and_export(label, {**settings, **RECIPES[label]}, data, target, work, args.max_seq_len)
         drafts[label] = export
         facts[label] = {"schedule": schedule, "train_s": round(seconds, 1)}
         print(f"{label}: trained in {seconds:.0f}s: {schedule['optimizer_steps']} steps, batch {schedule['batch_tokens']}, "
