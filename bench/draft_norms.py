@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.peer_acceptance import parse_settings  # noqa: E402
-from bench.training_defaults import RECIPES, train_and_export  # noqa: E402
+from bench.training_defaults import RECIPES, states_target, train_and_export  # noqa: E402
 from eagle3_assets.core.training.throughput import NORM_VARIANTS  # noqa: E402
 
 
@@ -93,11 +93,7 @@ def main() -> None:
     data = Path(args.data)
     if not (data / "vocab_mapping" / "vocab_mapping.safetensors").is_file() or not (data / "hidden_states").is_dir():
         sys.exit(f"{data}: no hidden_states/ and vocab_mapping/ here; run `make demo` (or the graph on your target) first")
-    if args.target:
-        target = Path(args.target)
-    else:  # the target the states were extracted from, as their sidecar records it
-        sidecar = next((data / "hidden_states").glob("*/metadata.json"))
-        target = Path(json.loads(sidecar.read_text())["target_path"])
+    target = Path(args.target) if args.target else states_target(data)
     eval_prompts = args.eval_prompts or str(data / "demo" / "eval_prompts.jsonl")
     work = Path(args.work) if args.work else data / "bench_draft_norms"
     ids, conversations = load_conversations(eval_prompts)

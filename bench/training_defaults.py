@@ -35,6 +35,12 @@ RECIPES = {
 }
 
 
+def states_target(data: Path) -> Path:
+    """The target a data directory's hidden states were extracted from, as their sidecar records it."""
+    sidecar = next((data / "hidden_states").glob("*/metadata.json"))
+    return Path(json.loads(sidecar.read_text())["target_path"])
+
+
 def train_and_export(label: str, recipe: dict, data: Path, target: Path, work: Path, max_seq_len: int) -> tuple[Path, dict, float]:
     from eagle3_assets.core.training.checkpoints import export_trained_draft
     from eagle3_assets.core.training.config import TrainConfig
@@ -87,11 +93,7 @@ def main() -> None:
     data = Path(args.data)
     if not (data / "vocab_mapping" / "vocab_mapping.safetensors").is_file() or not (data / "hidden_states").is_dir():
         sys.exit(f"{data}: no hidden_states/ and vocab_mapping/ here; run `make demo` (or the graph on your target) first")
-    if args.target:
-        target = Path(args.target)
-    else:  # the target the states were extracted from, as their sidecar records it
-        sidecar = next((data / "hidden_states").glob("*/metadata.json"))
-        target = Path(json.loads(sidecar.read_text())["target_path"])
+    target = Path(args.target) if args.target else states_target(data)
     eval_prompts = args.eval_prompts or str(data / "demo" / "eval_prompts.jsonl")
     work = Path(args.work) if args.work else data / "bench_training_defaults"
     _, conversations = load_conversations(eval_prompts)

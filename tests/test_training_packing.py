@@ -34,9 +34,7 @@ def hidden_states(tiny_target) -> list[Path]:
 
 def packed_from_padded(batch, lengths):
     """The padded rows' samples end to end in one row, with each token's sample."""
-    aux, final, ids, mask = batch
-    cut = [lambda t, i=i, n=n: t[i, :n] for i, n in enumerate(lengths)]
-    row = [torch.cat([take(t) for take in cut])[None] for t in (aux, final, ids, mask)]
+    row = [torch.cat([t[i, :n] for i, n in enumerate(lengths)])[None] for t in batch]
     documents = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
     return (*row, documents)
 
