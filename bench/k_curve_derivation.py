@@ -32,6 +32,7 @@ def main() -> None:
     from eagle3_assets.core.evaluation.acceptance import evaluate, load_conversations
     from eagle3_assets.core.evaluation.speculation_depth import derived_curve
     from eagle3_assets.core.gpu_host.stage_jobs import EVAL_MAX_TOKENS
+    from eagle3_assets.core.serving.profile import ServingProfile
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", type=Path, default=None, help="target directory (default: the demo's tiny target)")
@@ -55,7 +56,7 @@ def main() -> None:
     labels = {f"k{k}": k for k in ks}
     results = evaluate(
         args.target, {label: draft for label in labels}, conversations, num_speculative_tokens=ks[-1], max_tokens=args.max_tokens,
-        include_reference=False, server_log_dir=work, k_by_label=labels,
+        include_reference=False, server_log_dir=work, k_by_label=labels, profile=ServingProfile(),
     )  # fmt: skip
     derived = derived_curve(results[f"k{ks[-1]}"].acceptance_rate_per_position, ks)
     print(f"\n{len(conversations)} held-out prompts, greedy, {args.max_tokens} tokens; derived from one server at k={ks[-1]}:")

@@ -158,6 +158,7 @@ def train_bounded_mode(shard_paths: list[Path], mapping: Path, target: Path, wor
 
 def main() -> None:
     from eagle3_assets.core.evaluation.acceptance import evaluate, load_conversations
+    from eagle3_assets.core.serving.profile import ServingProfile
     from eagle3_assets.demo.prompt_set import eval_prompts, write_jsonl
     from eagle3_assets.demo.stack import tiny_target_dir
     from tests.extraction_helpers import write_validated_traces
@@ -194,7 +195,7 @@ def main() -> None:
 
     prompts = write_jsonl(work / "eval_prompts.jsonl", eval_prompts(args.eval_prompts))
     _, conversations = load_conversations(str(prompts))
-    results = evaluate(target, drafts, conversations, include_reference=False, server_log_dir=work)
+    results = evaluate(target, drafts, conversations, include_reference=False, server_log_dir=work, profile=ServingProfile())
     acceptance = {dtype: results[dtype].mean_acceptance_length for dtype in PRECISIONS}
 
     print(f"\nbytes per token over 8·H (goal for {FP8_DTYPE}: <= 0.5):")

@@ -294,6 +294,7 @@ def test_wrong_layer_ids_score_clearly_below_and_are_rejected_before_evaluation(
         num_speculative_tokens=report["num_speculative_tokens"],
         max_tokens=DraftEvaluationConfig().max_tokens,
         include_reference=False,
+        profile=DemoTargetModel().serving_profile(),
     ).values()
     right = report["results"]["trained"]
     assert wrong.drafts > 0 and wrong.failed == 0

@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from eagle3_assets.core.draft.forms import DEEPSEEK_MLA, LLAMA
 from eagle3_assets.demo.kimi_target import KIMI_PROFILE
+from eagle3_assets.core.serving.profile import ServingProfile
 from eagle3_assets.core.evaluation.acceptance import untrained_twin
 from eagle3_assets.core.draft.export import (  # fmt: skip
     COMMON_FIELDS,
@@ -274,7 +275,7 @@ def test_loads_in_vllm_fails_for_a_draft_whose_config_lacks_a_field(tiny_target,
     draft_dir = exported_random_draft(tiny_target, tmp_path / "draft")
     edit_config(draft_dir, lambda c: c.pop("draft_vocab_size"))  # vLLM then expects a 640-row head
     assert config_problems(draft_dir, [2, 3, 4]) == ["config.json lacks draft_vocab_size"]
-    report = check_loads_in_vllm(tiny_target, draft_dir, log_path=tmp_path / "vllm.log", startup_timeout_s=600)
+    report = check_loads_in_vllm(tiny_target, draft_dir, log_path=tmp_path / "vllm.log", startup_timeout_s=600, profile=ServingProfile())
     assert not report.passed
     # vLLM sized the head for the whole vocabulary, so it has no map to load d2t into.
     assert "did not start" in report.detail and "draft_id_to_target_id" in report.detail, report.detail

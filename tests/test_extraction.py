@@ -27,6 +27,7 @@ from eagle3_assets.core.extraction.shard_reading import iter_samples, read_sidec
 from eagle3_assets.core.extraction.traces import TargetFacts, Trace, read_traces
 from eagle3_assets.core.extraction.transformers_backend import TransformersBackend
 from eagle3_assets.core.storage.shard_paths import SIDECAR
+from eagle3_assets.core.serving.profile import ServingProfile
 from eagle3_assets.core.gpu_host.stage_jobs import ExtractionRecipe
 from eagle3_assets.core.storage.files import file_hash, stable_hash
 from eagle3_assets.core.target.head import TargetHead, rms_norm
@@ -319,7 +320,8 @@ def vllm_backend(tiny_target, tmp_path_factory):
 
     with in_process_vllm_environment():
         backend = VLLMBackend(
-            tiny_target, LAYER_IDS, ExtractionRecipe(), max_model_len=512, scratch_dir=tmp_path_factory.mktemp("vllm-scratch")
+            tiny_target, LAYER_IDS, ExtractionRecipe(), max_model_len=512, scratch_dir=tmp_path_factory.mktemp("vllm-scratch"),
+            serving=ServingProfile(),  # the demo target's profile (DemoTargetModel's: the environment's defaults)
         )
         yield backend
         backend.close()

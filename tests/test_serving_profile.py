@@ -228,3 +228,48 @@ def test_the_profile_is_the_target_resources_own_settings_and_comes_from_the_env
     target = TargetModel(path=str(KIMI_K25), tensor_parallel_size=8)
     assert target.serving_profile() == ServingProfile(tensor_parallel_size=8)
     assert dataclasses.asdict(target.gpu_need())["gpus"] == 8
+
+
+def test_a_start_without_the_targets_profile_is_refused_at_every_start_site(tmp_path, monkeypatch):
+    """No start site serves the target with this host's environment because its caller forgot the profile.
+
+    ``ServingProfile()`` reads the ``EAGLE3_*`` environment: a TP-8 target that reached a start site without its
+    profile would be served with TP 1 and no parser, and fail (or answer wrongly) an hour later. Each site refuses,
+    naming the argument its caller left out. Mutation: ``VLLMServer`` (or ``extraction_launch``, ``serve_command``,
+    ``VLLMBackend``) back to ``profile or ServingProfile()`` -> its row below builds a launch instead of raising.
+    """
+    from eagle3_assets.core.draft.load_check import check_loads_in_vllm
+    from eagle3_assets.core.evaluation.acceptance import evaluate, evaluation_servers
+    from eagle3_assets.core.extraction.vllm_backend import VLLMBackend, extraction_launch
+    from eagle3_assets.core.serving.deployment import serve_command, write_serving_notes
+    from eagle3_assets.core.serving.vllm_launcher import VLLMServer
+
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.setenv("TMPDIR", str(work))  # VLLMBackend makes its scratch directory there if it gets that far
+    draft = work / "draft"
+    passed_none = {
+        "VLLMServer(profile=)": lambda: VLLMServer(KIMI_K25, "kimi-k2.5", profile=None),
+        "extraction_launch(serving)": lambda: extraction_launch(KIMI_K25, [2, 30, 58, 61], work / "scratch", None, context=4096),
+        "VLLMBackend(serving=)": lambda: VLLMBackend(KIMI_K25, [2, 30, 58], serving=None),
+        "serve_command(profile)": lambda: serve_command(str(KIMI_K25), "kimi-k2.5", str(draft), "0123456789abcdef", 3, None),
+        "vllm_launch(profile)": lambda: vllm_launch(None, KIMI_K25),
+    }
+    for argument, start in passed_none.items():
+        with pytest.raises(TypeError, match=rf"^{argument.replace('(', '[(]').replace(')', '[)]')} is None: pass the target's ServingProfile"):
+            start()
+    assert not list(work.iterdir())  # nothing was made on the way (no scratch directory, no serving notes)
+    # Left out altogether: Python names the missing argument of the function the caller called.
+    left_out = {
+        "VLLMServer": lambda: VLLMServer(KIMI_K25, "kimi-k2.5"),
+        "VLLMBackend": lambda: VLLMBackend(KIMI_K25, [2, 30, 58]),
+        "evaluation_servers": lambda: evaluation_servers(KIMI_K25, {"trained": draft}, 3),
+        "evaluate": lambda: evaluate(KIMI_K25, {"trained": draft}, []),
+        "check_loads_in_vllm": lambda: check_loads_in_vllm(KIMI_K25, draft),
+        "write_serving_notes": lambda: write_serving_notes(draft, target=str(KIMI_K25), num_speculative_tokens=3),
+    }
+    for function, start in left_out.items():
+        with pytest.raises(TypeError, match=rf"{function}(\.__init__)?\(\) missing 1 required keyword-only argument: '(profile|serving)'"):
+            start()
+    # Meaning this host's environment is still possible, said out loud.
+    assert VLLMServer(KIMI_K25, "kimi-k2.5", profile=ServingProfile()).launch.engine_args["model"] == str(KIMI_K25)

@@ -8,6 +8,7 @@ from dagster import AssetExecutionContext, DagsterInstance, asset, materialize
 
 from eagle3_assets.core.storage.shard_lease import ShardLease
 from eagle3_assets.core.storage.shard_paths import LOCKS_DIR, DatasetPaths, ShardPaths, lock_dir
+from eagle3_assets.core.serving.profile import ServingProfile
 from eagle3_assets.core.serving.vllm_launcher import VLLMServer
 from eagle3_assets.demo.targets import TINY_SERVING
 from resources.gpu_host import GPUHost
@@ -60,7 +61,7 @@ def test_the_dataset_files_are_named_in_one_place(tmp_path):
 
 def test_the_launcher_assumes_no_target():
     """Unless told, vLLM serves under the model path and splits no reasoning; the tiny target's name and parser are the demo's."""
-    plain = VLLMServer("/models/any").command()
+    plain = VLLMServer("/models/any", profile=ServingProfile()).command()
     assert plain[plain.index("--served-model-name") + 1] == "/models/any" and "--reasoning-parser" not in plain
     demo = VLLMServer("/models/tiny", **TINY_SERVING).command()
     assert demo[demo.index("--served-model-name") + 1] == "tiny-reasoner"

@@ -285,7 +285,8 @@ def test_evaluation_runs_on_a_target_with_a_2048_token_context(tiny_target, tmp_
     questions = [[{"role": "user", "content": f"What is {i} plus {i + 3}?"}] for i in range(4)]
     k = 3
     (result,) = evaluate(
-        short, {"untrained": draft}, questions, num_speculative_tokens=k, max_tokens=32, include_reference=False, server_log_dir=tmp_path
+        short, {"untrained": draft}, questions, num_speculative_tokens=k, max_tokens=32, include_reference=False, server_log_dir=tmp_path,
+        profile=ServingProfile(),
     ).values()
     assert result.failed == 0 and result.drafts and result.output_tokens > len(questions)
     # The server's spec-decode counters against the tokens the client received (usage.completion_tokens): after each

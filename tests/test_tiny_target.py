@@ -169,9 +169,10 @@ def test_ninety_percent_of_demo_responses_are_complete_reasoning(vllm_server, ti
 
 
 def test_launcher_stops_the_whole_process_group_when_startup_fails(tmp_path):
+    from eagle3_assets.core.serving.profile import ServingProfile
     from eagle3_assets.core.serving.vllm_launcher import VLLMServer
 
-    server = VLLMServer(tmp_path / "no-such-model", log_path=tmp_path / "log", startup_timeout_s=300)
+    server = VLLMServer(tmp_path / "no-such-model", log_path=tmp_path / "log", startup_timeout_s=300, profile=ServingProfile())
     with pytest.raises(RuntimeError, match="exited with code"):
         server.start()
     assert server.process is not None and server.process.poll() is not None

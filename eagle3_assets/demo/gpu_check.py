@@ -200,8 +200,12 @@ def export(ctx: Context) -> Row:
 
 def loads_in_vllm(ctx: Context) -> Row:
     from eagle3_assets.core.draft.load_check import check_loads_in_vllm
+    from eagle3_assets.core.serving.profile import ServingProfile
 
-    report = check_loads_in_vllm(Path(ctx.state["target"]), ctx.state["draft"], num_speculative_tokens=3, log_path=ctx.work / "vllm.log")
+    # The host's own EAGLE3_* profile, on purpose: the self-test checks this host as it is configured.
+    report = check_loads_in_vllm(
+        Path(ctx.state["target"]), ctx.state["draft"], num_speculative_tokens=3, log_path=ctx.work / "vllm.log", profile=ServingProfile()
+    )
     return Row("loads_in_vllm", "passed" if report.passed else "failed", report.detail)
 
 

@@ -32,7 +32,7 @@ def loads_in_vllm_server(
     draft_dir: Path,
     *,
     num_speculative_tokens: int = 3,
-    profile=None,
+    profile,
     python: str | None = None,
     log_path: Path | None = None,
     startup_timeout_s: float | None = None,
@@ -61,7 +61,7 @@ def check_loads_in_vllm(
     num_speculative_tokens: int = 3,
     python: str | None = None,
     log_path: Path | None = None,
-    profile=None,
+    profile,
     startup_timeout_s: float | None = None,
     prompt: str = "What is 12 plus 30?",
 ) -> VLLMLoadReport:
@@ -70,7 +70,7 @@ def check_loads_in_vllm(
     Passes when the server comes up, answers, and its ``/metrics`` show that
     the draft proposed tokens (a draft that loads but is never run would not
     prove anything). ``profile``: the target's serving profile
-    (:class:`~eagle3_assets.core.serving.profile.ServingProfile`; default: the environment's).
+    (:class:`~eagle3_assets.core.serving.profile.ServingProfile`; required: no fallback to the environment's).
     """
     server = loads_in_vllm_server(
         target_dir, draft_dir, num_speculative_tokens=num_speculative_tokens, profile=profile, python=python,

@@ -191,7 +191,7 @@ def evaluation_servers(
     drafts: dict[str, Path],
     num_speculative_tokens: int = 3,
     *,
-    profile: ServingProfile | None = None,
+    profile: ServingProfile,
     context: int | None = None,
     include_reference: bool = True,
     server_log_dir: Path | None = None,
@@ -236,7 +236,8 @@ def evaluate(
     include_reference: bool = True,
     server_log_dir: Path | None = None,
     log: Callable[[str], None] = print,
-    profile: ServingProfile | None = None,
+    *,
+    profile: ServingProfile,
     k_by_label: dict[str, int] | None = None,
     prompt_sets: dict[str, Sequence[list[dict]]] | None = None,
     temperature: float = 0.0,
@@ -251,7 +252,7 @@ def evaluate(
     otherwise a set is served one prompt at a time, the counters read around each prompt.
 
     ``profile``: how vLLM serves the target (:class:`~eagle3_assets.core.serving.profile.ServingProfile`,
-    default: the environment's). ``k_by_label``: a draft's own ``num_speculative_tokens`` where it differs from
+    required: no fallback to the environment's). ``k_by_label``: a draft's own ``num_speculative_tokens`` where it differs from
     the common one (the same draft served at several k, each under its label). ``temperature``: 0 is greedy;
     above it every request is sampled, seeded by its prompt's position (:func:`sampling_args`), and
     ``draft_sample_method`` says how the drafts propose (:func:`~eagle3_assets.core.serving.deployment.speculative_config`).

@@ -49,7 +49,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 
 from eagle3_assets.core.extraction.traces import TargetFacts, validate_layer_ids
 from eagle3_assets.core.gpu_host.stage_jobs import ExtractionRecipe
-from eagle3_assets.core.serving.profile import MULTIPROCESSING_ENV, ServingProfile, VLLMLaunch, vllm_launch
+from eagle3_assets.core.serving.profile import MULTIPROCESSING_ENV, ServingProfile, VLLMLaunch, require_profile, vllm_launch
 
 CONNECTOR_MODULE = __name__
 CONNECTOR_CLASS = "SyncHiddenStatesConnector"
@@ -92,7 +92,7 @@ class SyncHiddenStatesConnector(ExampleHiddenStatesConnector):
 
 
 def extraction_launch(
-    target_path: Path | str, engine_layer_ids: Sequence[int], scratch_dir: Path | str, serving: ServingProfile | None,
+    target_path: Path | str, engine_layer_ids: Sequence[int], scratch_dir: Path | str, serving: ServingProfile,
     *, context: int, seed: int = 0,
 ) -> VLLMLaunch:
     """The extraction engine's arguments: the target's serving profile (TP, quantization, dtype, CUDA graphs...), and what
@@ -114,7 +114,7 @@ def extraction_launch(
             "kv_connector_extra_config": {"shared_storage_path": str(scratch_dir)},
         },
     }
-    return vllm_launch(serving or ServingProfile(), target_path, context=context, site_args=site_args)
+    return vllm_launch(require_profile(serving, "extraction_launch(serving)"), target_path, context=context, site_args=site_args)
 
 
 class VLLMBackend:
@@ -134,8 +134,9 @@ class VLLMBackend:
         scratch_dir: Path | str | None = None,
         seed: int = 0,
         engine_in_process: bool | None = None,
-        serving: ServingProfile | None = None,
+        serving: ServingProfile,
     ):
+        require_profile(serving, "VLLMBackend(serving=)")  # before vLLM's import and the scratch directory
         from vllm import LLM
 
         self.target_path = Path(target_path)

@@ -20,7 +20,7 @@ import re
 import shlex
 from pathlib import Path
 
-from eagle3_assets.core.serving.profile import ServingProfile, vllm_launch
+from eagle3_assets.core.serving.profile import ServingProfile, require_profile, vllm_launch
 from eagle3_assets.core.storage.shard_paths import SERVING_NOTES
 from eagle3_assets.core.storage.files import write_bytes_atomic, write_json_atomic
 
@@ -70,13 +70,13 @@ def speculative_config(draft_path: str, num_speculative_tokens: int, draft_sampl
 
 
 def serve_command(
-    target: str, served_name: str, draft_path: str, weights_hash: str, num_speculative_tokens: int, profile: ServingProfile | None = None,
+    target: str, served_name: str, draft_path: str, weights_hash: str, num_speculative_tokens: int, profile: ServingProfile,
     draft_sample_method: str = "greedy",
 ) -> list[str]:
     """``vllm serve`` for the target with this draft, as the target's serving ``profile`` says (its parallelism,
     parser, ...), answering to its own name and to the draft's alias."""
     launch = vllm_launch(
-        profile or ServingProfile(), target, served_model_name=[served_name, draft_alias(weights_hash)],
+        require_profile(profile, "serve_command(profile)"), target, served_model_name=[served_name, draft_alias(weights_hash)],
         site_args={"speculative_config": speculative_config(draft_path, num_speculative_tokens, draft_sample_method)},
     )  # fmt: skip
     return launch.vllm_serve_command()
@@ -90,7 +90,7 @@ def write_serving_notes(
     served_name: str = "<your served model name>",
     chosen_by: str = "the export's default (draft_evaluation has not chosen k yet)",
     curve_markdown: str = "",
-    profile: ServingProfile | None = None,
+    profile: ServingProfile,
     draft_sample_method: str = "greedy",
 ) -> dict:
     """Write ``SERVING.md`` and ``serving.json`` beside the weights (atomically); return the JSON."""

@@ -119,6 +119,21 @@ PROFILE_ENGINE_ARGS = frozenset(
 )  # fmt: skip
 
 
+def require_profile(profile: ServingProfile | None, argument: str) -> ServingProfile:
+    """``profile`` when it is one; otherwise a ``TypeError`` that names the start site's ``argument``.
+
+    No start site falls back to ``ServingProfile()``: that reads this host's ``EAGLE3_*`` environment, which is not
+    the target's profile (its TP, parser, remote code...), and a forgotten profile would serve the target wrongly
+    without a word. A caller that means the environment's says so: ``ServingProfile()``.
+    """
+    if not isinstance(profile, ServingProfile):
+        raise TypeError(
+            f"{argument} is {profile!r}: pass the target's ServingProfile (target_model's serving profile, or "
+            "ServingProfile() to mean this host's EAGLE3_* environment); nothing falls back to the environment on its own"
+        )
+    return profile
+
+
 def is_built_in(target: Path | str) -> bool:
     """A model directory this platform built itself (the built-in targets): the only ones that get the fast start."""
     return (Path(target) / BUILT_IN_MARKER).is_file()
@@ -197,6 +212,7 @@ def vllm_launch(
     the site adds of its own (speculative config, KV connector, prefix caching);
     ``on_cpu``: the host has no GPU (default: asked of torch).
     """
+    require_profile(profile, "vllm_launch(profile)")
     on_cpu = (not host_has_gpu()) if on_cpu is None else on_cpu
     site_args = dict(site_args or {})
     clashes = sorted(PROFILE_ENGINE_ARGS & (set(site_args) | set(profile.extra_engine_args)))

@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from eagle3_assets.core.serving.profile import ServingProfile, vllm_launch
+from eagle3_assets.core.serving.profile import ServingProfile, require_profile, vllm_launch
 
 
 def _die_with_parent() -> None:
@@ -87,7 +87,7 @@ class VLLMServer:
     """A vLLM server process on a loopback port, its arguments from the target's serving profile; use as a context manager.
 
     Every argument vLLM gets comes from :func:`eagle3_assets.core.serving.profile.vllm_launch`:
-    ``profile`` (default: the environment's), the ``context`` this use needs,
+    ``profile`` (required: the target's; ``ServingProfile()`` is the environment's), the ``context`` this use needs,
     and ``site_args``, what the caller adds of its own (a speculative config).
     """
 
@@ -97,7 +97,7 @@ class VLLMServer:
         served_model_name: str | Sequence[str] | None = None,
         port: int | None = None,
         *,
-        profile: ServingProfile | None = None,
+        profile: ServingProfile,
         context: int | None = None,
         site_args: Mapping[str, Any] | None = None,
         python: str = sys.executable,
@@ -110,7 +110,8 @@ class VLLMServer:
         names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
         self.served_model_name = names[0] if names else self.model
         self.port = port or free_port()
-        self.launch = vllm_launch(profile or ServingProfile(), self.model, context=context, served_model_name=names or [self.model], site_args=site_args)
+        profile = require_profile(profile, "VLLMServer(profile=)")
+        self.launch = vllm_launch(profile, self.model, context=context, served_model_name=names or [self.model], site_args=site_args)
         self.python = python
         self.log_path = Path(log_path) if log_path else Path(os.environ.get("TMPDIR", "/tmp")) / f"vllm-{self.port}.log"
         self.startup_timeout_s = startup_timeout_s or self.launch.startup_timeout_s
@@ -191,7 +192,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--served-model-name", default=None, help="default: the model directory, as vLLM names it")
     args = parser.parse_args(argv)
-    serve_until_stopped(VLLMServer(args.model, args.served_model_name, port=args.port))
+    serve_until_stopped(VLLMServer(args.model, args.served_model_name, port=args.port, profile=ServingProfile()))
 
 
 if __name__ == "__main__":
