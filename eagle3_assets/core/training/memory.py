@@ -1,8 +1,8 @@
 """The training step's peak memory, estimated from the shapes, and the micro-batch planned to fit before the first step.
 
-The estimate counts what the step holds at its peak (the backward of the last
-unrolled step of a micro-batch, with the gradients and the optimizer state
-already there):
+The estimate counts what the step holds at its peak (the last unrolled step
+of a micro-batch, its attention or its loss's backward, with the gradients
+and the optimizer state already there):
 
 - the draft's weights, gradients and AdamW state (float32: 4 + 4 + 8 bytes a
   trainable parameter; under bf16 autocast a 2-byte copy of each weight too),
@@ -24,12 +24,19 @@ already there):
   each step's inputs stay (its state, key and value), plus one step's
   activations while it is recomputed; with ``loss_chunk_tokens`` the
   vocabulary-wide tensors are one chunk's;
-- the backward's own transient: about one step's largest activations again.
+- the last step's own transient, at whichever of two moments is larger: at
+  its attention, two more tensors of its probabilities' size (the masked
+  scores and softmax's input in forward; the probabilities' gradient and its
+  slices' full-width buffer in backward) while its MLP and loss are not yet
+  (or no longer) alive; at its loss's backward, its vocabulary-wide gradients.
 
-It is an estimate (allocator rounding and fragmentation are not in it):
-tests/test_training_memory.py holds it to the peak measured on the CPU at two
-sizes. :func:`plan_micro_batch` compares it with the device's free memory
-(CUDA: ``torch.cuda.mem_get_info``; CPU: the available RAM) times
+Each of these is a named term (:func:`estimate_terms`); :func:`peak_of` adds
+them up. It is an estimate (allocator rounding and fragmentation are not in
+it): tests/test_training_memory.py holds it to the peak measured on the CPU at
+64 to 2,048 tokens, and fails when any term worth 5 % of the estimate at Kimi
+width is dropped; bench/training_memory.py measures 2,048 to 8,192 tokens.
+:func:`plan_micro_batch` compares it with the device's free memory (CUDA:
+``torch.cuda.mem_get_info``; CPU: the available RAM) times
 ``memory_fraction``, splits the micro-batch (raising ``grad_accumulation`` so
 that an optimizer step sees the same tokens) until it fits, and refuses before
 training when even the longest sequence alone cannot fit, with both numbers
@@ -47,11 +54,12 @@ from eagle3_assets.core.draft.model_mla import MLADraftConfig
 FLOAT32 = 4
 # Vocabulary-wide float32 tensors per position of each loss (core/training/loss.py).
 # Kept for backward when the loss is not chunked: the log-softmax and the target's shifted distribution; the LK losses
-# also the softmax and the overlap's terms (with 4, the estimate was 1.09 and 1.06 of the peak measured as
-# tests/test_training_memory.py measures it, at both of its sizes; with 3 it fell under it).
+# also the softmax (their overlap min(q, p) keeps it), lk_hybrid one more of its KL's. Measured as
+# tests/test_training_memory.py measures it (2,048 tokens, settings off): nla's peak was one such tensor a step over
+# KL's (the estimate 1.03 of it with 3; 1.09 with the 4 it had), lk_hybrid's 1.75 (1.04 with 4).
 # Alive at once in one chunk's backward when it is chunked: the logits, the target's distribution, the gradient; the
 # LK losses also the overlap's mask and its gradient.
-LOSS_KEPT_TENSORS = {"kl": 2, "ce": 2, "nla": 4, "lk_hybrid": 4}
+LOSS_KEPT_TENSORS = {"kl": 2, "ce": 2, "nla": 3, "lk_hybrid": 4}
 LOSS_CHUNK_BACKWARD_TENSORS = {"kl": 3, "ce": 3, "nla": 5, "lk_hybrid": 5}
 
 
@@ -122,27 +130,106 @@ def mla_attention_parameters(draft: MLADraftConfig) -> int:
     )
 
 
-def step_activation_bytes(shape: StepShape, k: int, tokens: int | None = None) -> int:
-    """Bytes autograd keeps for unrolled step ``k`` (0-based) of a micro-batch, without checkpointing."""
+def step_activation_terms(shape: StepShape, k: int, tokens: int | None = None) -> dict[str, int]:
+    """Bytes autograd keeps for unrolled step ``k`` (0-based) of a micro-batch, without checkpointing, by term."""
     s, n, a = shape, tokens if tokens is not None else shape.tokens, shape.activation_bytes
     q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
-    per_token = (
+    per_token = {
         # norms keep their float32 input and normalised value; the 2·H attention input; residual, MLP input, state
-        11 * s.hidden * FLOAT32
+        "norms": 11 * s.hidden * FLOAT32,
         # q, k, v, their rotations and rotated copies, the attention output before o_proj
-        + (4 * q + 4 * kv) * a
+        "attention_projections": (4 * q + 4 * kv) * a,
         # every earlier step's key and value copied to the query heads (grouped-query attention)
-        + 2 * (k + 1) * q * a
+        "grouped_kv_copies": 2 * (k + 1) * q * a,
         # the attention probabilities over the sequence and the chain's k earlier keys, in float32
-        + s.heads * (s.seq_len + k) * FLOAT32
+        "attention_probabilities": s.heads * (s.seq_len + k) * FLOAT32,
+        # the negated causal mask the masked scores keep for backward: one byte a key, for all heads
+        "causal_mask": s.seq_len,
         # the MLP: gate, its SiLU, up, their product
-        + 4 * s.intermediate * a
+        "mlp": 4 * s.intermediate * a,
         # the MLA form's latents: the projection's output and its norm's float32 input and value
-        + s.latent_width * (a + 2 * FLOAT32)
-    )
-    if not s.loss_chunk_tokens:
-        per_token += LOSS_KEPT_TENSORS[s.loss] * s.draft_vocab * FLOAT32
-    return per_token * n
+        "mla_latents": s.latent_width * (a + 2 * FLOAT32),
+        # the loss's vocabulary-wide tensors (none kept when it runs in chunks)
+        "loss_vocabulary": 0 if s.loss_chunk_tokens else LOSS_KEPT_TENSORS[s.loss] * s.draft_vocab * FLOAT32,
+    }
+    return {name: each * n for name, each in per_token.items()}
+
+
+def step_activation_bytes(shape: StepShape, k: int, tokens: int | None = None) -> int:
+    """Bytes autograd keeps for unrolled step ``k`` (0-based) of a micro-batch, without checkpointing."""
+    return sum(step_activation_terms(shape, k, tokens).values())
+
+
+# Which part of :func:`estimate_step_bytes` each term of :func:`estimate_terms` is in.
+FIXED_PARTS = ("weights", "gradients", "optimizer", "target_head", "batch")
+TRAINING_PARTS = ("target_logits", "activations", "backward_transient")
+STEP_TERMS = (
+    "norms", "attention_projections", "grouped_kv_copies", "attention_probabilities", "causal_mask", "mlp", "mla_latents", "loss_vocabulary",
+)  # fmt: skip
+TERM_PART = {
+    "draft_weights": "weights", "embedding": "weights", "bf16_weight_copies": "weights",
+    "gradients": "gradients", "optimizer_state": "optimizer", "target_head": "target_head", "batch": "batch",
+    "target_head_chunk": "target_head_transient", "target_head_draft_logits": "target_head_transient",
+    "target_logits": "target_logits", "target_distribution": "target_logits",
+    **{name: "activations" for name in STEP_TERMS}, "checkpointed_step_inputs": "activations",
+    "attention_transient": "backward_transient", "loss_gradient": "backward_transient",
+}  # fmt: skip
+
+
+def estimate_terms(shape: StepShape) -> dict[str, int]:
+    """Every term of the estimate (bytes); :data:`TERM_PART` says which part of :func:`estimate_step_bytes` each is in."""
+    s, n, a = shape, shape.tokens, shape.activation_bytes
+    params = s.trainable_parameters
+    held = params + (s.lm_head_parameters if s.frozen_lm_head else 0)  # every weight of the draft but the embedding
+    terms = {
+        "draft_weights": held * FLOAT32,
+        "embedding": s.vocab * s.hidden * FLOAT32,
+        "bf16_weight_copies": held * 2 if a == 2 else 0,
+        "gradients": params * FLOAT32,
+        "optimizer_state": params * 2 * FLOAT32,
+        "target_head": s.vocab * s.target_hidden * FLOAT32,
+        "batch": n * 4 * s.target_hidden * FLOAT32,
+    }
+    # The target's head runs before the draft: its full-vocabulary chunk is gone when the activations grow.
+    chunk = min(s.target_head_chunk_tokens or n, n)
+    terms["target_head_chunk"] = chunk * (s.vocab + s.draft_vocab) * FLOAT32
+    terms["target_head_draft_logits"] = n * s.draft_vocab * FLOAT32
+    terms["target_logits"] = n * s.draft_vocab * FLOAT32
+    terms["target_distribution"] = 0 if s.loss_chunk_tokens else n * s.draft_vocab * FLOAT32  # chunked: taken a chunk at a time
+    steps = [step_activation_terms(s, k) for k in range(s.ttt_steps)]
+    if s.activation_checkpointing:
+        # Each step's inputs stay (the state, its key and value); the last step's activations are recomputed in backward.
+        terms.update(steps[-1])
+        terms["checkpointed_step_inputs"] = s.ttt_steps * n * (s.hidden + 2 * s.kv_heads * s.head_dim) * a
+    else:
+        terms.update({name: sum(step[name] for step in steps) for name in STEP_TERMS})
+        terms["checkpointed_step_inputs"] = 0
+    # Two moments of the last step may be the peak. At its attention (forward, or backward once its MLP and loss are
+    # freed) two more tensors of its probabilities' size are alive beside them: in forward its masked scores and their
+    # concatenation with the chain's keys' (softmax's input), in backward the probabilities' gradient and the
+    # full-width buffer its slices' gradients are copied into; and the causal mask (a byte a key). Its MLP's and loss's
+    # activations are not alive then. At its loss's backward, its vocabulary-wide gradients (one loss chunk's when
+    # chunked) are. peak_of takes the larger.
+    last, last_step = s.ttt_steps - 1, steps[-1]
+    attention = 2 * n * s.heads * (s.seq_len + last) * FLOAT32 + n * s.seq_len
+    terms["attention_transient"] = max(0, attention - last_step["mlp"] - last_step["loss_vocabulary"])
+    loss_chunk = min(s.loss_chunk_tokens or n, n)
+    terms["loss_gradient"] = (LOSS_CHUNK_BACKWARD_TENSORS[s.loss] if s.loss_chunk_tokens else 1) * loss_chunk * s.draft_vocab * FLOAT32
+    return terms
+
+
+def peak_of(terms: dict[str, int]) -> dict[str, int]:
+    """The parts of the estimate from its terms; ``total`` is the fixed parts plus the larger of the two phases.
+
+    The two phases: the target's head (one full-vocabulary chunk) and the draft's forward and backward.
+    """
+    parts = {part: 0 for part in (*FIXED_PARTS, "target_head_transient", *TRAINING_PARTS)}
+    for name, value in terms.items():
+        parts[TERM_PART[name]] += value
+    parts["backward_transient"] = max(terms["attention_transient"], terms["loss_gradient"])  # two moments, not both at once
+    fixed = sum(parts[part] for part in FIXED_PARTS)
+    parts["total"] = fixed + max(parts["target_head_transient"], sum(parts[part] for part in TRAINING_PARTS))
+    return parts
 
 
 def estimate_step_bytes(shape: StepShape) -> dict[str, int]:
@@ -150,36 +237,7 @@ def estimate_step_bytes(shape: StepShape) -> dict[str, int]:
 
     The two phases: the target's head (one full-vocabulary chunk) and the draft's forward and backward.
     """
-    s, n, a = shape, shape.tokens, shape.activation_bytes
-    params = s.trainable_parameters
-    held = params + (s.lm_head_parameters if s.frozen_lm_head else 0)  # every weight of the draft but the embedding
-    parts = {
-        "weights": held * FLOAT32 + s.vocab * s.hidden * FLOAT32 + (held * 2 if a == 2 else 0),
-        "gradients": params * FLOAT32,
-        "optimizer": params * 2 * FLOAT32,
-        "target_head": s.vocab * s.target_hidden * FLOAT32,
-        "batch": n * 4 * s.target_hidden * FLOAT32,
-    }
-    # The target's head runs before the draft: its full-vocabulary chunk is gone when the activations grow.
-    chunk = min(s.target_head_chunk_tokens or n, n)
-    parts["target_head_transient"] = chunk * (s.vocab + s.draft_vocab) * FLOAT32 + n * s.draft_vocab * FLOAT32
-    parts["target_logits"] = n * s.draft_vocab * FLOAT32 * (1 if s.loss_chunk_tokens else 2)  # logits (and distribution) kept
-    steps = [step_activation_bytes(s, k) for k in range(s.ttt_steps)]
-    if s.activation_checkpointing:
-        q_kv = 2 * s.kv_heads * s.head_dim
-        kept = s.ttt_steps * n * (s.hidden + q_kv) * a  # each step's inputs: the state, its key and value
-        parts["activations"] = kept + steps[-1]  # the last step, recomputed in backward
-    else:
-        parts["activations"] = sum(steps)
-    # Backward of the last step: the gradients of its attention probabilities and of its vocabulary-wide tensors
-    # (one loss chunk's when chunked) exist while its activations are freed.
-    last = s.ttt_steps - 1
-    loss_chunk = min(s.loss_chunk_tokens or n, n)
-    parts["backward_transient"] = n * s.heads * (s.seq_len + last) * FLOAT32 + (LOSS_CHUNK_BACKWARD_TENSORS[s.loss] if s.loss_chunk_tokens else 1) * loss_chunk * s.draft_vocab * FLOAT32
-    fixed = parts["weights"] + parts["gradients"] + parts["optimizer"] + parts["target_head"] + parts["batch"]
-    training = parts["target_logits"] + parts["activations"] + parts["backward_transient"]
-    parts["total"] = fixed + max(parts["target_head_transient"], training)
-    return parts
+    return peak_of(estimate_terms(shape))
 
 
 def free_memory_bytes(device) -> tuple[int, int]:
