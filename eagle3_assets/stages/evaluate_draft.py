@@ -77,6 +77,32 @@ def spread_metadata(results: dict) -> dict:
     }
 
 
+def position_metadata(results: dict) -> dict:
+    """Acceptance by output position in the standard set's concurrent pass, per served draft: a table the UI shows,
+    the figures as JSON, and the decay ratio; where the responses carried no per-step counts, the reason."""
+    from eagle3_assets.core.evaluation.output_position import NOT_DETAILED, POSITION_NOTE, render_position_table
+
+    figures = {label: results[label].to_dict().get("by_output_position") for label in ("trained", "baseline") if label in results}
+    if not figures.get("trained"):
+        return {"acceptance_by_output_position": NOT_DETAILED}
+    trained = figures["trained"]
+    note = POSITION_NOTE
+    if trained["share_adding_up"] != 1.0:  # the positions of the requests left out cannot be trusted: say so first
+        note = (
+            f"WARNING: only {trained['requests_adding_up']} of {trained['requests']} requests' steps add up to their "
+            f"completion; the others are left out of the buckets. " + note
+        )
+    decay = {"output_position_decay_ratio": trained["decay_ratio"]} if trained["decay_ratio"] is not None else {}
+    return {
+        "acceptance_by_output_position": {"raw_value": render_position_table(figures) + "\n\n" + note, "type": "md"},
+        "output_position": {"raw_value": figures, "type": "json"},
+        **decay,
+        "output_position_decay_over": trained["decay_over"],
+        "requests_adding_up_share": trained["share_adding_up"],
+        "output_position_note": note,
+    }
+
+
 def set_metadata(by_set: list[dict]) -> dict:
     """The per-set figures as the materialisation shows them: a table, and the figures as JSON."""
     from eagle3_assets.core.evaluation.prompt_sets import render_set_table
@@ -270,6 +296,13 @@ def main() -> None:
         }
         spread = spread_metadata(results)
         report["spread_over_prompts_note"] = SPREAD_NOTE if "spread_over_prompts" in spread else spread["acceptance_spread"]
+        positions = position_metadata(results)
+        # Each draft's buckets are in results.<draft>.by_output_position; here the note and the trained draft's decay.
+        report["by_output_position_note"] = positions.get("output_position_note", positions["acceptance_by_output_position"])
+        if positions.get("requests_adding_up_share", 1.0) != 1.0:
+            pipes.log.warning(f"{STAGE}: {positions['output_position_note']}")
+        if "output_position" in positions:
+            report["output_position_decay"] = {"ratio": positions.get("output_position_decay_ratio"), "over": positions["output_position_decay_over"]}
         by_set = set_report(prompt_sets, results) if len(prompt_sets) > 1 else []
         if by_set:
             report["prompt_sets"] = by_set
@@ -316,6 +349,7 @@ def main() -> None:
                     "type": "md",
                 },
                 **spread,
+                **positions,
                 **(set_metadata(by_set) if by_set else {}),
                 "output_tokens_per_s": round(trained.output_tokens_per_s, 1),
                 "target_alone_output_tokens_per_s": round(reference.output_tokens_per_s, 1),

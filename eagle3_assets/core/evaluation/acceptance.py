@@ -29,6 +29,7 @@ from eagle3_assets.core.evaluation.spread import (
     FROM_COUNTERS, FROM_RESPONSES, PER_REQUEST_METRICS_ARG, PER_REQUEST_METRICS_LEVEL, PromptAcceptance, per_request_metrics_supported, spread,
 )  # fmt: skip
 from eagle3_assets.core.serving.vllm_metrics import SpecDecodeCounters, fetch_metrics_text
+from eagle3_assets.core.evaluation.output_position import RequestSteps, by_output_position
 
 
 
@@ -52,6 +53,9 @@ class PassResult:
     per_prompt_acceptance_length: list[float | None] | None = None
     per_prompt_drafts: list[int | None] | None = None
     per_prompt_source: str = ""
+    # Each prompt's verify steps beside its completion, where the server returned them (the ``detailed`` level): not
+    # in to_dict (thousands of steps per prompt at long traces); their sum per output position is, as by_output_position.
+    per_prompt_steps: list[RequestSteps | None] | None = field(default=None, compare=False)
     # This server's passes over the other held-out sets, by set name (not in to_dict: the report lists them per set).
     per_set: dict[str, "PassResult"] = field(default_factory=dict, compare=False)
 
@@ -60,10 +64,12 @@ class PassResult:
         return self.output_tokens / self.wall_s if self.wall_s else 0.0
 
     def to_dict(self) -> dict:
-        fields = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "per_set"}
+        fields = {k: getattr(self, k) for k in self.__dataclass_fields__ if k not in ("per_set", "per_prompt_steps")}
         described = {**fields, "output_tokens_per_s": self.output_tokens_per_s}
         if self.per_prompt_acceptance_length:
             described["spread_over_prompts"] = self.spread_over_prompts()
+        if self.per_prompt_steps and any(s is not None for s in self.per_prompt_steps):
+            described["by_output_position"] = by_output_position(self.per_prompt_steps)
         return described
 
     def spread_over_prompts(self) -> dict | None:
@@ -133,6 +139,7 @@ def run_pass(
             "per_prompt_acceptance_length": [r.acceptance.mean_acceptance_length if r.acceptance else None for r in replies],
             "per_prompt_drafts": [r.acceptance.drafts if r.acceptance else None for r in replies],
             "per_prompt_source": FROM_RESPONSES,
+            "per_prompt_steps": [r.acceptance.steps(r.completion_tokens) if r.acceptance else None for r in replies],
         }
     return PassResult(
         **{k: v for k, v in asdict(result).items() if k in ("label", "prompts", "failed", "output_tokens", "wall_s")},

@@ -3,7 +3,7 @@
 **Where each prompt's figure comes from.** vLLM's ``/metrics`` counters sum over
 every request, so around a concurrent pass they give the pass's mean and
 nothing per prompt. vLLM (0.32 has it) can also count per request:
-started with ``--per-request-spec-decode-metrics summary``, its scheduler
+started with ``--per-request-spec-decode-metrics``, its scheduler
 keeps, for each request, a histogram of the draft tokens accepted at each
 verify step (``RequestSpecDecodeMetrics.observe``, called in
 ``Scheduler.update_from_output`` in the same branch, with the same numbers, as
@@ -14,8 +14,11 @@ an estimate: it does not depend on the client's speed (a streamed response
 counted in tokens per chunk would, since vLLM's ``RequestOutputCollector`` merges
 the steps of a client that reads slower than the engine writes), and the sum over a pass's requests equals the
 counters' difference around it: the mean of the per-prompt figures weighted by
-their drafts *is* the pass's mean acceptance length. The level costs a
-histogram per request (``summary``; ``detailed`` would also keep every step).
+their drafts *is* the pass's mean acceptance length. The level asked for is
+``detailed``: beside the histogram, each response carries its per-step counts
+(``per_step_accepted``, ``per_step_drafted``), which place every verify step at
+its output position (:mod:`~eagle3_assets.core.evaluation.output_position`); a
+few bytes per step, one list entry per step in vLLM.
 
 **What is reported.** Over the prompts with a figure (a prompt whose request
 failed, or that ended before a draft, has none): min, p10, median, p90, max and
@@ -35,9 +38,12 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-# vLLM's engine argument (``--per-request-spec-decode-metrics``) and the level asked for: the histogram per request.
+from eagle3_assets.core.evaluation.output_position import DETAILED_LEVEL, RequestSteps
+
+# vLLM's engine argument (``--per-request-spec-decode-metrics``) and the level asked for: the histogram per request
+# and, with ``detailed``, every verify step's counts in order (acceptance by output position).
 PER_REQUEST_METRICS_ARG = "per_request_spec_decode_metrics"
-PER_REQUEST_METRICS_LEVEL = "summary"
+PER_REQUEST_METRICS_LEVEL = DETAILED_LEVEL
 FROM_RESPONSES = "each request's own spec-decode counts (vLLM per-request metrics, in the response), concurrent pass"
 FROM_COUNTERS = "the /metrics counters read around each prompt, one prompt at a time"
 UNAVAILABLE = (
@@ -53,6 +59,9 @@ class PromptAcceptance:
 
     drafts: int  # verify steps that carried a draft (vLLM's num_spec_steps; a /metrics "draft")
     accepted: int  # draft tokens accepted over those steps
+    # Each of those steps' accepted and drafted counts, in order: only from a server at the ``detailed`` level.
+    per_step_accepted: tuple[int, ...] | None = None
+    per_step_drafted: tuple[int, ...] | None = None
 
     @property
     def mean_acceptance_length(self) -> float | None:
@@ -67,7 +76,18 @@ class PromptAcceptance:
         figures = ((extra.get("metrics") or {}).get("speculative_decoding")) or None
         if not isinstance(figures, dict) or "num_spec_steps" not in figures:
             return None
-        return cls(int(figures["num_spec_steps"]), int(figures["num_accepted_draft_tokens"]))
+        steps = figures.get("per_step_accepted"), figures.get("per_step_drafted")
+        # vLLM leaves both lists out when empty: a request with no verify step has none at the detailed level either.
+        if steps[0] is None and int(figures["num_spec_steps"]) == 0:
+            steps = ([], [])
+        per_step = tuple(tuple(int(v) for v in values) if values is not None else None for values in steps)
+        return cls(int(figures["num_spec_steps"]), int(figures["num_accepted_draft_tokens"]), *per_step)
+
+    def steps(self, completion_tokens: int | None) -> RequestSteps | None:
+        """This request's verify steps beside its completion (None: no per-step counts, or the request failed)."""
+        if completion_tokens is None or self.per_step_accepted is None or self.per_step_drafted is None:
+            return None
+        return RequestSteps(completion_tokens, self.per_step_accepted, self.per_step_drafted)
 
 
 def per_request_metrics_supported() -> bool:
