@@ -7,7 +7,7 @@ export EAGLE3_DATA_DIR ?= $(CURDIR)/data
 export DAGSTER_HOME ?= $(CURDIR)/.dagster
 DEMO_TARGET ?= tiny
 
-.PHONY: install lock demo test dev serve-demo gpu-check peer-env clean
+.PHONY: install lock demo test tensorboard dev serve-demo gpu-check peer-env clean
 
 # constraints.txt is the lock: the versions the suite passed with, so that a fresh clone next month installs them
 # and not whatever was released since (`make lock` rewrites it; docs/testing.md).
@@ -43,6 +43,10 @@ demo: install $(DAGSTER_HOME)/dagster.yaml
 test: install
 	bash scripts/test-services
 	$(PY) -m pytest
+
+# The training curves of draft_checkpoint's last run (docs/training.md#tensorboard) on 127.0.0.1:6006.
+tensorboard: install
+	$(VENV)/bin/tensorboard --logdir $(EAGLE3_DATA_DIR)/draft_checkpoint/training/tensorboard --host 127.0.0.1 --port 6006
 
 # The UI on 127.0.0.1:3000, over the same instance and data as `make demo`.
 dev: install $(DAGSTER_HOME)/dagster.yaml

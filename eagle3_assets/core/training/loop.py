@@ -52,6 +52,7 @@ from eagle3_assets.core.training.initial_weights import initial_draft
 from eagle3_assets.core.training.loss import TrainingTimeTest
 from eagle3_assets.core.training.memory import free_memory_bytes, plan_micro_batch
 from eagle3_assets.core.training.sources import BatchSource, DataSize, PlannedStep, StoredShards
+from eagle3_assets.core.training.tensorboard_log import open_curves
 from eagle3_assets.core.draft.vocab import load_vocab_mapping
 
 Event = dict
@@ -295,6 +296,7 @@ def _train(config: TrainConfig, source: BatchSource, emit: OnEvent, device: torc
         }
     )
     source.start(plan, step, saved, emit)
+    curves = open_curves(training_dir, device, rank, step)  # TensorBoard's event files, where it is installed
 
     # -- the loop: unit after unit (an epoch of stored shards, or one streamed shard), a step at a time
     started, tokens_seen, waiting_s = time.monotonic(), 0, 0.0
@@ -323,6 +325,8 @@ def _train(config: TrainConfig, source: BatchSource, emit: OnEvent, device: torc
             append_journal(journal, pending)  # after the checkpoint: the journal lists only committed steps
             last_checkpoint = str(path)
             emit({"event": "checkpoint", "epoch": planned.epoch, "step": planned.step, "path": last_checkpoint})
+            if curves:
+                curves.flush()  # the curves reach the file with each checkpoint, not only at the end
         pending = []
         if distributed:
             dist.barrier()
@@ -341,6 +345,8 @@ def _train(config: TrainConfig, source: BatchSource, emit: OnEvent, device: torc
             step = planned.step
             tokens_seen += record["tokens"]
             history.append(record)
+            if curves:
+                curves.step(record)
             pending.append(
                 {
                     "step": step,
@@ -362,6 +368,8 @@ def _train(config: TrainConfig, source: BatchSource, emit: OnEvent, device: torc
 
     # -- the result
     elapsed = time.monotonic() - started
+    if curves:
+        curves.close()
     if distributed:
         emit_own({"event": "rank_done", "rank": rank, "world_size": world, "micro_batches": trainer.micro_batches, "tokens": trainer.tokens})
         dist.barrier()  # the ranks' lines come before rank 0's "done"
