@@ -7,7 +7,9 @@ The ``capacity_plan`` asset makes the whole plan from them;
 ``hidden_states`` calls :func:`refuse_unless_run_fits` before each run: the
 states of every registered shard not yet extracted, against the GPU host's
 free space. A run that cannot fit stops before its first shard, naming both
-numbers and the ways out (8-bit storage, bounded-disk training, fewer shards).
+numbers and the ways out (8-bit storage, bounded-disk training, fewer shards);
+so does one on a host whose free space cannot be read, unless that risk is
+accepted (``accept_unknown_capacity``).
 Here, not in an asset module, so that no asset module imports another.
 """
 
@@ -170,8 +172,13 @@ def measured_training_rate(instance: DagsterInstance, target_hash: str) -> Rate 
 # -- hidden_states' refusal
 
 
-def refuse_unless_run_fits(context: AssetExecutionContext, target_model: TargetModel, dtype: str, gpu_host: GPUHost) -> None:
+def refuse_unless_run_fits(
+    context: AssetExecutionContext, target_model: TargetModel, dtype: str, gpu_host: GPUHost, accept_unknown_capacity: bool = False
+) -> None:
     """Before a shard's extraction: refuse when the GPU host cannot hold the states of every registered shard still to extract.
+
+    Also when its free bytes cannot be read, unless ``accept_unknown_capacity``
+    (then the run goes ahead with a warning that states the risk).
 
     The states are nearly all of what the run writes there (checkpoints are a
     few GB beside terabytes); the whole plan, checkpoints and the data volume
@@ -184,7 +191,7 @@ def refuse_unless_run_fits(context: AssetExecutionContext, target_model: TargetM
     unknown = Rate(None, "not needed for the refusal")
     plan = plan_capacity(
         facts,
-        PlanSettings(hidden_size=target_model.hidden_size(), dtype=dtype),
+        PlanSettings(hidden_size=target_model.hidden_size(), dtype=dtype, accept_unknown_capacity=accept_unknown_capacity),
         volume,
         Volume("data volume", str(data_dir()), None, note="not part of this check"),
         {"generation": unknown, "extraction": unknown, "training": unknown},
@@ -193,7 +200,11 @@ def refuse_unless_run_fits(context: AssetExecutionContext, target_model: TargetM
     shards = _partitions(context)
     if refusal:
         raise Failure(description=f"hidden_states {shards}: {refusal}", allow_retries=False)
-    context.log.info(f"{shards}: the run's remaining hidden states fit: {plan.needs[0].describe()}")
+    gpu = plan.needs[0]
+    if gpu.fits is None:
+        context.log.warning(f"{shards}: the run goes ahead on an accepted risk (accept_unknown_capacity): {gpu.unknown_free()}; not checked")
+    else:
+        context.log.info(f"{shards}: the run's remaining hidden states fit: {gpu.describe()}")
 
 
 def _partitions(context: AssetExecutionContext) -> str:

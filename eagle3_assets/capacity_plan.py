@@ -1,7 +1,9 @@
 """``capacity_plan``: what the whole run of the registered shards needs of disk and GPU time, before the work and as shards finish.
 
 An unpartitioned asset (group ``planning``) with one check, ``run_fits``
-(ERROR when a volume cannot hold what the rest of the run writes there), a
+(ERROR when a volume cannot hold what the rest of the run writes there, or
+when its free bytes cannot be read and ``accept_unknown_capacity`` is not set;
+with it set, passed with the risk in its description and metadata), a
 job ``plan_capacity`` that materialises it, and a sensor
 (``sensors/capacity_plan_refresh.py``) that runs the job again when shards finish, so the
 measured rates and the ETA follow the backfill. The figures and the rules are
@@ -34,6 +36,7 @@ from eagle3_assets.capacity_facts import latest_metadata, measured_rates, measur
 from eagle3_assets.core.extraction.state_layout import DEFAULT_DTYPE, STORAGE_DTYPE_BYTES
 from eagle3_assets.core.planning.capacity import CapacityPlan, PlanSettings, plan_capacity
 from eagle3_assets.core.planning.stage_rates import Rate, estimated_training_rate, first_rate
+from eagle3_assets.core.settings.environment import ACCEPT_UNKNOWN_CAPACITY
 from eagle3_assets.core.storage.shard_paths import data_dir
 from eagle3_assets.partitions import SAMPLE_SHARDS
 from resources.gpu_host import GPUHost
@@ -76,6 +79,11 @@ class CapacityPlanConfig(Config):
     generation_gpus: int = Field(default=8, gt=0, description="GPUs the vLLM server holds while it generates (the story's: 8, tensor-parallel)")
     extraction_gpus: int = Field(default=1, gt=0, description="GPUs extracting at once")
     training_gpus: int = Field(default=1, gt=0, description="GPUs training (nproc_per_node)")
+    accept_unknown_capacity: bool = Field(
+        default=ACCEPT_UNKNOWN_CAPACITY.get(),
+        description="a volume whose free bytes cannot be read passes run_fits, the risk stated in the check, instead of failing it "
+        f"(default: ${ACCEPT_UNKNOWN_CAPACITY.name})",
+    )
 
 
 def draft_parameters_and_flops(target_model: TargetModel, config: CapacityPlanConfig) -> tuple[int, float]:
@@ -127,6 +135,7 @@ def make_plan(
         generation_gpus=config.generation_gpus,
         extraction_gpus=config.extraction_gpus,
         training_gpus=config.training_gpus,
+        accept_unknown_capacity=config.accept_unknown_capacity,
     )
     gpu_volume = volume_at("GPU host", os.path.join(gpu_host.host_data_dir(), "hidden_states"), gpu_host)
     data_volume = volume_at("data volume", str(data_dir()))
@@ -154,19 +163,24 @@ def capacity_plan(
         raise ValueError(f"capacity_plan config dtype {config.dtype!r}: one of {sorted(STORAGE_DTYPE_BYTES)}")
     plan = make_plan(context, config, target_model, gpu_host, prompt_dataset)
     for need in plan.needs:
-        (context.log.info if need.fits is not False else context.log.error)(need.describe())
+        {True: context.log.info, False: context.log.error, None: context.log.warning}[need.fits](need.describe())
     context.log.info(f"ETA: {plan.eta()}")
     figures = plan.as_metadata()
     refusal = plan.states_refusal()
     short = [need.describe() for need in plan.needs if need.fits is False]
+    unjudged = plan.unknown_refusal()
+    risks = plan.accepted_risks()
     if short:
         verdict, severity, description = False, AssetCheckSeverity.ERROR, refusal or "; ".join(short)
+    elif unjudged:
+        # A volume of unknown free bytes is not taken to fit: failed, naming it, why, and the setting that accepts the risk.
+        verdict, severity, description = False, AssetCheckSeverity.ERROR, unjudged
     elif not plan.projected:
         # Nothing to project from yet: said as a warning, not as a pass.
         verdict, severity = False, AssetCheckSeverity.WARN
         description = "cannot project the run: no shard is validated yet; validate one, or configure sample_tokens"
     else:
-        verdict, severity, description = True, AssetCheckSeverity.ERROR, None
+        verdict, severity, description = True, AssetCheckSeverity.ERROR, "; ".join(risks) or None
     return MaterializeResult(
         metadata={
             "plan": MetadataValue.md(plan.markdown()),
@@ -182,6 +196,7 @@ def capacity_plan(
                     "volumes": MetadataValue.json(figures["volumes"]),
                     "hidden_states_bytes_to_write_8bit": plan.states_to_write_8bit,
                     "bounded_window_bytes": plan.bounded_window_bytes,
+                    "accepted_risks": MetadataValue.json(risks),
                 },
             )
         ],

@@ -85,7 +85,7 @@ def hidden_states(context: AssetExecutionContext, config: HiddenStatesConfig, ta
     if config.dtype not in STORAGE_DTYPE_BYTES:
         raise ValueError(f"hidden_states config dtype {config.dtype!r}: one of {sorted(STORAGE_DTYPE_BYTES)}")
     keys = list(context.partition_keys)  # the run's range of shards (one, from the UI)
-    refuse_unless_run_fits(context, target_model, config.dtype, gpu_host)  # the whole run, before its first shard
+    refuse_unless_run_fits(context, target_model, config.dtype, gpu_host, config.accept_unknown_capacity)  # the whole run, before its first shard
     layer_ids = target_model.layer_ids()
     lineages = {key: states_lineage(context, key, target_model, config.backend, config.dtype) for key in keys}
     job = ExtractionJob(
@@ -100,7 +100,7 @@ def hidden_states(context: AssetExecutionContext, config: HiddenStatesConfig, ta
             for key in keys
         ],
         target=StageTarget(**target_model.stage_extras()),
-        **config.model_dump(),
+        **config.model_dump(exclude={"accept_unknown_capacity"}),  # the orchestrator's own setting, not the stage's
     )
     estimates = [_disk_estimate(key, target_model.hidden_size(), config.dtype) for key in keys]
     disk_bytes = sum(size for size, _ in estimates)

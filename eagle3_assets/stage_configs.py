@@ -11,13 +11,20 @@ plug-in imports no asset.
 from dagster import Config
 from pydantic import Field
 
+from eagle3_assets.core.settings.environment import ACCEPT_UNKNOWN_CAPACITY
 from eagle3_assets.core.gpu_host.stage_jobs import BoundedWindow, ExtractionRecipe, HiddenStatesSource, ShardRerun, TrainingStageRecipe
 from eagle3_assets.core.training.config import TrainingRecipe
 
 
 class HiddenStatesConfig(ShardRerun, ExtractionRecipe, Config):
     """How a shard is extracted (``ExtractionRecipe``) and rerun (``ShardRerun``): those models themselves, every
-    field editable per run in the launchpad."""
+    field editable per run in the launchpad; and one field of the orchestrator's own, not sent to the stage."""
+
+    accept_unknown_capacity: bool = Field(
+        default=ACCEPT_UNKNOWN_CAPACITY.get(),
+        description="offline mode: a run on a GPU host whose free space cannot be read goes ahead, the risk stated in the run's "
+        f"log, instead of being refused before its first shard (default: ${ACCEPT_UNKNOWN_CAPACITY.name})",
+    )
 
 
 # Bases last-first: pydantic lists the fields of the last base first, so the launchpad shows the recipe, then the rest.

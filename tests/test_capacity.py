@@ -8,6 +8,7 @@ is capped to what fits.
 """
 
 import re
+from dataclasses import replace
 
 import polars as pl
 import pytest
@@ -16,7 +17,7 @@ from dagster import DagsterInstance, RunConfig, build_asset_context, materialize
 from eagle3_assets.capacity_facts import refuse_unless_run_fits, volume_at
 from eagle3_assets.capacity_plan import capacity_plan
 from eagle3_assets.core.extraction.state_layout import FP8_DTYPE, bytes_per_token
-from eagle3_assets.core.planning.capacity import PlanSettings, ShardFacts, Volume, checkpoint_bytes, plan_capacity
+from eagle3_assets.core.planning.capacity import PlanSettings, ShardFacts, Volume, checkpoint_bytes, human, plan_capacity
 from eagle3_assets.core.planning.stage_rates import Rate, measured_rate
 from eagle3_assets.core.prompts.loading import PROMPTS_SCHEMA
 from eagle3_assets.core.storage.files import asset_dir, write_parquet_atomic
@@ -100,6 +101,40 @@ def test_a_small_run_is_fitted_more_epochs_as_training_would():
     plan = plan_capacity(story_shards(300, 64), settings, disk(10**12), disk(10**12), {**UNKNOWN, "training": Rate(1000.0, "configured")})
     assert plan.epochs == 14  # 30,000 tokens: 1,024-token batches, 30 steps an epoch, 14 epochs for 400 steps (core/training/schedule.py)
     assert plan.gpu_hours["training"] == pytest.approx(30_000 * 14 / 1000 / 3600)
+
+
+def test_a_volume_whose_free_bytes_are_unknown_refuses_the_run_unless_the_risk_is_accepted():
+    """Issue 41's case: a 5.7 TB run on two volumes that could not be measured passed (``fits: True, refusal: None``).
+
+    Fails on the mutations ``CapacityPlan.fits`` counting an unknown volume as fitting (``need.fits is not False``,
+    as before) and ``states_refusal`` returning None when no measured volume is short (``return None`` for
+    ``return self.unknown_refusal(states_only=True)``).
+    """
+    settings = PlanSettings(hidden_size=7168, sample_tokens=4000)
+    gpu = Volume("GPU host", "/data/hidden_states", None, note="the host's python did not answer (exit 127)")
+    data = Volume("data volume", "/srv", None, note="permission denied")
+    plan = plan_capacity(story_shards(25_000), settings, gpu, data, UNKNOWN)
+    assert plan.states_bytes_to_write > 5 * TB
+    assert not plan.fits and plan.as_metadata()["fits"] is False
+    refusal = plan.states_refusal()
+    assert refusal.startswith(
+        "cannot tell whether the run fits: GPU host /data/hidden_states: free bytes unknown (the host's python did not answer (exit 127)); "
+        f"the run writes {human(plan.needs[0].bytes)} there"
+    ), refusal
+    assert "accept_unknown_capacity: true" in refusal and "EAGLE3_ACCEPT_UNKNOWN_CAPACITY=1" in refusal
+    assert "/srv" not in refusal  # hidden_states' refusal is about the volume of the states
+    assert "data volume /srv: free bytes unknown (permission denied)" in plan.unknown_refusal()  # the whole plan's gate names both
+    assert "| GPU host `/data/hidden_states` |" in plan.markdown() and "**unknown: refused**" in plan.markdown()
+
+    accepted = plan_capacity(story_shards(25_000), replace(settings, accept_unknown_capacity=True), gpu, data, UNKNOWN)
+    assert accepted.fits and accepted.states_refusal() is None and accepted.unknown_refusal() is None
+    risks = accepted.accepted_risks()
+    assert [r.split(":")[1].strip() for r in risks] == ["GPU host /data/hidden_states", "data volume /srv"], risks
+    assert all(r.startswith("accepted risk (accept_unknown_capacity)") and r.endswith("not checked") for r in risks)
+    assert accepted.as_metadata()["accepted_risks"] == risks and "unknown: risk accepted" in accepted.markdown()
+    # Accepting the unknown passes no measured volume that is short.
+    short = plan_capacity(story_shards(25_000), replace(settings, accept_unknown_capacity=True), disk(3 * TB), data, UNKNOWN)
+    assert not short.fits and short.states_refusal().startswith("the whole run does not fit")
 
 
 def test_nothing_to_project_from_is_said_not_passed():
@@ -194,4 +229,45 @@ def test_the_gpu_hosts_free_space_is_measured_by_its_own_python_over_ssh(sshd, d
     assert abs(remote.free_bytes - local.free_bytes) < 1024**3  # one disk, written to by others meanwhile
     assert remote.device.startswith(host.connection().label) and remote.device != local.device  # never taken for the data volume
     broken = volume_at("GPU host", str(data_dir), sshd.host(data_dir, python="/nonexistent/python3"))
-    assert broken.free_bytes is None and broken.note  # unknown, said why: the plan then says "unknown", it does not pass
+    assert broken.free_bytes is None and "/nonexistent/python3" in broken.note  # unknown, said why
+
+
+def test_a_gpu_host_whose_free_space_cannot_be_read_is_refused_unless_the_risk_is_accepted(sshd, data_dir, tiny_target, tmp_path):
+    """Through Dagster, on a real ssh GPU host whose Python does not run: ``run_fits`` fails naming the volume and why,
+    and ``hidden_states``' refusal stops the run; with ``accept_unknown_capacity`` both go ahead, the risk stated.
+
+    Fails on the mutations: ``unknown_refusal`` returning None, the asset's ``elif unjudged`` branch dropped, and
+    ``states_refusal`` not refusing an unknown volume (``return None`` for ``return self.unknown_refusal(states_only=True)``).
+    """
+    from dagster import Failure
+
+    from eagle3_assets.capacity_plan import CapacityPlanConfig
+
+    source = tmp_path / "prompts.jsonl"
+    source.write_text("".join(f'{{"id": "p{i}", "messages": [{{"role": "user", "content": "q{i}"}}]}}\n' for i in range(128)))
+    dataset = PromptDataset(source=str(source), shard_size=64)
+    host = sshd.host(data_dir, python="/nonexistent/python3")
+    resources = {"target_model": TargetModel(path=str(tiny_target)), "gpu_host": host, "prompt_dataset": dataset}
+    checks = {}
+    for accept in (False, True):
+        instance = DagsterInstance.ephemeral()
+        register_shards(instance, dataset.shard_keys())
+        config = CapacityPlanConfig(sample_tokens=500, accept_unknown_capacity=accept)
+        result = materialize([capacity_plan], resources=resources, instance=instance, run_config=RunConfig(ops={"capacity_plan": config}))
+        (checks[accept],) = result.get_asset_check_evaluations()
+    refused, passed = checks[False], checks[True]
+    assert not refused.passed and refused.severity.value == "ERROR"
+    assert refused.description.startswith(f"cannot tell whether the run fits: GPU host {data_dir / 'hidden_states'}: free bytes unknown ("), refused.description
+    assert "/nonexistent/python3" in refused.description and "accept_unknown_capacity: true" in refused.description
+    assert passed.passed and passed.description.startswith("accepted risk (accept_unknown_capacity): GPU host"), passed.description
+    (risk,) = passed.metadata["accepted_risks"].value
+    assert "/nonexistent/python3" in risk and risk == passed.description
+
+    # hidden_states' own refusal, before its first shard: the same, unless the risk is accepted.
+    write_first_shard(data_dir, tiny_target, count=16)  # its tokens: what the refusal projects the run from
+    instance = DagsterInstance.ephemeral()
+    register_shards(instance, dataset.shard_keys())
+    target = TargetModel(path=str(tiny_target))
+    with pytest.raises(Failure, match=r"hidden_states shard-00000: cannot tell whether the run fits: GPU host .*/nonexistent/python3"):
+        refuse_unless_run_fits(build_asset_context(instance=instance, partition_key="shard-00000"), target, "bfloat16", host)
+    refuse_unless_run_fits(build_asset_context(instance=instance, partition_key="shard-00000"), target, "bfloat16", host, accept_unknown_capacity=True)

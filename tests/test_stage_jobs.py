@@ -43,7 +43,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 # (Dagster class, the models its fields come from, its own fields, the models' settings it does not show)
 SOURCES = [
-    (HiddenStatesConfig, [ExtractionJob], set(), set()),
+    # accept_unknown_capacity: the orchestrator's refusal of a run it cannot judge (capacity_facts), not sent to the stage
+    (HiddenStatesConfig, [ExtractionJob], {"accept_unknown_capacity"}, set()),
     (
         DraftTrainingConfig,
         [TrainConfig, TrainingJob, HiddenStatesSource, BoundedRun],

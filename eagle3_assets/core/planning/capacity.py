@@ -15,7 +15,11 @@ Disk, per item:
 
 Against two volumes: the GPU host's (hidden states, checkpoints) and the data
 volume of the orchestrator (responses and traces); one volume when both are
-the same disk. What is already on disk is not needed again. Two ways out are
+the same disk. What is already on disk is not needed again. A volume whose
+free bytes cannot be read (an SSH GPU host whose Python does not answer) is
+not taken to fit: the plan refuses, naming the volume and why, unless the
+risk is accepted by name (``accept_unknown_capacity``), and then says so.
+Two ways out are
 figured whenever the states do not fit: the 8-bit storage
 (``float8_e4m3fn``, half the bytes) and the bounded-disk training (a window
 of shards on disk at a time, docs/bounded-disk.md).
@@ -85,6 +89,12 @@ class PlanSettings:
     generation_gpus: int = 1
     extraction_gpus: int = 1
     training_gpus: int = 1
+    # A volume whose free bytes are unknown passes (the risk stated in the plan) instead of refusing the run.
+    accept_unknown_capacity: bool = False
+
+
+# The setting that accepts a volume of unknown free bytes, as a user sets it (run config and environment).
+ACCEPT_UNKNOWN_SETTING = "accept_unknown_capacity: true (the run config of hidden_states and capacity_plan) or EAGLE3_ACCEPT_UNKNOWN_CAPACITY=1"
 
 
 @dataclass(frozen=True)
@@ -100,7 +110,14 @@ class Need:
 
     @property
     def fits(self) -> bool | None:
+        """Whether the volume holds what is still to write there; None: its free bytes are unknown (and something is to write)."""
+        if self.bytes == 0:
+            return True
         return None if self.volume.free_bytes is None else self.bytes <= self.volume.free_bytes
+
+    def unknown_free(self) -> str:
+        """The volume, what the run writes there, and why its free bytes are unknown."""
+        return f"{self.volume.name} {self.volume.path}: free bytes unknown ({self.volume.note or 'not measured'}); the run writes {human(self.bytes)} there"
 
     def describe(self) -> str:
         parts = " + ".join(f"{name} {human(b)}" for name, b in self.items.items() if b)
@@ -140,8 +157,34 @@ class CapacityPlan:
 
     @property
     def fits(self) -> bool:
-        """False when a measured volume cannot hold what the rest of the run writes there."""
-        return all(need.fits is not False for need in self.needs)
+        """Whether every volume holds what the rest of the run writes there: False when a measured one cannot, and when
+        one's free bytes are unknown, unless that risk is accepted (``accept_unknown_capacity``)."""
+        return all(need.fits or (need.fits is None and self.settings.accept_unknown_capacity) for need in self.needs)
+
+    def unjudged(self, states_only: bool = False) -> list[Need]:
+        """The volumes whose free bytes are unknown and that the rest of the run writes to (``states_only``: those holding states)."""
+        return [n for n in self.needs if n.fits is None and (not states_only or n.items.get("hidden states"))]
+
+    def unknown_refusal(self, states_only: bool = False) -> str | None:
+        """Why the run cannot be judged, naming each volume and why its free bytes are unknown; None when every volume
+        was measured or the risk is accepted."""
+        unknown = self.unjudged(states_only)
+        if not unknown or self.settings.accept_unknown_capacity:
+            return None
+        return "\n".join(
+            [f"cannot tell whether the run fits: {n.unknown_free()}" for n in unknown]
+            + [
+                "ways out:",
+                "- make the free space readable (for an ssh GPU host: its gpu_host.python must run; see the note)",
+                f"- or accept the risk by name: {ACCEPT_UNKNOWN_SETTING}",
+            ]
+        )
+
+    def accepted_risks(self) -> list[str]:
+        """The volumes of unknown free bytes passed because the risk was accepted, each said as such."""
+        if not self.settings.accept_unknown_capacity:
+            return []
+        return [f"accepted risk (accept_unknown_capacity): {n.unknown_free()}; not checked" for n in self.unjudged()]
 
     @property
     def projected(self) -> bool:
@@ -160,10 +203,11 @@ class CapacityPlan:
         return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(self.made_at + hours * 3600)) + f" (in {hours:.1f} h, stages one after another)"
 
     def states_refusal(self) -> str | None:
-        """Why ``hidden_states`` must not start: a volume that holds the states cannot hold the rest of the run; None when it can."""
+        """Why ``hidden_states`` must not start: a volume that holds the states cannot hold the rest of the run, or its free
+        bytes are unknown and that risk is not accepted; None when it can."""
         short = [need for need in self.needs if need.fits is False and need.items.get("hidden states")]
         if not short:
-            return None
+            return self.unknown_refusal(states_only=True)
         need = short[0]
         free = need.volume.free_bytes or 0
         lines = [
@@ -207,6 +251,7 @@ class CapacityPlan:
             "gpu_hours": {stage: h and round(h, 2) for stage, h in self.gpu_hours.items()},
             "eta": self.eta(),
             "fits": self.fits,
+            "accepted_risks": self.accepted_risks(),
             "unknown": self.unknown,
         }
 
@@ -226,7 +271,8 @@ class CapacityPlan:
         ]
         for need in self.needs:
             free = human(need.volume.free_bytes) if need.volume.free_bytes is not None else f"unknown ({need.volume.note})"
-            verdict = {True: "yes", False: "**NO**", None: "unknown"}[need.fits]
+            unknown = "unknown: risk accepted" if s.accept_unknown_capacity else "**unknown: refused**"
+            verdict = {True: "yes", False: "**NO**", None: unknown}[need.fits]
             rows.append(f"| {need.volume.name} `{need.volume.path}` | {human(need.bytes)} | {free} | {verdict} |")
         rows += ["", f"| stage | tokens/s | source | hours left | GPU-hours left (training: {self.epochs} epochs) |", "| --- | --- | --- | --- | --- |"]
         for stage, rate in self.rates.items():
@@ -237,7 +283,7 @@ class CapacityPlan:
             f"{self.shards} registered shard(s): {self.generated} generated, {self.validated} validated, {self.extracted} extracted; "
             f"{self.tokens:,} tokens projected ({_tokens_line(self)}). ETA of the rest: {self.eta()}."
         )
-        notes = [f"- {line}" for line in self.unknown]
+        notes = [f"- {line}" for line in self.accepted_risks() + self.unknown]
         return "\n".join([head, "", *rows, *([""] + notes if notes else [])])
 
 

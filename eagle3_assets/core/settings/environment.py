@@ -256,6 +256,12 @@ EXTRACTION_SHARDS_PER_RUN = Variable(
     "read when the definitions load",
 )  # fmt: skip
 ALLOW_CPU = Variable("EAGLE3_ALLOW_CPU", "bool", True, "set by the GPU host for each stage process from `allow_cpu`; not set by hand")
+ACCEPT_UNKNOWN_CAPACITY = Variable(
+    "EAGLE3_ACCEPT_UNKNOWN_CAPACITY", "bool", False,
+    "`1`: a volume whose free bytes cannot be read (an ssh GPU host whose Python does not answer) passes the capacity plan's "
+    "`run_fits` and `hidden_states`' refusal, the risk stated, instead of refusing the run; the default of their run config "
+    "`accept_unknown_capacity`; read when the code location loads",
+)  # fmt: skip
 
 # -- alerts and production
 ALERT_WEBHOOK_URL = Variable(
