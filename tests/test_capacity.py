@@ -137,6 +137,42 @@ def test_a_volume_whose_free_bytes_are_unknown_refuses_the_run_unless_the_risk_i
     assert not short.fits and short.states_refusal().startswith("the whole run does not fit")
 
 
+def test_several_gpus_divide_the_wall_hours_not_the_gpu_hours():
+    """Every other test plans one GPU per stage, where dividing and multiplying by the count agree.
+
+    Fails on the mutations of plan_capacity: training's hours multiplied by ``training_gpus`` instead of divided
+    (issue 41), the same for extraction, and generation's GPU-hours left at its wall hours (``* gpus`` dropped).
+    """
+    settings = PlanSettings(hidden_size=64, sample_tokens=100, epochs=10, generation_gpus=8, extraction_gpus=2, training_gpus=4)
+    rates = {"generation": Rate(50.0, "configured"), "extraction": Rate(100.0, "configured"), "training": Rate(1000.0, "configured")}
+    plan = plan_capacity(story_shards(300, 64), settings, disk(10**12), disk(10**12), rates)
+    assert plan.tokens == 30_000 and plan.completion_tokens_to_generate == 30_000  # generated ~ a trace's length
+    # Training: every token x 10 epochs at 1,000 tokens/s per GPU, on 4 GPUs.
+    assert plan.gpu_hours["training"] == pytest.approx(30_000 * 10 / 1000 / 3600)
+    assert plan.hours["training"] == pytest.approx(30_000 * 10 / 1000 / 3600 / 4)
+    # Extraction: 100 tokens/s per GPU on 2; generation: the server's 50 tokens/s, holding its 8 GPUs the while.
+    assert plan.gpu_hours["extraction"] == pytest.approx(30_000 / 100 / 3600) and plan.hours["extraction"] == pytest.approx(30_000 / 100 / 3600 / 2)
+    assert plan.hours["generation"] == pytest.approx(30_000 / 50 / 3600) and plan.gpu_hours["generation"] == pytest.approx(30_000 / 50 / 3600 * 8)
+    assert plan.remaining_hours == pytest.approx(sum(plan.hours.values()))
+
+
+def test_the_bounded_disk_window_is_the_bytes_of_its_largest_shards():
+    """No other test reads the window's bytes. Fails on the mutations: a window of one shard (``[:1]`` for
+    ``[: max(1, settings.window_shards)]``, issue 41), and the first shards instead of the largest (no sort)."""
+    shards = [
+        ShardFacts("shard-00000", 10, validated_tokens=1000),
+        ShardFacts("shard-00001", 10, validated_tokens=5000),
+        ShardFacts("shard-00002", 10, validated_tokens=3000),
+        ShardFacts("shard-00003", 20),  # not validated: 20 prompts at the measured 300 tokens each
+    ]
+    per_token = bytes_per_token(64, "bfloat16")
+    plans = {w: plan_capacity(shards, PlanSettings(hidden_size=64, window_shards=w), disk(10**12), disk(10**12), UNKNOWN) for w in (2, 3)}
+    assert plans[2].tokens_per_prompt == 300 and plans[2].tokens == 1000 + 5000 + 3000 + 6000
+    assert plans[2].bounded_window_bytes == (6000 + 5000) * per_token
+    assert plans[3].bounded_window_bytes == (6000 + 5000 + 3000) * per_token
+    assert f"| bounded-disk window (2 shards) | | | at most {human((6000 + 5000) * per_token)} at a time |" in plans[2].markdown()
+
+
 def test_nothing_to_project_from_is_said_not_passed():
     plan = plan_capacity(story_shards(256), PlanSettings(hidden_size=64), disk(10**12), disk(10**12), UNKNOWN)
     assert not plan.projected and plan.tokens_per_prompt is None
