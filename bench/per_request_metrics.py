@@ -1,8 +1,10 @@
 """What does the spread over prompts cost the default evaluation? The same pass with and without vLLM's per-request counts.
 
 ``draft_evaluation`` starts its draft servers with
-``--per-request-spec-decode-metrics summary`` so that each response carries its
-prompt's own spec-decode counts (:mod:`eagle3_assets.core.evaluation.spread`).
+``--per-request-spec-decode-metrics detailed`` (``PER_REQUEST_METRICS_LEVEL``) so
+that each response carries its prompt's own spec-decode counts, every verify
+step's included (:mod:`eagle3_assets.core.evaluation.spread`); the figures in
+docs/performance.md were taken at ``summary``, before the per-step lists.
 This serves the same draft on two servers at once, without and with the
 argument, sends the standard set's concurrent pass to each in turn
 ``--repeats`` times (after one warm-up pass each), and prints the wall times,
