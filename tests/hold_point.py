@@ -92,3 +92,33 @@ class HoldPoint:
         if self.connection is not None:
             self.connection.close()
         self.server.close()
+
+
+class CallRecord:
+    """Records every call of the named product functions, in every Python process started with :meth:`env` or under :meth:`patch_environ`.
+
+    ``targets``: ``module:Qualified.name`` each. The record is written by the
+    test's own wrap (tests/hold_point_site/sitecustomize.py), not by the
+    product, so it counts what the product did, not what it says it did.
+    """
+
+    def __init__(self, path: Path, *targets: str):
+        self.path = Path(path)
+        self.settings = {"EAGLE3_TEST_RECORD_AT": ",".join(targets), "EAGLE3_TEST_RECORD_FILE": str(self.path)}
+
+    def env(self, base: Mapping[str, str]) -> dict[str, str]:
+        """``base`` with the record's settings, and its sitecustomize first on ``PYTHONPATH``."""
+        path = os.pathsep.join(filter(None, [str(SITE), base.get("PYTHONPATH")]))
+        return {**base, **self.settings, "PYTHONPATH": path}
+
+    def patch_environ(self, monkeypatch) -> None:
+        """This process's environment, for the processes it starts (a GPU host's stage under an in-process run)."""
+        for key, value in self.env(os.environ).items():
+            monkeypatch.setenv(key, value)
+
+    def calls(self, target: str | None = None) -> list[dict]:
+        """The calls recorded so far (of ``target`` only, when given), oldest first."""
+        if not self.path.exists():
+            return []
+        rows = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        return [row for row in rows if target is None or row["at"] == target]

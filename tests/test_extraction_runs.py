@@ -2,9 +2,14 @@
 
 Real Dagster (a ranged run, as a backfill with ``BackfillPolicy.multi_run`` makes
 it), the real stage on the local GPU host, the real tiny target with both
-backends. Engine builds are counted from the stage's own records: the
-``engine_builds.jsonl`` it appends to, and the ``engine_build`` it reports
-with each shard. Faults are real: the stage is SIGKILLed part-way.
+backends. Engine builds are counted by the test itself, from outside the
+product: a wrap of the engine constructors (the backends', and vLLM's own
+``LLM``) in the stage process (tests/hold_point.py, :class:`CallRecord`) records
+every call. The stage's own records (the ``engine_builds.jsonl`` it appends
+to, the ``engine_build`` it reports with each shard) are then checked against
+that count: they are written right after the one ``make_backend`` call, so an
+engine rebuilt inside the per-shard loop would not appear in them. Faults are
+real: the stage is SIGKILLed part-way.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from eagle3_assets.core.storage.shard_lease import lease_path
 from eagle3_assets.core.storage.shard_paths import PART_GLOB, SHARD_RECORD, SIDECAR
 from eagle3_assets.partitions import register_shards
 from tests.extraction_helpers import in_process_vllm_environment, write_validated_traces
-from tests.hold_point import HoldPoint
+from tests.hold_point import CallRecord, HoldPoint
 
 REPO = Path(__file__).resolve().parents[1]
 ASSET = AssetKey("hidden_states")
@@ -90,6 +95,13 @@ def assert_each_shard_is_its_own(instance, data_dir: Path, keys: list[str]) -> N
         assert {k: verdicts.get(k) for k in keys} == dict.fromkeys(keys, "SUCCEEDED"), check
 
 
+# The engine constructors: what loads the target. A call of one is an engine built, whatever the product records.
+ENGINE_CONSTRUCTORS = {
+    "transformers": ["eagle3_assets.core.extraction.transformers_backend:TransformersBackend.__init__"],
+    "vllm": ["eagle3_assets.core.extraction.vllm_backend:VLLMBackend.__init__", "vllm.entrypoints.llm:LLM.__init__"],
+}
+
+
 def engine_build_ids(instance, keys: list[str]) -> set[str]:
     return {latest_materialization(instance, key).metadata["engine_build"].value["id"] for key in keys}
 
@@ -98,7 +110,17 @@ def engine_build_ids(instance, keys: list[str]) -> set[str]:
 
 
 @pytest.mark.parametrize("backend", ["transformers", pytest.param("vllm", marks=pytest.mark.vllm)])
-def test_a_run_of_twenty_shards_loads_the_target_once_and_a_rerun_loads_it_never(data_dir, tiny_target, backend):
+def test_a_run_of_twenty_shards_loads_the_target_once_and_a_rerun_loads_it_never(data_dir, tiny_target, backend, tmp_path, monkeypatch):
+    """P11, counted by the test's own wrap of the engine constructors in the stage process.
+
+    Fails on: an engine built inside the per-shard loop of ``_extract_pending``
+    (eagle3_assets/stages/extract_hidden_states.py: ``backend = make_backend(job,
+    target, each.traces)`` at the top of the loop, the ``engine_builds.jsonl``
+    line still written once, so the stage's own record still says 1): the wrap
+    records the one before the loop and one per shard, "21 engine(s) built by
+    ...TransformersBackend.__init__ for a run of 20 shards" (run with the
+    transformers backend).
+    """
     from eagle3_assets.hidden_states import SHARDS_PER_RUN, hidden_states
 
     assert hidden_states.backfill_policy.max_partitions_per_run == SHARDS_PER_RUN == 20, "a backfill of 20 shards is one run"
@@ -107,12 +129,20 @@ def test_a_run_of_twenty_shards_loads_the_target_once_and_a_rerun_loads_it_never
     instance = DagsterInstance.ephemeral()
     register_shards(instance, keys)
     config = {"dtype": "float32"} if backend == "transformers" else {"backend": "vllm", "dtype": "bfloat16"}
+    constructors = CallRecord(tmp_path / "engine_constructions.jsonl", *ENGINE_CONSTRUCTORS[backend])
+    constructors.patch_environ(monkeypatch)  # the GPU host's stage process inherits it
     with in_process_vllm_environment():
         result = run_range(instance, tiny_target, keys, **config)
     assert result.success, [e.message for e in result.all_events if e.is_failure]
 
+    # P11: one engine per run (one per shard before: 20), counted where the engine is constructed.
+    for target in ENGINE_CONSTRUCTORS[backend]:
+        built = constructors.calls(target)
+        assert len(built) == 1, f"{len(built)} engine(s) built by {target} for a run of {len(keys)} shards"
+    # The stage's own record agrees with that count, and names the process that built the engine.
     builds = engine_builds(data_dir / "hidden_states")
-    assert len(builds) == 1, builds  # P11: one engine per run (one per shard before: 20)
+    assert len(builds) == 1, builds
+    assert builds[0]["pid"] == constructors.calls()[0]["pid"]
     assert builds[0]["backend"] == backend and builds[0]["shards"] == keys
     assert engine_build_ids(instance, keys) == {builds[0]["id"]}, "every shard says it came from that one engine"
     assert_each_shard_is_its_own(instance, data_dir, keys)
@@ -122,6 +152,7 @@ def test_a_run_of_twenty_shards_loads_the_target_once_and_a_rerun_loads_it_never
     stored = {key: (data_dir / "hidden_states" / key / SIDECAR).stat().st_mtime_ns for key in keys}
     rerun = run_range(instance, tiny_target, keys, **config)
     assert rerun.success
+    assert len(constructors.calls()) == len(ENGINE_CONSTRUCTORS[backend]), "the rerun constructed an engine"
     assert len(engine_builds(data_dir / "hidden_states")) == 1
     assert {key: (data_dir / "hidden_states" / key / SIDECAR).stat().st_mtime_ns for key in keys} == stored
     reported = {m.partition: m for m in rerun.asset_materializations_for_node("hidden_states")}

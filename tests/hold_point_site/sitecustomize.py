@@ -15,6 +15,13 @@ calling thread connects to the test's Unix socket ``EAGLE3_TEST_HOLD_SOCKET``
 (an abstract name), says which process it is, and waits there until the test
 answers or closes the socket (or goes away). The test kills it there: the point
 the test means, however fast or slow the machine.
+
+``EAGLE3_TEST_RECORD_AT=module:Qualified.name[,module:Qualified.name...]`` with
+``EAGLE3_TEST_RECORD_FILE=path``: every call of each named function is recorded
+before it runs, one JSON line (``at``, ``pid``) appended to that file, and
+nothing else changes. This is how a test counts calls of the product (an engine
+built, say) from evidence the product does not write itself
+(tests/hold_point.py: :class:`CallRecord`).
 """
 
 import os
@@ -88,3 +95,56 @@ if os.environ.get("EAGLE3_TEST_HOLD_AT"):
             return spec
 
     sys.meta_path.insert(0, _PatchOnImport())
+
+
+if os.environ.get("EAGLE3_TEST_RECORD_AT"):
+    import functools
+    import importlib.abc
+    import importlib.machinery
+    import json
+    import sys
+
+    _RECORD_FILE = os.environ["EAGLE3_TEST_RECORD_FILE"]
+    _RECORDED: dict[str, list[str]] = {}  # module -> the qualified names recorded in it
+    for _target in os.environ["EAGLE3_TEST_RECORD_AT"].split(","):
+        _module, _name = _target.strip().split(":", 1)
+        _RECORDED.setdefault(_module, []).append(_name)
+
+    def _recording(original, target: str):
+        @functools.wraps(original)
+        def recorded(*args, **kwargs):
+            line = json.dumps({"at": target, "pid": os.getpid()}).encode() + b"\n"
+            fd = os.open(_RECORD_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, line)  # one write of one short line with O_APPEND: lines of several processes do not mix
+            finally:
+                os.close(fd)
+            return original(*args, **kwargs)
+
+        return recorded
+
+    def _record_calls(module) -> None:
+        for name in _RECORDED[module.__name__]:
+            *owners, attribute = name.split(".")
+            owner = module
+            for part in owners:
+                owner = getattr(owner, part)
+            setattr(owner, attribute, _recording(getattr(owner, attribute), f"{module.__name__}:{name}"))
+
+    class _RecordOnImport(importlib.abc.MetaPathFinder):
+        def find_spec(self, fullname, path, target=None):
+            if fullname not in _RECORDED:
+                return None
+            spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+            if spec is None or spec.loader is None:
+                return spec
+            load = spec.loader.exec_module
+
+            def exec_module(module):
+                load(module)
+                _record_calls(module)
+
+            spec.loader.exec_module = exec_module
+            return spec
+
+    sys.meta_path.insert(0, _RecordOnImport())
