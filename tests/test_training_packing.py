@@ -3,9 +3,13 @@
 What packing changes is which samples share a micro-batch and the padding;
 what each sample is trained towards must not change. So a packed row's loss,
 step figures and gradients are held to those of the same samples right-padded
-(float32, CPU): a sample that attended into its neighbour, a position count
-that ran on across samples, or a chain that predicted the next sample's first
-tokens would each change them.
+(float32, CPU): a sample that attended into its neighbour, or a chain that
+predicted the next sample's first tokens, would each change them. A position
+count that ran on across samples would not (rotary encoding is relative, so
+attention within a sample is the same at any offset: that mutation passes the
+figures), but it would feed the draft positions no vLLM request has (each counts
+from 0); so the positions fed to the draft's attention are held to the padded
+ones too.
 """
 
 from __future__ import annotations
@@ -32,6 +36,18 @@ def hidden_states(tiny_target) -> list[Path]:
     return cached_demo_hidden_states(tiny_target, shards=2, count=24)  # tests/test_training.py's states (cached)
 
 
+def recorded_positions(draft) -> list[torch.Tensor]:
+    """The positions each step of the chain feeds the draft's attention (its rotary embedding), as they are fed."""
+    seen, step_states = [], draft.step_states
+
+    def recording(input_ids, hidden, positions, *args, **kwargs):
+        seen.append(positions.detach().clone())
+        return step_states(input_ids, hidden, positions, *args, **kwargs)
+
+    draft.step_states = recording  # this instance only
+    return seen
+
+
 def packed_from_padded(batch, lengths):
     """The padded rows' samples end to end in one row, with each token's sample."""
     row = [torch.cat([t[i, :n] for i, n in enumerate(lengths)])[None] for t in batch]
@@ -55,9 +71,12 @@ def test_a_packed_row_trains_exactly_as_its_samples_padded(form, settings):
     aux, final, ids, mask = padded
     for i, n in enumerate(LENGTHS):  # what load_batch pads with: nothing supervised, token 0, zero states
         mask[i, n:], ids[i, n:], aux[i, n:], final[i, n:] = False, 0, 0.0, 0.0
+    positions = recorded_positions(draft)
     loss_padded, stats_padded, grads_padded = gradients(draft, head, mapping, padded, ttt=3, **settings)
+    padded_positions, positions[:] = positions[:3], []  # the 3 steps' forward (activation checkpointing runs them again)
     *row, documents = packed_from_padded(padded, LENGTHS)
     loss_packed, stats_packed, grads_packed = gradients(draft, head, mapping, tuple(row), ttt=3, documents=documents, **settings)
+    packed_positions = positions[:3]
 
     assert stats_padded[2].sum() > 0 and float(loss_padded) > 0
     torch.testing.assert_close(stats_packed, stats_padded, rtol=GRAD_RTOL, atol=GRAD_ATOL)
@@ -65,6 +84,14 @@ def test_a_packed_row_trains_exactly_as_its_samples_padded(form, settings):
     for name, grad in grads_padded.items():
         assert grad.abs().max() > 0, f"{name}: no gradient, the comparison would be empty"
         torch.testing.assert_close(grads_packed[name], grad, rtol=GRAD_RTOL, atol=GRAD_ATOL, msg=f"{name} differs packed")
+    # Each sample's positions restart at 0 in the packed row, as its own row counts them (step k: k, k + 1, ...).
+    # Fails on the mutation of TrainingTimeTest.forward that drops ``positions = positions - sample_starts(documents)``.
+    start = 0
+    for i, n in enumerate(LENGTHS):
+        for k, (packed, alone) in enumerate(zip(packed_positions, padded_positions)):
+            assert torch.equal(packed[0, start : start + n], alone[i, :n]), f"sample {i}, step {k}: positions {packed[0, start : start + n].tolist()}"
+            assert torch.equal(alone[i, :n], torch.arange(n) + k)
+        start += n
     # Without the sample boundaries the same row is one long sample: other figures (the comparison can fail).
     loss_joined, _, _ = gradients(draft, head, mapping, tuple(row), ttt=3, **settings)
     assert not torch.isclose(loss_joined, loss_padded, rtol=1e-4)
