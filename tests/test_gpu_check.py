@@ -5,6 +5,10 @@ eagle3_assets.demo.gpu_check``), in a process of its own. With ``--allow-cpu`` i
 paths run for real on the CPU (extraction of the tiny target, training,
 export, the bench); the export is made to fail by fault injection
 (``EAGLE3_GPU_CHECK_FAULT``), named as such in the table.
+
+Neither run proves anything about a GPU (this host has none), and the
+command's last line and JSON summary must say so: a pass here is not a GPU
+host's.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import subprocess
 import sys
 import tomllib
 from pathlib import Path
+
+from eagle3_assets.demo.gpu_check import NO_GPU_PROVED
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -41,7 +47,9 @@ def test_on_a_cpu_host_the_check_skips_the_cuda_paths_says_why_and_passes(tiny_t
     for path in cuda_paths:
         assert rows[path][1] == "SKIPPED" and "no CUDA device on this host" in rows[path][5], rows.get(path)
     assert rows["imports"][1] == "PASSED" and "no Dagster module imported" in rows["imports"][5]
-    assert "the CUDA paths were skipped" in done.stdout
+    # Fails on the mutation that drops the statement (or prints it on a CUDA host's path only).
+    assert done.stdout.splitlines()[-1].startswith(f"{NO_GPU_PROVED}; every CUDA path was skipped"), done.stdout[-500:]
+    assert json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1])["gpu_checked"] is False
     # The console script a user installs points at the same command.
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts["eagle3-gpu-check"] == "eagle3_assets.demo.gpu_check:cli"
@@ -64,4 +72,6 @@ def test_a_failing_path_fails_the_check_and_the_table_names_it(tiny_target, tmp_
     assert rows["bench"][1] == "PASSED" and float(rows["bench"][3]) > 0, rows["bench"]  # a share of the CPU's matmul rate
     assert rows["imports"][1] == "PASSED"
     summary = json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1])
-    assert summary["failed"] == ["export"]
+    assert summary["failed"] == ["export"] and summary["gpu_checked"] is False
+    # The paths ran, on the CPU: said to prove nothing about a GPU (fails on the mutation that drops the statement).
+    assert done.stdout.splitlines()[-1].startswith(f"{NO_GPU_PROVED}; the paths ran on the CPU (--allow-cpu)"), done.stdout[-500:]

@@ -19,7 +19,9 @@ not installed, an earlier path failed); a path that raises is *failed* with the
 error. It needs torch (and transformers, safetensors, polars) but neither
 vLLM nor Dagster, and imports nothing of Dagster (the last row says so).
 ``--allow-cpu`` runs the paths on the CPU of a host without CUDA (a check of
-the self-test itself; its figures are no GPU's).
+the self-test itself; its figures are no GPU's). Without a CUDA device the
+command says so plainly in its last line (:data:`NO_GPU_PROVED`) and its JSON
+summary (``"gpu_checked": false``): a pass there proves nothing about a GPU.
 
 Fault injection for the tests: ``EAGLE3_GPU_CHECK_FAULT=<path name>`` makes
 that path raise before it runs.
@@ -42,6 +44,8 @@ from eagle3_assets.core.settings.environment import ALLOW_CPU, TARGET_MODEL
 from eagle3_assets.demo.environment import GPU_CHECK_FAULT, TINY_TARGET_DIR
 
 FAULT_ENV = GPU_CHECK_FAULT.name
+# The verdict of a run without a CUDA device, whatever its table says: a pass on a CPU host is no GPU's.
+NO_GPU_PROVED = "eagle3-gpu-check: this proved nothing about a GPU: there is no CUDA device on this host"
 LAYER_IDS = [2, 3, 4]
 
 
@@ -293,9 +297,12 @@ def main(argv: list[str] | None = None) -> int:
         rows = check(Context(device, work, args))
         print(render(rows))
         failed = [r.path for r in rows if r.status == "failed"]
-        print(json.dumps({"failed": failed, "skipped": [r.path for r in rows if r.status == "skipped"]}))
+        skipped = [r.path for r in rows if r.status == "skipped"]
+        print(json.dumps({"failed": failed, "skipped": skipped, "gpu_checked": device == "cuda"}))
         if device is None:
-            print("eagle3-gpu-check: no CUDA device here, the CUDA paths were skipped (--allow-cpu runs them on the CPU)")
+            print(f"{NO_GPU_PROVED}; every CUDA path was skipped (--allow-cpu runs them on the CPU). Run it on the GPU host.")
+        elif device == "cpu":
+            print(f"{NO_GPU_PROVED}; the paths ran on the CPU (--allow-cpu): a check of the self-test itself, its figures this CPU's.")
     return 1 if failed else 0
 
 
