@@ -35,7 +35,7 @@ def main() -> int:
     started = time.monotonic()
     demo = selected_demo_target()
     target = demo.model_dir()
-    prompts_path = demo_prompts_path()
+    prompts_path = demo.prompts_path() if demo.prompts_path else demo_prompts_path()
     held_out = demo.target_model().builtin_eval_prompts() or f"{demo.holdout_share:.0%} of the prompts"
     print(f"demo: target {demo.name} ({DEMO_TARGET_ENV}) at {target}\ndemo: prompts {prompts_path} (held out: {held_out})", flush=True)
     instance = DagsterInstance.get()

@@ -41,6 +41,7 @@ BUILT_TARGETS = {
     "tiny": ("eagle3_assets.demo.tiny_target", "build_tiny_target", "TinyTargetSpec", False),
     "qwen3": ("eagle3_assets.demo.qwen3_target", "build_qwen3_target", "Qwen3TargetSpec", False),
     "kimi": ("eagle3_assets.demo.kimi_target", "build_kimi_target", "KimiTargetSpec", True),
+    "long": ("eagle3_assets.demo.long_target", "build_long_target", "LongTargetSpec", False),
 }
 
 # The arithmetic of a build process, pinned so that a seed gives the same weights on any x86 machine with AVX2:
@@ -70,8 +71,20 @@ def fingerprint_prompts() -> list[str]:
     return [p["conversations"][0]["value"] for p in demo_prompts()[:4]] + [p["question"] for p in eval_prompts()[:4]]
 
 
-def behaviour_fingerprint(model_dir: Path, trust_remote_code: bool = False, tokens: int = FINGERPRINT_TOKENS) -> list[list[int]]:
-    """What the target at ``model_dir`` does: its greedy token ids after each fingerprint prompt's generation prompt.
+def fingerprint_conversations(name: str) -> list[list[dict]]:
+    """The conversations target ``name``'s greedy outputs are recorded on: the long target's own (it answers its own
+    task families, some after a history), the shared questions for the others."""
+    if name == "long":
+        from eagle3_assets.demo.long_target import fingerprint_questions
+
+        return fingerprint_questions()
+    return [[{"role": "user", "content": question}] for question in fingerprint_prompts()]
+
+
+def behaviour_fingerprint(
+    model_dir: Path, trust_remote_code: bool = False, tokens: int = FINGERPRINT_TOKENS, name: str = "tiny"
+) -> list[list[int]]:
+    """What the target ``name`` at ``model_dir`` does: its greedy token ids after each fingerprint conversation's generation prompt.
 
     Computed with transformers in float32 (a bf16 target's weights upcast), so
     that rounding in the forward pass is as far below the gaps between logits as
@@ -84,8 +97,8 @@ def behaviour_fingerprint(model_dir: Path, trust_remote_code: bool = False, toke
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     outputs = []
     with deterministic_torch(), torch.inference_mode():
-        for question in fingerprint_prompts():
-            prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False)
+        for messages in fingerprint_conversations(name):
+            prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
             ids = torch.tensor([tokenizer(prompt, add_special_tokens=False)["input_ids"]])
             generated = model.generate(
                 ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
@@ -102,9 +115,9 @@ def recorded_fingerprint(name: str, spec) -> list[list[int]] | None:
     return recorded["greedy_token_ids"]
 
 
-def fingerprint_difference(observed: list[list[int]], recorded: list[list[int]]) -> str | None:
-    """Where ``observed`` greedy outputs first leave the ``recorded`` ones, or None when they are the same."""
-    prompts = fingerprint_prompts()
+def fingerprint_difference(observed: list[list[int]], recorded: list[list[int]], name: str = "tiny") -> str | None:
+    """Where target ``name``'s ``observed`` greedy outputs first leave the ``recorded`` ones, or None when they are the same."""
+    prompts = [messages[-1]["content"] for messages in fingerprint_conversations(name)]
     for index, (mine, theirs) in enumerate(zip(observed, recorded)):
         if mine != theirs:
             at = next((k for k, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
@@ -186,7 +199,7 @@ def _checked_build(name: str, out_dir: Path, spec, log: Callable[[str], None] = 
                 raise TargetBuildError(f"{name} target at {out_dir}: its greedy outputs could not be recorded in {info_path}")
             if info["greedy_token_ids"] == recorded:
                 return out_dir
-        difference = fingerprint_difference(info["greedy_token_ids"], recorded)
+        difference = fingerprint_difference(info["greedy_token_ids"], recorded, name)
         if ACCEPT_TARGET_FINGERPRINT.get():
             log(f"{name} target at {out_dir}: {difference}; used anyway ({ACCEPT_UNRECORDED_ENV}=1)")
             return out_dir
@@ -197,7 +210,7 @@ def _checked_build(name: str, out_dir: Path, spec, log: Callable[[str], None] = 
         log(f"{name} target: no greedy outputs recorded for spec {spec.fingerprint}; built unchecked (record them with "
             "`python -m eagle3_assets.demo.build_check record`)")  # fmt: skip
         return out_dir
-    difference = fingerprint_difference(info["greedy_token_ids"], recorded)
+    difference = fingerprint_difference(info["greedy_token_ids"], recorded, name)
     if difference and not ACCEPT_TARGET_FINGERPRINT.get():
         raise TargetBuildError(
             f"the {name} target built at {out_dir} does not do what was recorded for its spec: {difference}. The build's "
@@ -214,7 +227,7 @@ def _spec(name: str, fields: dict | None = None):
 
 def _record_behaviour(name: str, out_dir: Path) -> list[list[int]]:
     """Compute the greedy outputs of the build at ``out_dir`` and keep them in its build info."""
-    greedy = behaviour_fingerprint(out_dir, trust_remote_code=BUILT_TARGETS[name][3])
+    greedy = behaviour_fingerprint(out_dir, trust_remote_code=BUILT_TARGETS[name][3], name=name)
     info_path = Path(out_dir) / BUILD_INFO
     info = json.loads(info_path.read_text())
     try:
@@ -227,9 +240,9 @@ def _record_behaviour(name: str, out_dir: Path) -> list[list[int]]:
 def main(argv: Sequence[str] | None = None) -> None:
     """``build NAME DIR SPEC_JSON``, ``fingerprint NAME DIR`` (run under :data:`BUILD_ENVIRONMENT` by
     :func:`checked_build`); ``ensure NAME DIR [NAME DIR ...]``: :func:`checked_build` of each from its default spec,
-    one after the other (what the test session starts in the background); and ``record [DIR]``: build every
-    built-in target from its default spec and write their greedy outputs into ``target_fingerprints.json`` (after
-    a deliberate change of a spec or of the data)."""
+    one after the other (what the test session starts in the background); and ``record [DIR [NAME ...]]``: build every
+    built-in target (or those named) from its default spec and write their greedy outputs into
+    ``target_fingerprints.json`` (after a deliberate change of a spec or of the data)."""
     parser = argparse.ArgumentParser(prog="python -m eagle3_assets.demo.build_check")
     parser.add_argument("command", choices=["build", "fingerprint", "ensure", "record"])
     parser.add_argument("rest", nargs="*")
@@ -247,8 +260,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             checked_build(name, Path(out_dir), _spec(name), log=lambda line: print(line, flush=True))
     else:
         root = Path(args.rest[0] if args.rest else ".cache/fingerprint-record")
-        recorded = {}
-        for name in BUILT_TARGETS:
+        names = args.rest[1:] or list(BUILT_TARGETS)  # `record DIR NAME...`: those targets only, the others' records kept
+        recorded = json.loads(RECORDED_FINGERPRINTS.read_text()) if args.rest[1:] and RECORDED_FINGERPRINTS.is_file() else {}
+        for name in names:
             spec = _spec(name)
             _build_process("build", name, str(root / name), json.dumps(dataclasses.asdict(spec)), log=print)
             info = json.loads((root / name / BUILD_INFO).read_text())

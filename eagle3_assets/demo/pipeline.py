@@ -23,10 +23,11 @@ from resources.vllm_server import VLLMServerResource
 def demo_resources(base_url: str, served_model_name: str, demo: DemoTarget | None = None) -> dict:
     """The resources of the embedded default for one of its targets, pointed at a demo vLLM server."""
     demo = demo or selected_demo_target()
+    own_prompts = {"source": str(demo.prompts_path())} if demo.prompts_path else {}
     return {
         # the demo's own target and prompts, whatever EAGLE3_TARGET_MODEL and EAGLE3_PROMPTS say
-        **deployment_resources(demo.target_model(), DemoPromptDataset(holdout_share=demo.holdout_share)),
-        "vllm_server": VLLMServerResource(base_urls=[base_url], served_model_name=served_model_name, **SAMPLING),
+        **deployment_resources(demo.target_model(), DemoPromptDataset(holdout_share=demo.holdout_share, **own_prompts)),
+        "vllm_server": VLLMServerResource(base_urls=[base_url], served_model_name=served_model_name, **(demo.sampling or SAMPLING)),
     }
 
 
@@ -107,8 +108,9 @@ def run_whole_dataset(
     """
     demo = demo or selected_demo_target()
     resources = demo_resources("http://127.0.0.1:0", "unused", demo)  # no generation here
-    ops = {"vocab_mapping": VOCAB_MAPPING_CONFIG, "draft_checkpoint": TRAINING_CONFIG}
-    if evaluation:  # draft_evaluation's settings where a caller gives its own (a test adds a prompt set of its own)
+    ops = {"vocab_mapping": VOCAB_MAPPING_CONFIG, "draft_checkpoint": demo.training or TRAINING_CONFIG}
+    evaluation = {**(demo.evaluation or {}), **(evaluation or {})}
+    if evaluation:  # draft_evaluation's settings: the target's own, and where a caller gives its own (a test adds a prompt set)
         ops["draft_evaluation"] = evaluation
     run_config = RunConfig(ops=ops)
     result = materialize(WHOLE_DATASET_ASSETS, resources=resources, instance=instance, run_config=run_config, raise_on_error=False)

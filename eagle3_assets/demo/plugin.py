@@ -40,6 +40,14 @@ SAMPLING = {"max_tokens": MAX_TOKENS, "temperature": TEMPERATURE, "concurrency":
 # reaches a clearly longer acceptance at 3 speculative tokens through vLLM for under twice the training time.
 TRAINING_CONFIG = DraftTrainingConfig(epochs=20, learning_rate=3e-3, warmup_ratio=0.05, ttt_steps=3, batch_tokens=1024, max_seq_len=512)
 
+# The long-trace target (long_target.py): the user's 8,192 completion tokens, 128 requests in flight (vLLM's CPU
+# max_num_seqs; its demo's 64 prompts all at once, and the server's KV cache holds 128 at that length:
+# targets.LONG_SERVING), at temperature 1, so that its generated traces also say how often it breaks its format sampled.
+LONG_MAX_TOKENS = 8192
+LONG_SAMPLING = {"max_tokens": LONG_MAX_TOKENS, "temperature": 1.0, "concurrency": 128}
+# Its draft at the user's max_seq_len: every trace whole (the longest prompt and completion are under 8,192 tokens).
+LONG_TRAINING_CONFIG = DraftTrainingConfig(epochs=2, learning_rate=3e-3, warmup_ratio=0.05, ttt_steps=3, batch_tokens=8192, max_seq_len=8192)
+
 # The tiny targets write ~170 distinct tokens of their 640.
 VOCAB_MAPPING_CONFIG = VocabMappingConfig(draft_vocab_size=256)
 

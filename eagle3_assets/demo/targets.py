@@ -10,6 +10,13 @@
   ``kimi_k2`` parser; configured like a user's own target: a real path,
   ``trust_remote_code`` on, evaluation prompts held out of the prompt set.
 
+- ``qwen3``: the Qwen3 architecture (grouped-query attention, its own markup);
+- ``long``: the long-trace target (``long_target.py``): traces of 750-7,750
+  tokens whose length the question sets, over its own prompt set (64
+  conversations, some multi-turn, several system prompts), generated at
+  temperature 1 with the user's 8,192 completion tokens and a draft trained at
+  ``max_seq_len`` 8,192.
+
 ``make demo DEMO_TARGET=kimi`` runs the whole graph on the second one.
 """
 
@@ -19,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from eagle3_assets.core.serving.profile import ServingProfile
+from eagle3_assets.core.serving.profile import CPU_KV_CACHE_ENV, ServingProfile
 from resources.target_model import TargetModel
 
 from eagle3_assets.demo.environment import DEMO_TARGET
@@ -27,6 +34,17 @@ from eagle3_assets.demo.environment import DEMO_TARGET
 DEMO_TARGET_ENV = DEMO_TARGET.name
 # How the tiny target is served: its name in the demo's requests, and the parser of its <think> markup.
 TINY_SERVING = {"served_model_name": "tiny-reasoner", "profile": ServingProfile(reasoning_parser="deepseek_r1")}
+# The long target's markup is the tiny one's. Its KV cache (2 KiB a token: long_target.py) holds 128 requests of
+# ~8,400 tokens (prompt and completion) in 2.1 GiB: 3 GiB, against the platform's 1 GiB default on a CPU host, which
+# holds ~60 such requests and would make vLLM preempt and recompute the rest.
+LONG_SERVING = {
+    "served_model_name": "long-reasoner",
+    "profile": ServingProfile(reasoning_parser="deepseek_r1", env={CPU_KV_CACHE_ENV: "3"}),
+}
+LONG_HOLDOUT_SHARE = 0.125  # ~8 of its 64 prompts held out for draft_evaluation
+# The first 2,048 tokens of every held-out trace, all in flight at once: the untrained baseline decodes about one
+# token a step, and 8,192 steps of it would take the demo past its 30 minutes on 2 cores.
+LONG_EVALUATION = {"max_tokens": 2048, "concurrency": 8}
 
 
 @dataclass(frozen=True)
@@ -36,6 +54,10 @@ class DemoTarget:
     target_model: Callable[[], TargetModel]  # the target_model resource of the graph's runs
     serving: dict = field(default_factory=dict)  # VLLMServer options of the generation server: its name and serving profile
     holdout_share: float = 0.0  # demo prompts kept out of training for draft_evaluation
+    prompts_path: Callable[[], Path] | None = None  # its own prompt set (written once); None: the demo's shared one
+    sampling: dict | None = None  # vllm_server's sampling and concurrency; None: the tiny targets' (plugin.SAMPLING)
+    training: object | None = None  # draft_checkpoint's DraftTrainingConfig; None: plugin.TRAINING_CONFIG
+    evaluation: dict | None = None  # draft_evaluation's run config; None: its defaults
 
 
 def _tiny_dir() -> Path:
@@ -68,6 +90,30 @@ def _qwen3_serving() -> dict:
     return {"profile": ServingProfile(reasoning_parser=QWEN3_REASONING_PARSER)}
 
 
+def _long_dir() -> Path:
+    from eagle3_assets.demo.stack import long_target_dir
+
+    return long_target_dir()
+
+
+def _long_prompts() -> Path:
+    from eagle3_assets.demo.stack import long_prompts_path
+
+    return long_prompts_path()
+
+
+def _long_training():
+    from eagle3_assets.demo.plugin import LONG_TRAINING_CONFIG
+
+    return LONG_TRAINING_CONFIG
+
+
+def _long_sampling() -> dict:
+    from eagle3_assets.demo.plugin import LONG_SAMPLING
+
+    return LONG_SAMPLING
+
+
 def _tiny_target_model() -> TargetModel:
     from eagle3_assets.demo.plugin import DemoTargetModel
 
@@ -81,6 +127,11 @@ DEMO_TARGETS = {
         "kimi", _kimi_dir, lambda: TargetModel(path=str(_kimi_dir()), trust_remote_code=True), serving=_kimi_serving(), holdout_share=0.1
     ),
     "qwen3": DemoTarget("qwen3", _qwen3_dir, lambda: TargetModel(path=str(_qwen3_dir())), serving=_qwen3_serving(), holdout_share=0.1),
+    # Long traces: the user's 8,192 completion tokens, and the 64 prompts that fit the demo's 30 minutes on 2 cores.
+    "long": DemoTarget(
+        "long", _long_dir, lambda: TargetModel(path=str(_long_dir())), serving=LONG_SERVING, holdout_share=LONG_HOLDOUT_SHARE,
+        prompts_path=_long_prompts, sampling=_long_sampling(), training=_long_training(), evaluation=LONG_EVALUATION,
+    ),  # fmt: skip
 }
 
 
