@@ -16,15 +16,20 @@ In one run:
    ``hidden_states``' refusal use) for the story: 10,000 prompts in shards of
    128, H = 7,168, 3 aux states, bf16, a 3 TB volume on the GPU host; the
    training's GPU-hours at Kimi-K2's width (a one-layer draft of the
-   ``kimi-k2`` preset, depth 7, 10 epochs) from the measured H200 rate of
-   the training-at-scale issue (5,636 tokens/s) and from the step's FLOPs;
+   ``kimi-k2`` preset, depth 7, 10 epochs) from the H200 rate measured in
+   the training-at-scale issue (5,636 tokens/s, not in this run) and from the
+   step's FLOPs at a 0.34 share of the H200's rate (a share taken from that
+   same run, so the two agree by construction);
    and the same plan at 1,000 and 25,000 prompts (the story's ramp and its
    aborted run), with the verdict ``hidden_states`` would give.
 
     .venv/bin/python bench/capacity_plan.py [--samples 128] [--volume-tb 3] [--extraction-tokens-per-s 20000]
 
 Rates not measured here (the story's generation and extraction on its GPU
-host) are command-line assumptions, printed as such.
+host) are command-line assumptions, printed as such. What is measured in a
+run is the bytes per token on disk at H = 64 and the demo traces' lengths;
+the figures at H = 7,168 are the formula (8·H + 9 bytes per token), and the
+plans are arithmetic on assumed prompt counts and trace lengths.
 """
 
 from __future__ import annotations
@@ -126,29 +131,32 @@ def main() -> None:
     ratio = m["planned_per_token"] / m["measured_per_token"]
     print(f"bytes per token, H = {m['hidden_size']}, bf16: measured on disk {m['measured_per_token']:.1f} ({m['bytes_on_disk']} B / {m['tokens']} tokens), "
           f"planned {m['planned_per_token']} (8·H + 9): planned / measured = {ratio:.4f}")  # fmt: skip
-    print(f"same layout at H = {STORY_HIDDEN}: {bytes_per_token(STORY_HIDDEN, 'bfloat16')} B per token ({bytes_per_token(STORY_HIDDEN, 'bfloat16') / (8 * STORY_HIDDEN):.5f} of 8·H)")
+    print(f"same layout at H = {STORY_HIDDEN}, by formula (8·H + 9; not measured): {bytes_per_token(STORY_HIDDEN, 'bfloat16')} B per token "
+          f"({bytes_per_token(STORY_HIDDEN, 'bfloat16') / (8 * STORY_HIDDEN):.5f} of 8·H)")  # fmt: skip
     scaled_generated = m["generated_tokens"] * STORY_CAP / m["demo_cap"]
     sample_tokens = m["prompt_tokens"] + scaled_generated
     print(f"demo traces ({m['samples']}): {m['prompt_tokens']:.1f} prompt + {m['generated_tokens']:.1f} generated tokens "
           f"(cap {m['demo_cap']}); generated scaled to the {STORY_CAP} cap: {scaled_generated:,.0f}; a story trace: {sample_tokens:,.0f} tokens")  # fmt: skip
 
     parameters, flops = kimi_draft()
-    measured = Rate(H200_KIMI_DEPTH7_TOKENS_PER_S, "measured on one H200, Kimi width, depth 7 (training-at-scale issue)")
+    measured = Rate(H200_KIMI_DEPTH7_TOKENS_PER_S, "measured on one H200, Kimi width, depth 7 (training-at-scale issue; not in this run)")
     estimated = estimated_training_rate(flops, 790.0, 0.34)
     extraction = Rate(args.extraction_tokens_per_s, "assumed (command line)")
     generation = Rate(args.generation_tokens_per_s, "assumed (command line)") if args.generation_tokens_per_s else Rate(None, "not given")
     volume = int(args.volume_tb * 1e12)
-    print(f"draft at Kimi width: {parameters / 1e9:.2f} B trainable parameters, {flops / 1e9:.1f} GFLOP per token at depth 7; training rate "
-          f"{measured.tokens_per_s:,.0f} tokens/s measured, {estimated.tokens_per_s:,.0f} estimated ({estimated.source})\n")  # fmt: skip
+    print(f"draft at Kimi width: {parameters / 1e9:.2f} B trainable parameters, {flops / 1e9:.1f} GFLOP per token at depth 7 (counted); training rate "
+          f"{measured.tokens_per_s:,.0f} tokens/s measured on one H200 (training-at-scale issue, not in this run), {estimated.tokens_per_s:,.0f} derived "
+          f"({estimated.source}; the 0.34 share was taken from that same H200 run, so the two agree by construction: no independent check)\n")  # fmt: skip
 
     plan = story_plan(STORY_PROMPTS, sample_tokens, volume, measured, extraction, generation, parameters, args.gpus)
-    print(f"## The story's run: {STORY_PROMPTS:,} prompts, H = {STORY_HIDDEN}, bf16, {args.volume_tb:g} TB, {args.gpus} GPUs\n")
+    print(f"## The story's run: {STORY_PROMPTS:,} prompts, H = {STORY_HIDDEN}, bf16, {args.volume_tb:g} TB, {args.gpus} GPUs "
+          "(arithmetic: assumed prompts and trace length x the formula's bytes per token; rates as their sources say)\n")  # fmt: skip
     print(plan.markdown())
     print()
     story_tokens = args.story_trace_tokens
     for label, per_trace in ((f"the demo's traces scaled to the cap ({sample_tokens:,.0f} tokens)", sample_tokens),
                              (f"the story's own traces ({story_tokens:,.0f} tokens, 40 M tokens for 10,000)", story_tokens)):  # fmt: skip
-        print(f"## The ramp and the aborted run at {label}\n")
+        print(f"## The ramp and the aborted run at {label} (arithmetic from assumptions)\n")
         print(f"| prompts | tokens | hidden states bf16 | 8-bit | bounded window (2 shards) | fits {args.volume_tb:g} TB | training GPU-hours (measured / estimated rate) | hidden_states |")
         print("| --- | --- | --- | --- | --- | --- | --- | --- |")
         for prompts in (1_000, STORY_PROMPTS, 25_000):

@@ -8,9 +8,13 @@ over N seeds each:
 - ``ours``: the platform's trainer (``eagle3_assets.core.training``), exported
   in vLLM's native form; ``--ours-setting``/``--ours-variant`` pass settings of
   ours (e.g. EAGLE 3.1's ``fc_norm``, ``norm_output`` where the draft has them);
-- ``peer-defaults``: speculators 0.9.0 at its EAGLE-3 training defaults;
-- ``peer-plain``: speculators 0.9.0 with plain EAGLE-3's norms (its four norm
-  flags off);
+- ``peer-defaults``: speculators 0.9.0 with its draft's default norm flags,
+  trained on the same recipe as ours (the recipe's learning rate, epochs,
+  warm-up, micro-batches and AdamW betas, on AdamW; speculators' own default
+  optimizer, Muon at lr 1e-3, and its own schedule are not what it runs here:
+  the peer at its own training defaults is not measured by this bench);
+- ``peer-plain``: the same with plain EAGLE-3's norms (its four norm flags
+  off);
 
 the peer in its own environment (``make peer-env``) through
 ``bench/peer/train_speculators.py``, which reads the same shards and vocabulary
@@ -19,8 +23,8 @@ map. Every draft is then served through vLLM by the evaluation's own code
 held-out prompts, greedy, at ``--k`` speculative tokens, one server at a time,
 and the bench prints each trainer's mean acceptance length and acceptance per
 draft position (mean over seeds with its range), and P5c = ours /
-peer-defaults, mean acceptance at k, both at the same depth (``--ttt-steps``,
-3). Figures go to ``<work>/report.json``; a rerun reuses every draft and every
+peer-defaults on the same recipe, mean acceptance at k, both at the same depth
+(``--ttt-steps``, 3). Figures go to ``<work>/report.json``; a rerun reuses every draft and every
 measurement already in the work directory (``--fresh`` discards them).
 
     make peer-env && .venv/bin/python bench/peer_acceptance.py                 # the demo's states (after make demo)
@@ -426,7 +430,8 @@ def main() -> None:
     print("\n" + table)
     if comparison:
         below = comparison["positions_below_by_more_than_spread"]
-        print(f"\nP5c (ours / speculators at its defaults, mean acceptance at k = {args.k}, both at depth {args.ttt_steps}): {comparison['p5c']:.3f} (goal >= 1.0)")
+        print(f"\nP5c (ours / speculators on the same recipe, its draft's norm flags at their defaults, AdamW, mean acceptance at k = {args.k}, "
+              f"both at depth {args.ttt_steps}): {comparison['p5c']:.3f} (goal >= 1.0)")  # fmt: skip
         spread_note = " (one seed: no spread, so any shortfall counts)" if args.seeds == 1 else ""
         print(f"positions where ours is below the peer by more than the seeds' spread{spread_note}: " + (", ".join(str(b["position"]) for b in below) or "none"))
     report = {

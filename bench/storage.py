@@ -75,7 +75,7 @@ def extract(traces_path: Path, target: Path, out: Path, dtype: str, threads: int
         "tokens": report.tokens,
         "bytes": report.bytes_on_disk,
         "over_8H": report.bytes_on_disk / report.tokens / (8 * facts.hidden_size),
-        "over_8H_at_7168": bytes_per_token(STORY_HIDDEN, dtype) / (8 * STORY_HIDDEN),
+        "over_8H_at_7168": bytes_per_token(STORY_HIDDEN, dtype) / (8 * STORY_HIDDEN),  # the formula: nothing extracted at that width
         "tokens_per_s": report.tokens_per_s,
     }
 
@@ -187,7 +187,7 @@ def main() -> None:
     for dtype in PRECISIONS:
         stored[dtype] = extract(traces_path, target, work / dtype / "hidden_states", dtype, args.threads)
         print(f"{dtype}: {stored[dtype]['tokens']} tokens, {stored[dtype]['bytes']} bytes, "
-              f"{stored[dtype]['over_8H']:.4f} of 8·H here (H=64), {stored[dtype]['over_8H_at_7168']:.5f} at H=7168", flush=True)  # fmt: skip
+              f"{stored[dtype]['over_8H']:.4f} of 8·H measured here (H=64), {stored[dtype]['over_8H_at_7168']:.5f} at H=7168 by formula", flush=True)  # fmt: skip
     for dtype in PRECISIONS:
         started = time.monotonic()
         drafts[dtype], train_tps[dtype] = train_and_export(work / dtype / "hidden_states", mapping, target, work / dtype, args.epochs)
@@ -200,7 +200,7 @@ def main() -> None:
 
     print(f"\nbytes per token over 8·H (goal for {FP8_DTYPE}: <= 0.5):")
     for dtype in PRECISIONS:
-        print(f"  {dtype:14s} {stored[dtype]['over_8H']:.4f} here (H=64)   {stored[dtype]['over_8H_at_7168']:.5f} at H=7168")
+        print(f"  {dtype:14s} {stored[dtype]['over_8H']:.4f} measured here (H=64)   {stored[dtype]['over_8H_at_7168']:.5f} at H=7168 (formula, not measured)")
     print(f"\nmean acceptance length through vLLM, 3 speculative tokens, {len(conversations)} held-out prompts, same data and seed:")
     for dtype in PRECISIONS:
         print(f"  {dtype:14s} {acceptance[dtype]:.3f}")
@@ -209,7 +209,7 @@ def main() -> None:
 
     ratio = stored[FP8_DTYPE]["tokens_per_s"] / stored["bfloat16"]["tokens_per_s"]
     print(f"\nextraction tokens/s, {FP8_DTYPE} over bfloat16 (quantising on the CPU, here): {ratio:.3f}")
-    print(f"the story's workload ({STORY_TOKENS / 1e6:.0f} M tokens, H={STORY_HIDDEN}):")
+    print(f"the story's workload ({STORY_TOKENS / 1e6:.0f} M tokens assumed, H={STORY_HIDDEN}; arithmetic: tokens x the formula's bytes per token):")
     for dtype in PRECISIONS:
         print(f"  {dtype:14s} {STORY_TOKENS * bytes_per_token(STORY_HIDDEN, dtype) / 1e12:.2f} TB")
 
@@ -235,8 +235,8 @@ def main() -> None:
 
     rate = args.story_extraction_tokens_per_s
     once_h = STORY_TOKENS / rate / 3600
-    print(f"\nthe story's workload, modes ({STORY_EPOCHS} epochs, shards of {STORY_SHARD_TOKENS} tokens, window {args.window}; "
-          f"extraction at an assumed {rate:.0f} bf16 tokens/s):")  # fmt: skip
+    print(f"\nthe story's workload, modes (arithmetic from assumptions: {STORY_EPOCHS} epochs, shards of {STORY_SHARD_TOKENS} tokens, "
+          f"window {args.window}, extraction at an assumed {rate:.0f} bf16 tokens/s, 8-bit's at the ratio measured here):")  # fmt: skip
     for dtype in PRECISIONS:
         per_token = bytes_per_token(STORY_HIDDEN, dtype)
         hours = once_h / (ratio if dtype == FP8_DTYPE else 1.0)

@@ -4,7 +4,8 @@ Disk, per item:
 
 - hidden states: the tokens of each shard x the bytes one token takes in the
   storage precision (:func:`~eagle3_assets.core.extraction.state_layout.bytes_per_token`:
-  8·H + 9 in bf16, measured on disk at 1.00016 x 8·H for H = 7,168). A
+  8·H + 9 in bf16: 1.00016 x 8·H at H = 7,168; at H = 64 the count is 0.9975 of
+  the bytes measured on disk, the safetensors headers being the rest). A
   shard's tokens are its validated traces' where they exist; else its prompts
   x the mean tokens per prompt measured over the validated shards (rejected
   rows included, so the rejection rate is in it), or the configured mean;

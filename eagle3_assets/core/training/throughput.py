@@ -259,9 +259,9 @@ def run(args) -> list[dict]:
         rows.append(row)
         capacity = f" of {r['capacity_bytes'] / 2**30:.0f} GiB" if r["capacity_bytes"] else " (RSS, torch included)"
         print(
-            f"  norms {norms:>20}, loss {loss:>9}, ttt_steps={depth}: {r['step_s'] * 1e3:9.1f} ms/step, {r['tokens_per_s']:10.0f} tokens/s, {flops / 1e9:8.3f} GFLOP/token, {achieved / 1e12:8.4f} TFLOP/s, "
-            f"share of the matrix product {achieved / rate:.3f}, peak memory {r['peak_bytes'] / 2**30:.2f} GiB{capacity} "
-            f"(estimate {estimate / 2**30:.2f} GiB; batch {r['batch']} x {r['seq_len']})"
+            f"  norms {norms:>20}, loss {loss:>9}, ttt_steps={depth}: {r['step_s'] * 1e3:9.1f} ms/step, {r['tokens_per_s']:10.0f} tokens/s, {flops / 1e9:8.3f} GFLOP/token (counted), {achieved / 1e12:8.4f} TFLOP/s (derived: "
+            f"counted FLOPs x measured tokens/s), share of the matrix product {achieved / rate:.3f}, peak memory {r['peak_bytes'] / 2**30:.2f} GiB{capacity} "
+            f"(the planner's estimate {estimate / 2**30:.2f} GiB; batch {r['batch']} x {r['seq_len']})"
         )
     base = rows[0]
     for row in rows[1 : len(args.ttt)]:
