@@ -155,7 +155,7 @@ def main() -> None:
     print()
     story_tokens = args.story_trace_tokens
     for label, per_trace in ((f"the demo's traces scaled to the cap ({sample_tokens:,.0f} tokens)", sample_tokens),
-                             (f"the story's own traces ({story_tokens:,.0f} tokens, 40 M tokens for 10,000)", story_tokens)):  # fmt: skip
+                             (f"the story's own traces ({story_tokens:,.0f} tokens assumed, 40 M tokens for 10,000)", story_tokens)):  # fmt: skip
         print(f"## The ramp and the aborted run at {label} (arithmetic from assumptions)\n")
         print(f"| prompts | tokens | hidden states bf16 | 8-bit | bounded window (2 shards) | fits {args.volume_tb:g} TB | training GPU-hours (measured / estimated rate) | hidden_states |")
         print("| --- | --- | --- | --- | --- | --- | --- | --- |")
