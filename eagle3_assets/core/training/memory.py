@@ -28,7 +28,9 @@ and the optimizer state already there):
   its attention, two more tensors of its probabilities' size (the masked
   scores and softmax's input in forward; the probabilities' gradient and its
   slices' full-width buffer in backward) while its MLP and loss are not yet
-  (or no longer) alive; at its loss's backward, its vocabulary-wide gradients.
+  (or no longer) alive; at its loss, its vocabulary-wide transients (the
+  logits and a product; chunked, one chunk's logits, distribution and
+  gradient).
 
 Each of these is a named term (:func:`estimate_terms`); :func:`peak_of` adds
 them up. It is an estimate (allocator rounding and fragmentation are not in
@@ -172,7 +174,7 @@ TERM_PART = {
     "target_head_chunk": "target_head_transient", "target_head_draft_logits": "target_head_transient",
     "target_logits": "target_logits", "target_distribution": "target_logits",
     **{name: "activations" for name in STEP_TERMS}, "checkpointed_step_inputs": "activations",
-    "attention_transient": "backward_transient", "loss_gradient": "backward_transient",
+    "attention_transient": "backward_transient", "loss_transient": "backward_transient",
 }  # fmt: skip
 
 
@@ -208,13 +210,17 @@ def estimate_terms(shape: StepShape) -> dict[str, int]:
     # freed) two more tensors of its probabilities' size are alive beside them: in forward its masked scores and their
     # concatenation with the chain's keys' (softmax's input), in backward the probabilities' gradient and the
     # full-width buffer its slices' gradients are copied into; and the causal mask (a byte a key). Its MLP's and loss's
-    # activations are not alive then. At its loss's backward, its vocabulary-wide gradients (one loss chunk's when
-    # chunked) are. peak_of takes the larger.
-    last, last_step = s.ttt_steps - 1, steps[-1]
+    # activations are not alive then. At its loss, its vocabulary-wide transients (one loss chunk's when chunked)
+    # are. peak_of takes the larger.
+    # (What is not alive is counted here from the shape, not from the terms above: each term stays on its own, so
+    # that the test of what each is worth can drop one and see the estimate fall by it.)
+    last = s.ttt_steps - 1
     attention = 2 * n * s.heads * (s.seq_len + last) * FLOAT32 + n * s.seq_len
-    terms["attention_transient"] = max(0, attention - last_step["mlp"] - last_step["loss_vocabulary"])
+    after_attention = n * (4 * s.intermediate * a + (0 if s.loss_chunk_tokens else LOSS_KEPT_TENSORS[s.loss] * s.draft_vocab * FLOAT32))
+    terms["attention_transient"] = max(0, attention - after_attention)
     loss_chunk = min(s.loss_chunk_tokens or n, n)
-    terms["loss_gradient"] = (LOSS_CHUNK_BACKWARD_TENSORS[s.loss] if s.loss_chunk_tokens else 1) * loss_chunk * s.draft_vocab * FLOAT32
+    # Unchunked, the loss's peak is in its last step's forward: its logits and one product beside what it keeps.
+    terms["loss_transient"] = (LOSS_CHUNK_BACKWARD_TENSORS[s.loss] if s.loss_chunk_tokens else 2) * loss_chunk * s.draft_vocab * FLOAT32
     return terms
 
 
@@ -226,7 +232,7 @@ def peak_of(terms: dict[str, int]) -> dict[str, int]:
     parts = {part: 0 for part in (*FIXED_PARTS, "target_head_transient", *TRAINING_PARTS)}
     for name, value in terms.items():
         parts[TERM_PART[name]] += value
-    parts["backward_transient"] = max(terms["attention_transient"], terms["loss_gradient"])  # two moments, not both at once
+    parts["backward_transient"] = max(terms["attention_transient"], terms["loss_transient"])  # two moments, not both at once
     fixed = sum(parts[part] for part in FIXED_PARTS)
     parts["total"] = fixed + max(parts["target_head_transient"], sum(parts[part] for part in TRAINING_PARTS))
     return parts
