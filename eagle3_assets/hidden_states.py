@@ -100,7 +100,7 @@ def hidden_states(context: AssetExecutionContext, config: HiddenStatesConfig, ta
             for key in keys
         ],
         target=StageTarget(**target_model.stage_extras()),
-        **config.model_dump(exclude={"accept_unknown_capacity"}),  # the orchestrator's own setting, not the stage's
+        **config.stage_settings(),
     )
     estimates = [_disk_estimate(key, target_model.hidden_size(), config.dtype) for key in keys]
     disk_bytes = sum(size for size, _ in estimates)

@@ -26,6 +26,10 @@ class HiddenStatesConfig(ShardRerun, ExtractionRecipe, Config):
         f"log, instead of being refused before its first shard (default: ${ACCEPT_UNKNOWN_CAPACITY.name})",
     )
 
+    def stage_settings(self) -> dict:
+        """What the stage is sent (``ExtractionJob``'s settings): every field but the orchestrator's own."""
+        return self.model_dump(exclude={"accept_unknown_capacity"})
+
 
 # Bases last-first: pydantic lists the fields of the last base first, so the launchpad shows the recipe, then the rest.
 class DraftTrainingConfig(BoundedWindow, HiddenStatesSource, TrainingStageRecipe, TrainingRecipe, Config):

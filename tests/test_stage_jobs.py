@@ -129,7 +129,7 @@ def test_a_config_with_no_overrides_makes_the_stage_job_with_the_one_defaults():
         shards=[ExtractionShard(shard="shard-00000", traces="t.parquet", output="out", data_version="v", check_seed=1)],
         target=StageTarget(path="/t", trust_remote_code=False, aux_layer_ids=[1, 2, 3], config_hash="h", serving=ServingProfile()),
     )  # fmt: skip
-    assert ExtractionJob(**{**job.model_dump(), **HiddenStatesConfig().model_dump()}) == job
+    assert ExtractionJob(**{**job.model_dump(), **HiddenStatesConfig().stage_settings()}) == job
     assert job.max_batch_tokens == HiddenStatesConfig().max_batch_tokens == 16384  # one default, whichever backend
 
 
