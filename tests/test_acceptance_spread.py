@@ -54,7 +54,8 @@ def test_each_prompts_acceptance_in_the_concurrent_pass_adds_up_to_the_servers_c
     assert sum(len(s.accepted) for s in steps) == result.drafts and sum(sum(s.accepted) for s in steps) == result.accepted
     assert [len(s.accepted) for s in steps] == drafts
     # Each request's steps make its completion (token 0 from the prefill, every step whole but a last one a stop may
-    # cut): fails on dropping the prefill's token or requiring the last step whole (vLLM drops the rest at a stop).
+    # cut): fails on dropping the prefill's token or requiring the last step whole (vLLM drops the rest at a stop:
+    # with that mutation, seen here, the share was 0.3125, 10 of 32).
     positions = result.to_dict()["by_output_position"]
     assert positions["share_adding_up"] == 1.0 and positions["steps"] == result.drafts
     # The demo's answers are ~35 tokens: every step falls in 0-512, whose figure is then the pass's.
