@@ -19,6 +19,11 @@ from eagle3_assets.graph import PER_SHARD_ASSETS, WHOLE_DATASET_ASSETS, deployme
 from eagle3_assets.partitions import register_shards, shard_range_tags
 from resources.vllm_server import VLLMServerResource
 
+# The console of `make demo` (and of whoever runs these functions): the stages' progress lines and findings, INFO and
+# above. Dagster's own step events (~600 lines a demo) are DEBUG: they still go to the instance's event log, which the
+# UI shows in full, but no longer scroll the figures off the terminal.
+CONSOLE_LOGGERS = {"console": {"config": {"log_level": "INFO"}}}
+
 
 def demo_resources(base_url: str, served_model_name: str, demo: DemoTarget | None = None) -> dict:
     """The resources of the embedded default for one of its targets, pointed at a demo vLLM server."""
@@ -57,7 +62,10 @@ def materialize_shards(instance: DagsterInstance, resources: dict, keys: Sequenc
     for asset in PER_SHARD_ASSETS:
         for shards in shard_runs(asset, keys):
             options = {"partition_key": shards[0]} if len(shards) == 1 else {"tags": shard_range_tags(shards[0], shards[-1])}
-            result = materialize(PER_SHARD_ASSETS, selection=[asset.key], resources=resources, instance=instance, raise_on_error=False, **options)
+            result = materialize(
+                PER_SHARD_ASSETS, selection=[asset.key], resources=resources, instance=instance, raise_on_error=False,
+                run_config=RunConfig(loggers=CONSOLE_LOGGERS), **options,
+            )  # fmt: skip
             run = ShardRun(asset.key.to_user_string(), shards, result)
             runs.append(run)
             log(f"demo: {run.label}: {'ok' if result.success else 'FAILED'} (run {result.run_id})")
@@ -112,7 +120,7 @@ def run_whole_dataset(
     evaluation = {**(demo.evaluation or {}), **(evaluation or {})}
     if evaluation:  # draft_evaluation's settings: the target's own, and where a caller gives its own (a test adds a prompt set)
         ops["draft_evaluation"] = evaluation
-    run_config = RunConfig(ops=ops)
+    run_config = RunConfig(ops=ops, loggers=CONSOLE_LOGGERS)
     result = materialize(WHOLE_DATASET_ASSETS, resources=resources, instance=instance, run_config=run_config, raise_on_error=False)
     log(f"demo: whole-dataset assets: {'ok' if result.success else 'FAILED'} (run {result.run_id})")
     _log_failed_gates(result, log)
