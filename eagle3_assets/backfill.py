@@ -9,7 +9,7 @@ Examples::
 The webserver (``make dev``, or any deployment's) must be running; the daemon
 then runs the backfill as if launched from the UI's partitions dialog: a run
 per shard, or per range of shards for an asset with a backfill policy
-(``raw_responses``: ``EAGLE3_SHARDS_PER_RUN``). The logic lives in :mod:`eagle3_assets.core.orchestration.backfill_client`.
+(``raw_responses``: ``EAGLE3_SHARDS_PER_RUN``; ``prompts``: all in one run). The logic lives in :mod:`eagle3_assets.core.orchestration.backfill_client`.
 Exit status: 0 launched (with ``--wait``: and succeeded), 1 the backfill
 failed or timed out, 2 bad input (unknown shard or asset, unreadable config,
 webserver unreachable).

@@ -5,18 +5,29 @@ Writes ``<data>/prompts/<shard>.parquet`` (``row_index``, ``id``, ``messages``),
 ``draft_evaluation``, see :mod:`eagle3_assets.core.prompts.heldout`) and
 ``<shard>.rejected.parquet`` (each bad row with its reason). A shard with
 bad rows still materialises; only an unreadable file fails the run.
+
+A backfill puts ALL the shards of ``prompts`` it targets in one run
+(``BackfillPolicy.single_run``; the UI's materialise is a range of one), each
+shard still written, checked and recorded as its own partition
+(:class:`~eagle3_assets.shard_runs.ShardReporter`). Why: ``raw_responses``
+runs over ranges of up to ``EAGLE3_SHARDS_PER_RUN`` shards, and the backfill
+daemon requests a range only from the shards whose prompts are recorded at
+its tick. With a run per prompts shard, a whole-graph backfill (``--assets
+prompts,raw_responses``) got its generation ranges piecemeal, as the prompts
+runs happened to finish: several short generation runs, one after the other in
+the generation pool, each draining the server at its end. With the prompts in
+one run, the prompts are all recorded by the same tick, and the generation goes
+in full ranges (docs/generation.md). The policy differs from ``raw_responses'``
+(a bounded ``multi_run``) on purpose: the daemon groups a parent and child
+asset in one run only when their policies are equal, and a ranged ``prompts``
+step reports its shards without Dagster's output, which would make Dagster
+skip a ``raw_responses`` step in the same run.
 """
 
 
 from types import SimpleNamespace
 
-from dagster import (
-    AssetExecutionContext,
-    DataVersion,
-    MaterializeResult,
-    MetadataValue,
-    asset,
-)
+from dagster import AssetExecutionContext, AssetSpec, BackfillPolicy, MetadataValue, multi_asset
 
 from eagle3_assets.check_results import Gate, Gates
 from eagle3_assets.core.reporting.checks import CheckOutcome, share_at_most
@@ -26,6 +37,7 @@ from eagle3_assets.core.prompts.heldout import split_held_out
 from eagle3_assets.core.storage.shard_paths import ShardPaths
 from eagle3_assets.core.storage.files import stable_hash, write_parquet_atomic
 from eagle3_assets.partitions import sample_shards
+from eagle3_assets.shard_runs import ShardReporter
 from resources.prompt_dataset import PromptDataset
 
 MAX_REJECTED_SHARE = 0.05
@@ -50,18 +62,33 @@ GATES = Gates(
 )  # fmt: skip
 
 
-@asset(
-    partitions_def=sample_shards,
-    group_name="generation",
-    code_version="2",  # 2: held out by question, not by id
-    kinds={"polars", "parquet"},
+CODE_VERSION = "2"  # 2: held out by question, not by id
+
+
+@multi_asset(
+    specs=[
+        AssetSpec(
+            "prompts", partitions_def=sample_shards, group_name="generation", code_version=CODE_VERSION, kinds={"polars", "parquet"},
+            description="The questions of one shard, normalised to id and chat messages; bad rows kept apart with a reason.",
+        )
+    ],
     check_specs=GATES.specs(),
-)
-def prompts(context: AssetExecutionContext, prompt_dataset: PromptDataset) -> MaterializeResult:
-    """The questions of one shard, normalised to ``id`` and chat ``messages``; bad rows kept apart with a reason."""
-    key = context.partition_key
-    shard = prompt_dataset.load_shard(key)
+    can_subset=True,
+    backfill_policy=BackfillPolicy.single_run(),  # see the module: one run for a backfill's prompts
+)  # fmt: skip
+def prompts(context: AssetExecutionContext, prompt_dataset: PromptDataset):
+    """The questions of each shard of the run, normalised to ``id`` and chat ``messages``; bad rows kept apart with a reason."""
     holdout = prompt_dataset.holdout_plan()  # the share that holds out at least holdout_min_prompts over the dataset
+    reporter = ShardReporter(context, GATES, code_version=CODE_VERSION)
+    for key in context.partition_keys:
+        metadata, version, outcomes = _shard(context, prompt_dataset, holdout, key)
+        reporter.report(key, metadata, version, outcomes)  # recorded now: a run that dies later keeps it
+    yield from reporter.results()
+
+
+def _shard(context: AssetExecutionContext, prompt_dataset: PromptDataset, holdout, key: str):
+    """One shard: its files written, its metadata, data version and gate outcomes."""
+    shard = prompt_dataset.load_shard(key)
     training, held_out = split_held_out(shard.accepted, holdout.share)
     paths = ShardPaths("prompts", key)
     with ShardLease(paths.asset_dir, key, asset="prompts", run_id=context.run.run_id, log=context.log.info):
@@ -80,23 +107,19 @@ def prompts(context: AssetExecutionContext, prompt_dataset: PromptDataset) -> Ma
     if "built" in shard.indexes.values() or "extended" in shard.indexes.values():
         context.log.info(f"{key}: dataset indexes {shard.indexes} (later shards of this file version reuse them)")
     version = stable_hash({"prompts": training.to_dicts(), "source": prompt_dataset.resolved_source()})
-    return MaterializeResult(
-        data_version=DataVersion(version),
-        metadata={
-            "path": MetadataValue.path(str(paths.parquet)),
-            "source": prompt_dataset.resolved_source(),
-            "rows": total,
-            "accepted": accepted,
-            "held_out": held_out.height,
-            "holdout_share": prompt_dataset.holdout_share,
-            **holdout.as_metadata(),
-            "rejected": rejected,
-            "rejected_by_reason": MetadataValue.json(reasons),
-            # what reading this shard cost: a "built" index is the one-off pass over the dataset
-            "dataset_indexes": MetadataValue.json(shard.indexes),
-            "dagster/row_count": accepted,
-        },
-        check_results=GATES.results(
-            SimpleNamespace(key=key, accepted=accepted, rejected=rejected, rejected_share=rejected_share, examples=examples)
-        ),
-    )
+    metadata = {
+        "path": MetadataValue.path(str(paths.parquet)),
+        "source": prompt_dataset.resolved_source(),
+        "rows": total,
+        "accepted": accepted,
+        "held_out": held_out.height,
+        "holdout_share": prompt_dataset.holdout_share,
+        **holdout.as_metadata(),
+        "rejected": rejected,
+        "rejected_by_reason": MetadataValue.json(reasons),
+        # what reading this shard cost: a "built" index is the one-off pass over the dataset
+        "dataset_indexes": MetadataValue.json(shard.indexes),
+        "dagster/row_count": accepted,
+    }
+    evidence = SimpleNamespace(key=key, accepted=accepted, rejected=rejected, rejected_share=rejected_share, examples=examples)
+    return metadata, version, [gate.predicate(evidence) for gate in GATES.by_name.values()]

@@ -130,13 +130,14 @@ def test_a_one_shard_run_goes_on_downstream_and_a_range_records_each_shard():
 
 def test_the_demo_splits_its_shards_into_runs_as_a_backfill_does():
     """Generation and extraction over every shard in one ranged run (a server kept busy, the target loaded once);
-    the assets without a backfill policy one run per shard; a policy's cap splits a longer range."""
+    the prompts of every shard in one run (so the generation behind them comes in full ranges); the assets without
+    a backfill policy one run per shard; a policy's cap splits a longer range."""
     keys = [f"shard-{i:05d}" for i in range(5)]
     # A ranged run carries the tags a backfill's does.
     assert shard_range_tags(keys[0], keys[-1]) == {"dagster/asset_partition_range_start": keys[0], "dagster/asset_partition_range_end": keys[-1]}
     runs = {a.key.to_user_string(): shard_runs(a, keys) for a in PER_SHARD_ASSETS}
     assert runs == {
-        "prompts": [[k] for k in keys], "raw_responses": [keys], "validated_traces": [[k] for k in keys], "hidden_states": [keys],
+        "prompts": [keys], "raw_responses": [keys], "validated_traces": [[k] for k in keys], "hidden_states": [keys],
     }  # fmt: skip
     assert shard_runs(SimpleNamespace(backfill_policy=shards_per_run_policy(2)), ["a", "b", "c"]) == [["a", "b"], ["c"]]
     assert shard_runs(SimpleNamespace(backfill_policy=BackfillPolicy.single_run()), ["a", "b", "c"]) == [["a", "b", "c"]]
