@@ -10,6 +10,17 @@ that goes away, and requests held unanswered until the test releases them
 names the sample in the ``X-Eagle3-Sample-Id`` header), which is how the tests
 prove that a resumed shard does not ask again for what was already durable.
 
+It can also pace the answers (``pace``: ``(concurrency, samples)``) to
+observe a client's requests in flight: sample requests are forwarded as they
+come, and their answers are returned one at a time, in the order the requests
+arrived, each only once ``concurrency`` sample requests are in flight (or once
+all ``samples`` have arrived: nothing more can come). A client that keeps its
+budget full sends its next request as each answer lands, so every answer goes
+back at ``concurrency`` in flight; one that lets the count fall while work
+remains (drains between shards) leaves the proxy waiting: after
+``pace_timeout_s`` it answers anyway and records that answer as returned below
+``concurrency``. :meth:`FaultProxy.paced` lists every answer with the count.
+
 Faults are drawn deterministically from (seed, sample id, n-th request of that
 id), so a test sees the same faults on every run, and a retried request draws
 afresh (it can succeed).
@@ -54,6 +65,8 @@ class FaultProxy:
         status_for_ids: Mapping[str, int] | None = None,
         unavailable_after: int | None = None,
         hold_after: int | None = None,
+        pace: tuple[int, int] | None = None,
+        pace_timeout_s: float = 10.0,
         seed: int = 0,
     ):
         self.upstream = upstream.rstrip("/")
@@ -75,6 +88,13 @@ class FaultProxy:
         self.hold_after = hold_after
         self._samples_seen = 0
         self._release: asyncio.Event | None = None
+        self.pace = pace
+        self.pace_timeout_s = pace_timeout_s
+        self._paced: list[dict] = []  # each answer returned under pace: sample id, in flight, arrived so far, forced
+        self._pace_order: list[object] = []  # the paced requests not answered yet, in arrival order
+        self._pace_in_flight = 0
+        self._pace_arrived = 0
+        self._pace_condition: asyncio.Condition | None = None
         self.seed = seed
         self._lock = threading.Lock()
         self._counts: Counter[str] = Counter()  # chat-completion requests per sample id
@@ -112,6 +132,12 @@ class FaultProxy:
         with self._lock:
             return set(self._injected_ids.get(kind, ()))
 
+    def paced(self) -> list[dict]:
+        """Under ``pace``: every answer returned, in order: ``id``, ``in_flight`` (sample requests in flight when it was
+        returned, itself included), ``arrived`` (sample requests arrived by then) and ``forced`` (returned after
+        ``pace_timeout_s`` below ``concurrency``)."""
+        return self._copy(list, self._paced)
+
     def authorization_seen(self) -> set[str]:
         return self._copy(set, self._authorization)
 
@@ -146,6 +172,7 @@ class FaultProxy:
 
     async def _start(self) -> None:
         self._release = asyncio.Event()
+        self._pace_condition = asyncio.Condition()
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_read=600))
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_route("*", "/{tail:.*}", self._handle)
@@ -212,6 +239,9 @@ class FaultProxy:
             await self._forward(request, body)  # the server does the work; the answer is garbled on the way back
             return self._inject("malformed", web.Response(body=b'{"id": "chatcmpl-x", "choices": [{"message": {"reas', content_type="application/json"), sample_id)
 
+        if self.pace is not None and sample_id != CANARY_ID:
+            return await self._paced_answer(request, body, sample_id)
+
         spared = self.spare_canary and sample_id == CANARY_ID
         drop = not spared and (
             self.drop_reasoning or random.Random(f"{self.seed}:{sample_id}:drop").random() < self.drop_reasoning_share
@@ -220,6 +250,33 @@ class FaultProxy:
         response = await self._forward(request, body, rewrite=rewrite, drop=drop)
         if drop:
             self._inject("reasoning_dropped", None, sample_id)
+        return response
+
+    async def _paced_answer(self, request: web.Request, body: bytes, sample_id: str) -> web.Response:
+        """Forwards at once; answers in arrival order, each once ``concurrency`` are in flight (see the module)."""
+        concurrency, samples = self.pace
+        me = object()
+        condition = self._pace_condition
+        async with condition:
+            self._pace_order.append(me)
+            self._pace_in_flight += 1
+            self._pace_arrived += 1
+            condition.notify_all()
+        response = await self._forward(request, body)
+        async with condition:
+            my_turn = lambda: self._pace_order[0] is me  # noqa: E731
+            full = lambda: self._pace_in_flight >= concurrency or self._pace_arrived >= samples  # noqa: E731
+            forced = False
+            try:
+                await asyncio.wait_for(condition.wait_for(lambda: my_turn() and full()), self.pace_timeout_s)
+            except TimeoutError:
+                forced = True
+                await condition.wait_for(my_turn)
+            with self._lock:
+                self._paced.append({"id": sample_id, "in_flight": self._pace_in_flight, "arrived": self._pace_arrived, "forced": forced})
+            self._pace_order.pop(0)
+            self._pace_in_flight -= 1
+            condition.notify_all()
         return response
 
     def _inject(self, kind: str, response, sample_id: str | None = None):

@@ -137,3 +137,51 @@ def test_a_ranged_run_keeps_each_shard_separate_and_a_sigkill_keeps_the_finished
             if record.partition is not None:  # the run's own planned entry (the range) stays without a partition
                 latest[record.partition] = record.status.value
         assert latest == {s: "SUCCEEDED" for s in SHARDS}, (name, latest)
+
+
+def test_a_ranged_run_keeps_concurrency_in_flight_across_every_shard_boundary(vllm_server, data_dir):
+    """While work remains, every answer of a ranged run goes back with ``concurrency`` requests in flight.
+
+    The fault proxy paces the answers (tests/fault_proxy.py, ``pace``): it returns
+    them one at a time, in arrival order, each once ``concurrency`` sample
+    requests are in flight. A run that keeps its budget full sends its next request
+    as each answer lands, from the next shard when its shard has no sample left to
+    send; so the count stays at ``concurrency`` across every shard boundary, on any
+    machine, whatever the lengths the server generates.
+
+    Fails on: a run that drains between shards (in ``_RangeRun._work``,
+    eagle3_assets/core/generation/shard_run.py, a worker that takes the next
+    shard's first sample waits until the previous shard's rows are all in: ``while
+    any(s.left for s in self.shards[: self.shards.index(shard)]): await
+    asyncio.sleep(0.01)``): the proxy waits for a request that does not come,
+    answers below ``concurrency`` after its timeout, and the test names those
+    answers.
+    """
+    shards = [f"shard-{i:05d}" for i in range(3)]
+    size, concurrency = 6, 4
+    instance = DagsterInstance.ephemeral()
+    register_shards(instance, shards)
+    tags = {"dagster/asset_partition_range_start": shards[0], "dagster/asset_partition_range_end": shards[-1]}
+    assert materialize([prompts], tags=tags, resources={"prompt_dataset": demo_prompts(size)}, instance=instance).success
+    order = [i for s in shards for i in pl.read_parquet(data_dir / "prompts" / f"{s}.parquet")["id"].to_list()]
+    shard_of = {i: s for s in shards for i in pl.read_parquet(data_dir / "prompts" / f"{s}.parquet")["id"].to_list()}
+    assert len(order) == len(shards) * size
+
+    fields = {"served_model_name": vllm_server.served_model_name, **FAST, "max_tokens": 32, "concurrency": concurrency}
+    with FaultProxy(vllm_server.base_url, pace=(concurrency, len(order)), pace_timeout_s=5.0) as proxy:
+        result = materialize(
+            [raw_responses], tags=tags, instance=instance,
+            resources={"vllm_server": VLLMServerResource(**{**fields, "base_urls": [proxy.base_url]}), "target_model": DemoTargetModel()},
+        )  # fmt: skip
+        answers = proxy.paced()
+    assert result.success
+    assert sorted(a["id"] for a in answers) == sorted(order), "every sample requested once"
+    while_work_remained = [a for a in answers if a["arrived"] < len(order)]
+    below = [f"{a['id']} ({shard_of[a['id']]}): {a['in_flight']} in flight, {len(order) - a['arrived']} samples unsent" for a in while_work_remained if a["in_flight"] != concurrency]
+    assert not below, f"answers returned below concurrency {concurrency} while work remained: {below}"
+    # Each boundary crossed at full count: the next shard's first request arrived before the previous shard's last
+    # answer went back (the proxy answers in arrival order: an answer's place is its request's place of arrival).
+    for before, after in zip(shards, shards[1:]):
+        last_answer = max(n for n, a in enumerate(answers) if shard_of[a["id"]] == before)
+        first_request = min(n for n, a in enumerate(answers) if shard_of[a["id"]] == after)
+        assert first_request < answers[last_answer]["arrived"], f"{after} was first requested after {before} had drained"
