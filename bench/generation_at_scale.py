@@ -2,8 +2,10 @@
 
 Through the public path: a real ``dagster dev`` (webserver + daemon, the
 instance of ``make dev``: ``deploy/dagster-dev.yaml``, the generation pool at
-its limit of 1) and ``python -m eagle3_assets.backfill --all --assets prompts
---wait``, then ``... --assets raw_responses --wait``, over ``--shards`` x ``--shard-size`` prompts,
+its limit of 1) and the command a user types, ``python -m eagle3_assets.backfill
+--all --assets prompts,raw_responses --wait`` (the whole graph of generation in
+one backfill; with ``--separate``: ``--assets prompts`` first, then ``--assets
+raw_responses``, as docs/production.md once asked), over ``--shards`` x ``--shard-size`` prompts,
 against ``bench/latency_stub.py`` (a BENCH STUB with a latency model, not
 vLLM): at most ``--concurrency`` sequences decode at once, each at
 ``max_tokens / --capped-trace-s`` tokens/s, response lengths log-normal capped
@@ -16,8 +18,9 @@ Figures, per backfill:
 - the ideal schedule: the very same lengths, in the same order, with
   ``concurrency`` always in flight (computed here, by simulation); P10 is the
   ideal over the window, goal >= 0.90;
-- the generation backfill command's wall time, the runs it took, and the
-  most run processes alive at once (sampled each second);
+- the generation backfill command's wall time (with the prompts, in the
+  whole-graph form), the runs of ``raw_responses`` it took, and the most run
+  processes alive at once (sampled each second);
 - per shard: its own window, and the gap between one shard's last response
   and the next shard's first request.
 
@@ -26,7 +29,7 @@ It runs twice: with the platform's default shards per run
 per-shard runs of before, over the first ``--baseline-shards`` (each of its
 runs pays a run start and a drained batch: the figures per shard say the same
 over 5 shards as over 20, in a quarter of the time), printed beside it. Usage: ``.venv/bin/python bench/generation_at_scale.py
-[--shards 20] [--shard-size 128] [--capped-trace-s 10] [--per-run 32,1]``.
+[--shards 20] [--shard-size 128] [--capped-trace-s 10] [--per-run 32,1] [--separate]``.
 """
 
 from __future__ import annotations
@@ -66,6 +69,12 @@ def ideal_makespan(durations: list[float], slots: int) -> float:
         heapq.heappush(free, start + duration)
         end = max(end, start + duration)
     return end
+
+
+def in_flight_mean(served: list, slots: int) -> float:
+    """Requests in flight on average over the generation window (the stub's admitted-to-finished spans)."""
+    window = max(e for _, _, e in served) - min(a for _, a, _ in served)
+    return sum(e - a for _, a, e in served) / window if window > 0 else float(slots)
 
 
 def write_prompts(path: Path, count: int) -> None:
@@ -124,12 +133,13 @@ def one_backfill(args, per_run: int, shards: int, root: Path, prompts_path: Path
             register_shards(instance, keys)
             ensure_generation_pool_limit(instance, 1)
 
+            which = ["--all"] if shards == len(keys) else ["--shards", ",".join(keys[:shards])]  # --all: as the user types it
             keys = keys[:shards]
 
             def backfill(assets: str) -> tuple[subprocess.CompletedProcess, float]:
                 started = time.time()
                 done = subprocess.run(
-                    [sys.executable, "-m", "eagle3_assets.backfill", "--url", dev.url, "--shards", ",".join(keys), "--assets", assets,
+                    [sys.executable, "-m", "eagle3_assets.backfill", "--url", dev.url, *which, "--assets", assets,
                      "--wait", "--run-config", str(work / "run_config.json"), "--title", f"P10 {assets}, {per_run} shard(s) per run"],
                     cwd=REPO, env={**os.environ, **env, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=args.timeout,
                 )  # fmt: skip
@@ -137,19 +147,23 @@ def one_backfill(args, per_run: int, shards: int, root: Path, prompts_path: Path
                     raise RuntimeError(f"backfill failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}\n{dev.log_tail(40)}")
                 return done, time.time() - started
 
-            # The prompts first, then the generation: one backfill of both would request the generation
-            # ranges piecemeal, as the prompts runs finish (docs/generation.md, runs over ranges of shards).
+            # The whole graph in one backfill, as the user types it; each mode starts without prompts files, so
+            # that every mode's backfill makes them. --separate: the prompts first, then the generation.
             prompts_s = 0.0
-            if not (data / "prompts").is_dir():
-                _, prompts_s = backfill("prompts")  # the first mode's shards: the most of any mode
+            if args.separate:
+                if not (data / "prompts").is_dir():
+                    _, prompts_s = backfill("prompts")  # the first mode's shards: the most of any mode
+            else:
+                shutil.rmtree(data / "prompts", ignore_errors=True)
             stop, most = threading.Event(), [0]
             sampler = threading.Thread(target=live_runs_sampler, args=(home, stop, most), daemon=True)
             sampler.start()
-            done, command_s = backfill("raw_responses")
+            done, command_s = backfill("raw_responses" if args.separate else "prompts,raw_responses")
             stop.set()
             sampler.join()
             runs = instance.get_runs(RunsFilter(tags={"dagster/backfill": done.stdout.split("launched backfill ", 1)[1].split(":", 1)[0]}))
             generation_runs = [r for r in runs if "raw_responses" in {k.to_user_string() for k in (r.asset_selection or [])}]
+            prompts_runs = [r for r in runs if "prompts" in {k.to_user_string() for k in (r.asset_selection or [])}]
             assert all(r.status == DagsterRunStatus.SUCCESS for r in runs), [r.status for r in runs]
         with urllib.request.urlopen(stub_url + "/stub/stats", timeout=60) as response:
             served = json.loads(response.read())["served"]
@@ -177,7 +191,8 @@ def one_backfill(args, per_run: int, shards: int, root: Path, prompts_path: Path
     gaps = [spans[b][0] - spans[a][1] for a, b in zip(keys, keys[1:])]
     return {
         "per_run": per_run, "shards": shards, "prompts_backfill_s": prompts_s, "window_s": window, "ideal_s": ideal, "p10": ideal / window, "command_s": command_s,
-        "runs": len(runs), "generation_runs": len(generation_runs), "most_live_runs": most[0],
+        "runs": len(runs), "generation_runs": len(generation_runs), "prompts_runs": len(prompts_runs), "most_live_runs": most[0],
+        "in_flight_mean": in_flight_mean(served, args.concurrency),
         "shard_window_median_s": statistics.median(hi - lo for lo, hi in spans.values()),
         "gap_median_s": statistics.median(gaps) if gaps else 0.0, "overlapping_boundaries": sum(g < 0 for g in gaps), "boundaries": len(gaps),
         "capped": sum(completion_tokens(i, args.max_tokens, args.median, args.sigma) >= args.max_tokens for i in order),
@@ -196,6 +211,7 @@ def main() -> None:
     parser.add_argument("--per-run", default=f"{SHARDS_PER_RUN.get()},1", help="shards per run of each backfill, comma separated")
     parser.add_argument("--baseline-shards", type=int, default=5, help="shards of the 1-shard-per-run backfill (each run pays its start)")
     parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument("--separate", action="store_true", help="backfill prompts first, then raw_responses (not the whole graph at once)")
     args = parser.parse_args()
 
     results = []
@@ -210,17 +226,18 @@ def main() -> None:
             results.append(result)
             print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}), flush=True)
 
+    form = "--assets prompts, then --assets raw_responses" if args.separate else "--all --assets prompts,raw_responses --wait (one backfill)"
     print(
-        f"\nP10: {args.shards} shards x {args.shard_size} prompts, concurrency {args.concurrency}, max_tokens {args.max_tokens} "
+        f"\nP10: {args.shards} shards x {args.shard_size} prompts, backfill {form}, concurrency {args.concurrency}, max_tokens {args.max_tokens} "
         f"(a capped trace {args.capped_trace_s:g} s; lengths log-normal, median {args.median:g}, sigma {args.sigma:g}; "
         f"{results[0]['capped']} capped)"
     )
-    print("| shards per run | shards | runs of raw_responses | most run processes alive | generation window | ideal (concurrency always in flight) | P10 = ideal / window | raw_responses backfill command | shard window (median) | gap between shards (median) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| shards per run | shards | runs of prompts | runs of raw_responses | most run processes alive | generation window | ideal (concurrency always in flight) | P10 = ideal / window | in flight (mean) | backfill command | shard window (median) | gap between shards (median) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in results:
         print(
-            f"| {r['per_run']} | {r['shards']} | {r['generation_runs']} | {r['most_live_runs']} | {r['window_s']:.1f} s | {r['ideal_s']:.1f} s | "
-            f"**{r['p10']:.2f}** | {r['command_s']:.1f} s | {r['shard_window_median_s']:.1f} s | {r['gap_median_s']:.1f} s "
+            f"| {r['per_run']} | {r['shards']} | {r['prompts_runs']} | {r['generation_runs']} | {r['most_live_runs']} | {r['window_s']:.1f} s | {r['ideal_s']:.1f} s | "
+            f"**{r['p10']:.3f}** | {r['in_flight_mean']:.1f} of {args.concurrency} | {r['command_s']:.1f} s | {r['shard_window_median_s']:.1f} s | {r['gap_median_s']:.1f} s "
             f"({r['overlapping_boundaries']} of {r['boundaries']} boundaries overlapped) |"
         )
 
