@@ -191,6 +191,13 @@ def test_trained_draft_beats_the_floor_and_the_untrained_baseline(demo_graph):
     assert metadata["prompts_with_acceptance"].value == report["prompts"] and "| trained |" in metadata["acceptance_spread"].value
     gate = latest_check(instance, "draft_evaluation", "acceptance_above_floor")
     assert gate.passed and gate.metadata["acceptance_ci95"].value == spread["ci95"]
+    # Acceptance by output position, from the same responses' per-step counts: every request's steps make its
+    # completion, and the demo's short answers fill 0-512 only (its figure is then the pass's).
+    positions = trained["by_output_position"]
+    assert positions["share_adding_up"] == 1.0 and positions["buckets"][0]["steps"] == trained["drafts"]
+    assert positions["buckets"][0]["mean_acceptance_length"] == pytest.approx(trained["mean_acceptance_length"], abs=1e-4)
+    assert report["output_position_decay"]["over"] == "only 0-512 filled" and baseline["by_output_position"]["share_adding_up"] == 1.0
+    assert "| 0-512 |" in metadata["acceptance_by_output_position"].value and metadata["requests_adding_up_share"].value == 1.0
 
 
 def test_every_held_out_set_is_scored_beside_the_standard_one_by_the_same_servers(demo_graph, tiny_target):
