@@ -128,6 +128,15 @@ def tiny_target() -> Path:
 
 
 @pytest.fixture(scope="session")
+def host_vllm_facts():
+    """What this host's vLLM reports (platform, attention backends and their block sizes), read once a session: the
+    tests that depend on it branch on it, never on probing the CPU themselves. A child process importing vLLM (~10 s)."""
+    from eagle3_assets.core.serving.vllm_platform import host_serving_facts
+
+    return host_serving_facts()
+
+
+@pytest.fixture(scope="session")
 def kimi_target() -> Path:
     from eagle3_assets.demo.stack import kimi_target_dir
 

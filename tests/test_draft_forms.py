@@ -23,7 +23,7 @@ from eagle3_assets.core.draft.forms import (  # fmt: skip
 )
 from eagle3_assets.core.training.config import TrainConfig
 from eagle3_assets.core.training.initial_weights import choose_training_form, draft_shape
-from eagle3_assets.core.serving.vllm_platform import BackendFacts, ServingFacts, host_serving_facts
+from eagle3_assets.core.serving.vllm_platform import BackendFacts, ServingFacts
 
 MLA_TARGET = {"hidden_size": 128, "num_attention_heads": 2, "kv_lora_rank": 512, "qk_rope_head_dim": 64}
 LLAMA_TARGET = {"hidden_size": 128, "num_attention_heads": 2}
@@ -38,8 +38,8 @@ CUDA = ServingFacts("cuda", "0.32.0", {
 
 
 @pytest.fixture(scope="module")
-def this_host():
-    return host_serving_facts()
+def this_host(host_vllm_facts):
+    return host_vllm_facts  # host_serving_facts(), read once a session (tests/conftest.py)
 
 
 def test_this_hosts_facts_come_from_vllms_own_selector_and_decide_auto(this_host):

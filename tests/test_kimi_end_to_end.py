@@ -35,7 +35,6 @@ from eagle3_assets.core.draft.export import ARCHITECTURES, export_draft
 from eagle3_assets.core.draft.load_check import check_loads_in_vllm
 from eagle3_assets.core.extraction.shard_reading import iter_samples, read_sidecar
 from eagle3_assets.demo.kimi_target import KIMI_PROFILE
-from eagle3_assets.core.serving.vllm_platform import host_serving_facts
 from eagle3_assets.demo.pipeline import demo_resources, run_per_shard, run_whole_dataset
 from eagle3_assets.demo.plugin import TRAINING_CONFIG
 from eagle3_assets.demo.targets import DEMO_TARGETS
@@ -51,9 +50,9 @@ SHARDS = 2
 
 
 @pytest.fixture(scope="module")
-def serving_facts():
+def serving_facts(host_vllm_facts):
     """What this host's vLLM reports: its platform, the backends for latent and standard attention, their block sizes."""
-    return host_serving_facts()
+    return host_vllm_facts  # read once a session (tests/conftest.py), shared with test_kimi_target
 
 
 @pytest.fixture(scope="module")

