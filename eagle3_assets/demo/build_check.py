@@ -75,7 +75,7 @@ def fingerprint_conversations(name: str) -> list[list[dict]]:
     """The conversations target ``name``'s greedy outputs are recorded on: the long target's own (it answers its own
     task families, some after a history), the shared questions for the others."""
     if name == "long":
-        from eagle3_assets.demo.long_target import fingerprint_questions
+        from eagle3_assets.demo.long_prompts import fingerprint_questions
 
         return fingerprint_questions()
     return [[{"role": "user", "content": question}] for question in fingerprint_prompts()]
