@@ -117,9 +117,10 @@ def run_whole_dataset(
     demo = demo or selected_demo_target()
     resources = demo_resources("http://127.0.0.1:0", "unused", demo)  # no generation here
     ops = {"vocab_mapping": VOCAB_MAPPING_CONFIG, "draft_checkpoint": demo.training or TRAINING_CONFIG}
-    evaluation = {**(demo.evaluation or {}), **(evaluation or {})}
-    if evaluation:  # draft_evaluation's settings: the target's own, and where a caller gives its own (a test adds a prompt set)
-        ops["draft_evaluation"] = evaluation
+    # draft_evaluation's settings: the target's own, and where a caller gives its own (a test adds a prompt set)
+    settings = {**(demo.evaluation or {}), **(evaluation or {}).get("config", {})}
+    if settings:
+        ops["draft_evaluation"] = {"config": settings}
     run_config = RunConfig(ops=ops, loggers=CONSOLE_LOGGERS)
     result = materialize(WHOLE_DATASET_ASSETS, resources=resources, instance=instance, run_config=run_config, raise_on_error=False)
     log(f"demo: whole-dataset assets: {'ok' if result.success else 'FAILED'} (run {result.run_id})")
