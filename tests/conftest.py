@@ -35,10 +35,10 @@ os.environ.setdefault("EAGLE3_KIMI_TARGET_DIR", str(REPO / ".cache" / "kimi_targ
 os.environ.setdefault("EAGLE3_QWEN3_TARGET_DIR", str(REPO / ".cache" / "qwen3_target"))
 os.environ.setdefault("EAGLE3_LONG_TARGET_DIR", str(REPO / ".cache" / "long_target"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-TARGET_DIR_ENV = {
-    "tiny": "EAGLE3_TINY_TARGET_DIR", "kimi": "EAGLE3_KIMI_TARGET_DIR", "qwen3": "EAGLE3_QWEN3_TARGET_DIR", "long": "EAGLE3_LONG_TARGET_DIR",
-}  # fmt: skip
-LOW_PRIORITY_BUILDS = ("kimi", "qwen3", "long")  # minutes of one core each, needed only by the files that run last
+# The long-trace target (EAGLE3_LONG_TARGET_DIR, the long_target fixture) is not built in the background: no test
+# of the default suite uses it yet (docs/performance.md#the-long-trace-target).
+TARGET_DIR_ENV = {"tiny": "EAGLE3_TINY_TARGET_DIR", "kimi": "EAGLE3_KIMI_TARGET_DIR", "qwen3": "EAGLE3_QWEN3_TARGET_DIR"}
+LOW_PRIORITY_BUILDS = ("kimi", "qwen3")  # minutes of one core each, needed only by the files that run last
 # Fixtures that are, or start a server of, the tiny target: a file without them can run while it is built.
 TINY_FIXTURES = {"tiny_target", "vllm_server", "tiny_trained_draft", "hidden_states", "streamed"}
 _background_builds: list[subprocess.Popen] = []
