@@ -232,3 +232,38 @@ def test_a_build_that_does_not_do_what_was_recorded_is_refused_and_a_stale_cache
     assert checked_build("tiny", built, spec, log=lines.append) == built
     assert json.loads((built / BUILD_INFO).read_text())["greedy_token_ids"] == greedy
     assert not any("rebuilding" in line or "step" in line for line in lines) and file_hash(built / "model.safetensors") == weights
+
+
+def test_outputs_recorded_on_another_cpu_class_are_kept_beside_the_first_and_each_machine_is_held_to_its_own(tmp_path, monkeypatch):
+    """Two machines of other instruction sets build other weights from the same seed and pins (seen: AMX and AVX-512
+    FP16 against a machine without them). ``record`` on the second keeps the first record and adds its own under its
+    CPU class; each machine is then checked against its own class's record, a third class against the first.
+    Fails if recorded_fingerprint ignores ``by_cpu_class`` or record_entry overwrites the first record."""
+    from eagle3_assets.demo import build_check
+
+    spec, first, second = TinyTargetSpec(), [[1, 2, 3]], [[1, 2, 4]]
+    fingerprints = tmp_path / "target_fingerprints.json"
+    monkeypatch.setattr(build_check, "RECORDED_FINGERPRINTS", fingerprints)
+
+    read_class = build_check.cpu_class
+
+    def on(flags: str) -> None:  # this machine's /proc/cpuinfo, as a machine with these flags has it
+        cpuinfo = tmp_path / f"cpuinfo-{len(flags)}"
+        cpuinfo.write_text(f"processor\t: 0\nflags\t\t: fpu sse2 {flags}\n")
+        monkeypatch.setattr(build_check, "cpu_class", lambda: read_class(cpuinfo))
+
+    on("avx2 fma")
+    entry = build_check.record_entry(None, spec, first)
+    assert build_check.record_entry(entry, spec, first) == entry  # the same outputs again: nothing added
+    on("avx2 avx512f amx_tile")
+    entry = build_check.record_entry(entry, spec, second)
+    assert entry["greedy_token_ids"] == first and entry["by_cpu_class"] == {"avx2+avx512f+amx_tile": second}
+    fingerprints.write_text(json.dumps({"tiny": entry}))
+    assert build_check.recorded_fingerprint("tiny", spec) == second
+    on("avx2 fma")
+    assert build_check.recorded_fingerprint("tiny", spec) == first
+    on("avx2 avx512f")  # a class nothing was recorded on: held to the first record
+    assert build_check.recorded_fingerprint("tiny", spec) == first
+    # A changed spec starts over from its own first record.
+    changed = dataclasses.replace(spec, train_steps=spec.train_steps + 1)
+    assert build_check.record_entry(entry, changed, second) == {"spec_fingerprint": changed.fingerprint, "greedy_token_ids": second}
