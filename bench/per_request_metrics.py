@@ -33,6 +33,7 @@ sys.path.insert(0, str(REPO))
 def main() -> None:
     from eagle3_assets.core.evaluation.acceptance import evaluation_servers, load_conversations, run_pass
     from eagle3_assets.core.gpu_host.stage_jobs import EVAL_MAX_TOKENS
+    from eagle3_assets.core.serving.profile import ServingProfile
     from eagle3_assets.demo.targets import TINY_SERVING
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -45,7 +46,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="per-request-metrics-"))
-    profile = None
+    profile = ServingProfile()  # a target given by path is served as this host's EAGLE3_* environment says
     if args.target is None:
         from eagle3_assets.demo.stack import tiny_target_dir
 

@@ -264,7 +264,7 @@ def test_vllm_serves_the_norm_flags_of_each_form(form, target_fixture, flags, re
     target = request.getfixturevalue(target_fixture)
     draft = random_draft(target, draft_vocab_size=256, seed=0, form=form, **flags)
     draft_dir = export_draft(draft, tmp_path / "draft", dtype="bfloat16", target_embedding=draft.embed_tokens.weight)
-    profile = KIMI_PROFILE if form == DEEPSEEK_MLA else None  # the Kimi twin's remote code, bf16 and parser
+    profile = KIMI_PROFILE if form == DEEPSEEK_MLA else ServingProfile()  # the Kimi twin's remote code, bf16 and parser; the tiny one as the host serves it
     report = check_loads_in_vllm(target, draft_dir, log_path=tmp_path / "vllm.log", startup_timeout_s=600, profile=profile)
     assert report.passed, (report.detail, report.metadata)
     assert report.metadata["num_drafts"] > 0
