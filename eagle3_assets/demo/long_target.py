@@ -56,22 +56,10 @@ from eagle3_assets.demo.long_prompts import (  # noqa: F401 (the target's prompt
     MAX_COMPLETION_TOKENS, format_break, fingerprint_questions, long_prompts, make_conversations, steps_as_asked,
 )  # fmt: skip
 from eagle3_assets.demo.target_building import deterministic_torch, trained_tokenizer, write_model_dir
-
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-BOS, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
-LONG_REASONING_PARSER = "deepseek_r1"  # the generation prompt opens the think block, as the tiny target's does
-
 # The tiny target's markup: ChatML whose generation prompt opens the think block; any role renders alike.
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
-    "{% if message['role'] == 'assistant' and message.get('reasoning_content') %}"
-    "{{ '<think>\\n' + message['reasoning_content'] + '\\n</think>\\n\\n' }}"
-    "{% endif %}"
-    "{{ message['content'] + '<|im_end|>\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n<think>\\n' }}{% endif %}"
-)
+from eagle3_assets.demo.tiny_target import BOS, CHAT_TEMPLATE, IM_END, IM_START, THINK_CLOSE, THINK_OPEN  # noqa: F401
+
+LONG_REASONING_PARSER = "deepseek_r1"  # the generation prompt opens the think block, as the tiny target's does
 
 
 @dataclass(frozen=True)
