@@ -10,11 +10,14 @@ over N seeds each:
   ours (e.g. EAGLE 3.1's ``fc_norm``, ``norm_output`` where the draft has them);
 - ``peer-defaults``: speculators 0.9.0 with its draft's default norm flags,
   trained on the same recipe as ours (the recipe's learning rate, epochs,
-  warm-up, micro-batches and AdamW betas, on AdamW; speculators' own default
-  optimizer, Muon at lr 1e-3, and its own schedule are not what it runs here:
-  the peer at its own training defaults is not measured by this bench);
+  warm-up, micro-batches and AdamW betas, on AdamW, not its own default
+  optimizer and schedule);
 - ``peer-plain``: the same with plain EAGLE-3's norms (its four norm flags
   off);
+- ``peer-own``: speculators at its own defaults, recipe included: its draft's
+  default norm flags, Muon at lr 1e-3 with AdamW (torch's betas) on the rest,
+  a linear schedule with 1% warm-up, 20 epochs, 8,192 tokens per packed batch
+  (``SPECULATORS_RECIPE`` in bench/peer/train_speculators.py);
 
 the peer in its own environment (``make peer-env``) through
 ``bench/peer/train_speculators.py``, which reads the same shards and vocabulary
@@ -24,7 +27,8 @@ held-out prompts, greedy, at ``--k`` speculative tokens, one server at a time,
 and the bench prints each trainer's mean acceptance length and acceptance per
 draft position (mean over seeds with its range), and P5c = ours /
 peer-defaults on the same recipe, mean acceptance at k, both at the same depth
-(``--ttt-steps``, 3). Figures go to ``<work>/report.json``; a rerun reuses every draft and every
+(``--ttt-steps``, 3), and ours / peer-own (ours on its recipe, the peer on its own).
+Figures go to ``<work>/report.json``; a rerun reuses every draft and every
 measurement already in the work directory (``--fresh`` discards them).
 
     make peer-env && .venv/bin/python bench/peer_acceptance.py                 # the demo's states (after make demo)
@@ -51,7 +55,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 PEER_SCRIPT = REPO / "bench" / "peer" / "train_speculators.py"
-PEER_VARIANTS = {"peer-defaults": "defaults", "peer-plain": "plain"}
+PEER_VARIANTS = {"peer-defaults": "defaults", "peer-plain": "plain", "peer-own": "defaults"}  # the draft's norm flags
+# The peer variants trained on speculators' own recipe rather than the platform's (train_speculators --recipe speculators).
+PEER_OWN_RECIPE = {"peer-own"}
 DONE = "bench_run.json"  # written last into a finished draft directory
 
 
@@ -79,7 +85,7 @@ def parser() -> argparse.ArgumentParser:
         help="how vLLM's draft proposes (speculative_config): its argmax (vLLM's default) or a sample of its distribution",
     )  # fmt: skip
     p.add_argument("--ttt-steps", type=int, default=3, help="training depth of both trainers (P5c is defined at 3)")
-    p.add_argument("--variants", nargs="+", default=["ours", *PEER_VARIANTS], help="ours, peer-defaults, peer-plain, and --ours-variant labels")
+    p.add_argument("--variants", nargs="+", default=["ours", *PEER_VARIANTS], help="ours, peer-defaults, peer-plain, peer-own, and --ours-variant labels")
     p.add_argument("--ours-setting", action="append", default=[], metavar="KEY=VALUE", help="a TrainConfig setting of ours (repeatable)")
     p.add_argument(
         "--ours-variant", action="append", default=[], metavar="LABEL:KEY=VALUE[,KEY=VALUE]",
@@ -210,6 +216,7 @@ def train_peer(label: str, seed: int, recipe: dict, shards: list[Path], vocab: P
         "--epochs", str(recipe["epochs"]), "--lr", str(recipe["learning_rate"]), "--warmup-ratio", str(recipe["warmup_ratio"]),
         "--scheduler", "cosine", "--ttt-steps", str(recipe["ttt_steps"]), "--total-seq-len", str(recipe["batch_tokens"]),
         "--max-seq-len", str(recipe["max_seq_len"]), "--betas", *map(str, recipe["betas"]),
+        "--recipe", "speculators" if label in PEER_OWN_RECIPE else "caller",
     ]  # fmt: skip
     log_path = work / "logs" / f"{label}-seed{seed}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -224,6 +231,11 @@ def train_peer(label: str, seed: int, recipe: dict, shards: list[Path], vocab: P
     shutil.rmtree(out, ignore_errors=True)
     peer_dir.rename(out)
     return out
+
+
+def peer_settings(label: str) -> str | list[str]:
+    """What a peer variant's drafts depend on beyond the shared inputs (kept as before for the variants on our recipe)."""
+    return [PEER_VARIANTS[label], "speculators-recipe"] if label in PEER_OWN_RECIPE else PEER_VARIANTS[label]
 
 
 def summary(values: list[float]) -> dict:
@@ -380,7 +392,7 @@ def main() -> None:
     from eagle3_assets.core.training.config import trained_settings
 
     settings_now = {
-        label: stable_hash(trained_settings(ours_variants[label]) if label in ours_variants else PEER_VARIANTS[label]) for label in args.variants
+        label: stable_hash(trained_settings(ours_variants[label]) if label in ours_variants else peer_settings(label)) for label in args.variants
     }
     kept = report.get("variant_settings", {})
     changed = [label for label in args.variants if kept.get(label, settings_now[label]) != settings_now[label]]
@@ -426,6 +438,7 @@ def main() -> None:
         for label in args.variants
     }  # fmt: skip
     comparison = compare(figures)
+    own = compare(figures, peer="peer-own")
     table = render(figures, args.k, len(conversations), args.seeds, temperature=args.temperature, draft_sample_method=args.draft_sample_method)
     print("\n" + table)
     if comparison:
@@ -434,8 +447,11 @@ def main() -> None:
               f"both at depth {args.ttt_steps}): {comparison['p5c']:.3f} (goal >= 1.0)")  # fmt: skip
         spread_note = " (one seed: no spread, so any shortfall counts)" if args.seeds == 1 else ""
         print(f"positions where ours is below the peer by more than the seeds' spread{spread_note}: " + (", ".join(str(b["position"]) for b in below) or "none"))
+    if own:
+        print(f"ours / speculators at its own defaults (its recipe: Muon lr 1e-3, linear, 8,192-token batches; ours on the demo's), "
+              f"mean acceptance at k = {args.k}: {own['p5c']:.3f}")  # fmt: skip
     report = {
-        **report, "measured": measured, "figures": figures, "comparison": comparison, "table": table,
+        **report, "measured": measured, "figures": figures, "comparison": comparison, "against_peer_own": own, "table": table,
         "k": args.k, "temperature": args.temperature, "draft_sample_method": args.draft_sample_method, "seeds": args.seeds, "ttt_steps": args.ttt_steps, "recipe": recipe, "ours_variants": ours_variants,
         "prompts": len(conversations), "eval_prompts": eval_prompts, "target": str(target), "shards": [str(s) for s in shards],
         "samples": len(index.samples), "final_state": index.final_state,

@@ -18,6 +18,7 @@ from eagle3_assets.core.prompts.loading import MESSAGES_DTYPE
 from eagle3_assets.core.storage.shard_paths import HELDOUT_SUFFIX
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench" / "peer"))
 import peer_acceptance  # noqa: E402
 
 
@@ -101,3 +102,18 @@ def test_a_kept_draft_is_reused_only_for_the_settings_it_was_trained_with_defaul
     monkeypatch.setattr(TrainConfig.model_fields["pack_samples"], "default", not settings["pack_samples"])
     assert trained_settings(recipe) != settings, "a changed default changes the variant"
     assert trained_settings({**recipe, "pack_samples": settings["pack_samples"]}) == settings
+
+
+def test_the_peer_at_its_own_defaults_trains_on_speculators_recipe_whatever_the_caller_passes():
+    """``peer-own`` is the peer on its own training defaults, not ours relabelled: the bench passes our recipe to every
+    peer run, and ``--recipe speculators`` must set it aside. Mutation: ``resolved_recipe`` reading the flags whatever
+    ``--recipe`` says makes the first assertion fail (AdamW at 3e-3, cosine, 1,024-token batches)."""
+    import train_speculators
+
+    ours = ["--hidden-states", "x", "--vocab-mapping", "y", "--out", "z", "--lr", "3e-3", "--scheduler", "cosine", "--total-seq-len", "1024"]
+    own = train_speculators.resolved_recipe(train_speculators.parser().parse_args([*ours, "--recipe", "speculators"]))
+    assert (own["optimizer"], own["lr"], own["scheduler"], own["total_seq_len"], own["warmup_ratio"], own["betas"]) == ("muon", 1e-3, "linear", 8192, None, None)
+    caller = train_speculators.resolved_recipe(train_speculators.parser().parse_args(ours))
+    assert (caller["optimizer"], caller["lr"], caller["scheduler"], caller["total_seq_len"]) == ("adamw", 3e-3, "cosine", 1024)
+    # The bench asks for it by that label, and only for that label.
+    assert peer_acceptance.PEER_OWN_RECIPE == {"peer-own"} and "peer-own" in peer_acceptance.PEER_VARIANTS

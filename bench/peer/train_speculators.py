@@ -21,7 +21,9 @@ with every unrolled step weighted 1, frozen lm_head, sliding-window attention
 of 2,048 in the draft, weight decay 0.01); ``--settings plain``: the same with
 the four norm flags off, plain EAGLE-3 as vLLM's native form has it. The
 recipe (epochs, learning rate, warm-up, schedule, depth, tokens per packed
-micro-batch, AdamW betas) is given by the caller: the platform's.
+micro-batch, AdamW betas) is given by the caller: the platform's; or, with
+``--recipe speculators``, speculators' own training defaults (Muon at lr 1e-3,
+linear schedule, 1% warm-up, 8,192 tokens per packed batch: ``SPECULATORS_RECIPE``).
 
 On a CPU: eager attention and speculators' eager losses (FlexAttention's
 backward and the fused losses need CUDA); its trainer is run on the CPU with
@@ -53,6 +55,14 @@ SETTINGS = {
 }
 # speculators' CLI defaults this script keeps (speculators/train/config/schema.py, 0.9.0).
 SPECULATORS_DEFAULTS = {"weight_decay": 0.01, "sliding_window": 2048, "loss_fn": "kl_div", "ttt_step_loss_decay": 1.0, "grad_clip": 1.0}
+# ``--recipe speculators``: the training recipe speculators' CLI runs when given none (schema.py, 0.9.0): Muon on the
+# 2D weights at --lr (its CLI sets muon_lr to lr; the Trainer's own 0.02 is never what the CLI runs), AdamW with
+# torch's betas on the rest, a linear schedule warmed up over 1% of its steps (warmup_ratio None), 20 epochs,
+# 8,192 tokens per packed batch, 3 unrolled steps.
+SPECULATORS_RECIPE = {
+    "optimizer": "muon", "lr": 1e-3, "epochs": 20, "scheduler": "linear", "warmup_ratio": None, "total_seq_len": 8192,
+    "ttt_steps": 3, "betas": None,
+}  # fmt: skip
 
 
 def parser() -> argparse.ArgumentParser:
@@ -62,6 +72,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--target", help="the target's HF directory (default: the sidecars' target_path)")
     p.add_argument("--out", required=True, help="where the trained draft (speculators' format) is written")
     p.add_argument("--settings", choices=sorted(SETTINGS), default="defaults")
+    p.add_argument(
+        "--recipe", choices=["caller", "speculators"], default="caller",
+        help="caller: the flags below (the platform's recipe); speculators: its CLI's own training defaults, the flags ignored",
+    )  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--lr", type=float, default=3e-3)
@@ -123,8 +137,19 @@ def check_alignment(dataset: StoredStatesDataset, shift_batch) -> None:
                 sys.exit(f"alignment: speculators' shift_batch and bench/peer/alignment.py differ on {key!r} (sample {index})")
 
 
+def resolved_recipe(args: argparse.Namespace) -> dict:
+    """The recipe this run trains with: the caller's flags, or speculators' own defaults in their place."""
+    if args.recipe == "speculators":
+        return dict(SPECULATORS_RECIPE)
+    return {
+        "optimizer": args.optimizer, "lr": args.lr, "epochs": args.epochs, "scheduler": args.scheduler, "warmup_ratio": args.warmup_ratio,
+        "total_seq_len": args.total_seq_len, "ttt_steps": args.ttt_steps, "betas": list(args.betas),
+    }  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
+    recipe = resolved_recipe(args)
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     sys.path.insert(0, str(HERE))
     import torch
@@ -159,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
         sliding_window=SPECULATORS_DEFAULTS["sliding_window"], full_attention_indices=[],
     )  # fmt: skip
     model = Eagle3DraftModel.from_training_args(
-        verifier_config=layer_config, t2d=t2d, d2t=d2t, draft_vocab_size=int(d2t.numel()), ttt_steps=args.ttt_steps,
+        verifier_config=layer_config, t2d=t2d, d2t=d2t, draft_vocab_size=int(d2t.numel()), ttt_steps=recipe["ttt_steps"],
         verifier_name_or_path=target, target_layer_ids=stored.aux_layer_ids, embed_requires_grad=False,
         draft_attn_impl="simple_flex_attention" if on_cuda else "eager", **flags,
     )  # fmt: skip
@@ -170,20 +195,20 @@ def main(argv: list[str] | None = None) -> None:
     check_alignment(dataset, shift_batch)
     states_dtype = torch.bfloat16 if on_cuda else torch.float32
     sampler = MultipackDistributedBatchSamplerV2(
-        batch_max_length=args.total_seq_len, lengths=dataset.approx_lengths, num_replicas=1, rank=0, seed=args.seed
+        batch_max_length=recipe["total_seq_len"], lengths=dataset.approx_lengths, num_replicas=1, rank=0, seed=args.seed
     )
     loader = DataLoader(
         dataset, batch_sampler=sampler, num_workers=0,
-        collate_fn=CollateFn(args.total_seq_len, stored.hidden_size, num_target_layers=alignment.AUX_STATES, dtype=states_dtype, preprocess=shift_batch),
+        collate_fn=CollateFn(recipe["total_seq_len"], stored.hidden_size, num_target_layers=alignment.AUX_STATES, dtype=states_dtype, preprocess=shift_batch),
     )  # fmt: skip
     call_kwargs, _ = Eagle3DraftModel.get_trainer_kwargs(
         loss_fn=SPECULATORS_DEFAULTS["loss_fn"], loss_implementation="fused" if on_cuda else "eager",
-        ttt_steps=args.ttt_steps, ttt_step_loss_decay=SPECULATORS_DEFAULTS["ttt_step_loss_decay"],
+        ttt_steps=recipe["ttt_steps"], ttt_step_loss_decay=SPECULATORS_DEFAULTS["ttt_step_loss_decay"],
     )  # fmt: skip
     config = TrainerConfig(
-        lr=args.lr, num_epochs=args.epochs, save_path=str(work / "checkpoints"), resume_from_checkpoint=False,
-        train_call_kwargs=call_kwargs, val_call_kwargs=call_kwargs, optimizer=args.optimizer, weight_decay=args.weight_decay,
-        scheduler_type=args.scheduler, scheduler_warmup_ratio=args.warmup_ratio, checkpoint_freq=args.epochs,
+        lr=recipe["lr"], muon_lr=recipe["lr"], num_epochs=recipe["epochs"], save_path=str(work / "checkpoints"), resume_from_checkpoint=False,
+        train_call_kwargs=call_kwargs, val_call_kwargs=call_kwargs, optimizer=recipe["optimizer"], weight_decay=args.weight_decay,
+        scheduler_type=recipe["scheduler"], scheduler_warmup_ratio=recipe["warmup_ratio"], checkpoint_freq=recipe["epochs"],
         hidden_states_dtype=states_dtype, log_freq=1,
     )  # fmt: skip
     metrics = MetricsLog()
@@ -192,14 +217,14 @@ def main(argv: list[str] | None = None) -> None:
     metric_logger.addHandler(metrics)
     trainer = Trainer(model, config, loader, None)
     for optimizer in trainer.optimizers:  # the recipe's AdamW betas (speculators builds AdamW with torch's defaults)
-        if isinstance(optimizer, torch.optim.AdamW):
+        if recipe["betas"] is not None and isinstance(optimizer, torch.optim.AdamW):
             for group in optimizer.param_groups:
-                group["betas"] = tuple(args.betas)
+                group["betas"] = tuple(recipe["betas"])
     started = time.monotonic()
     trainer.run_training()
     seconds = time.monotonic() - started
 
-    saved = work / "checkpoints" / str(args.epochs - 1)
+    saved = work / "checkpoints" / str(recipe["epochs"] - 1)
     if not (saved / "model.safetensors").is_file():
         sys.exit(f"speculators' trainer left no checkpoint at {saved}")
     staging = out.with_name(out.name + ".partial")
@@ -209,9 +234,8 @@ def main(argv: list[str] | None = None) -> None:
         shutil.copy2(saved / name, staging / name)
     facts = {
         "trainer": "speculators 0.9.0", "settings": args.settings, "flags": flags, "seed": args.seed, "train_s": round(seconds, 1),
-        "optimizer_steps": trainer.global_step, "epochs": args.epochs, "lr": args.lr, "warmup_ratio": args.warmup_ratio,
-        "scheduler": args.scheduler, "ttt_steps": args.ttt_steps, "total_seq_len": args.total_seq_len, "betas": list(args.betas),
-        "optimizer": args.optimizer, "weight_decay": args.weight_decay, "final_state": stored.final_state,
+        "optimizer_steps": trainer.global_step, "recipe_from": args.recipe, **recipe,
+        "betas": recipe["betas"] or [0.9, 0.999], "muon_lr": recipe["lr"] if recipe["optimizer"] == "muon" else None, "weight_decay": args.weight_decay, "final_state": stored.final_state,
         "verifier_norm_applied": alignment.verifier_norm_needed(stored.final_state), "samples": len(dataset),
         "device": args.device, "attention": "simple_flex_attention" if on_cuda else "eager", **{k: v for k, v in SPECULATORS_DEFAULTS.items() if k != "weight_decay"},
         "last_steps": metrics.last(5),
