@@ -121,7 +121,7 @@ from pathlib import Path
 from eagle3_assets.core.extraction.shard_extraction import ExtractionSettings, extract_shard
 from eagle3_assets.core.extraction.traces import read_traces
 from eagle3_assets.core.extraction.transformers_backend import TransformersBackend
-from eagle3_assets.core.gpu_host.stage_jobs import ExtractionRecipe
+from eagle3_assets.core.extraction.job import ExtractionRecipe
 
 def vm(field):
     for line in open("/proc/self/status"):

@@ -31,7 +31,7 @@ def demo_draft(target: Path, work: Path) -> Path:
 def main() -> None:
     from eagle3_assets.core.evaluation.acceptance import evaluate, load_conversations
     from eagle3_assets.core.evaluation.speculation_depth import derived_curve
-    from eagle3_assets.core.gpu_host.stage_jobs import EVAL_MAX_TOKENS
+    from eagle3_assets.core.evaluation.job import EVAL_MAX_TOKENS
     from eagle3_assets.core.serving.profile import ServingProfile
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO))
 def main() -> None:
     from eagle3_assets.core.evaluation.acceptance import evaluate, load_conversations, untrained_twin
     from eagle3_assets.core.evaluation.output_position import render_position_table
-    from eagle3_assets.core.gpu_host.stage_jobs import EVAL_MAX_TOKENS
+    from eagle3_assets.core.evaluation.job import EVAL_MAX_TOKENS
     from eagle3_assets.demo.targets import DEMO_TARGETS
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO))
 
 def main() -> None:
     from eagle3_assets.core.evaluation.acceptance import evaluation_servers, load_conversations, run_pass
-    from eagle3_assets.core.gpu_host.stage_jobs import EVAL_MAX_TOKENS
+    from eagle3_assets.core.evaluation.job import EVAL_MAX_TOKENS
     from eagle3_assets.core.serving.profile import ServingProfile
     from eagle3_assets.demo.targets import TINY_SERVING
 

@@ -123,7 +123,8 @@ def train_bounded_mode(shard_paths: list[Path], mapping: Path, target: Path, wor
     from dataclasses import asdict
 
     from eagle3_assets.core.extraction.transformers_backend import TransformersBackend
-    from eagle3_assets.core.gpu_host.stage_jobs import BoundedRun, ExtractionRecipe, StageTarget, StreamedShard
+    from eagle3_assets.core.extraction.job import ExtractionRecipe, StageTarget
+    from eagle3_assets.core.training.job import BoundedRun, StreamedShard
     from eagle3_assets.core.serving.profile import ServingProfile
     from eagle3_assets.core.target.identity import target_identity
     from eagle3_assets.core.training.config import TrainConfig

@@ -48,12 +48,11 @@ from eagle3_assets.core.draft.load_check import LOAD_CHECK_CONTEXT
 from eagle3_assets.core.gpu_host.stage_requirements import StageRequirements, with_serving_need
 from eagle3_assets.core.reporting.checks import CheckOutcome
 from eagle3_assets.core.storage.shard_paths import SIDECAR, DatasetPaths, ShardPaths
-from eagle3_assets.core.gpu_host.stage_jobs import (
+from eagle3_assets.core.extraction.job import ExtractionRecipe, StageTarget
+from eagle3_assets.core.training.job import (
     BoundedModeError,
     BoundedRun,
     ExportGates,
-    ExtractionRecipe,
-    StageTarget,
     StreamedShard,
     TrainingJob,
     TrainingStageRecipe,

@@ -42,7 +42,7 @@ from eagle3_assets.core.storage.shard_files import read_shard_parquet
 from eagle3_assets.core.storage.shard_paths import DRAFT_CONFIG_FILE, RESULT_FILE, DatasetPaths, training_shards
 from eagle3_assets.core.evaluation.speculation_depth import validated_k_values
 from eagle3_assets.core.settings.job_schema import values_of
-from eagle3_assets.core.gpu_host.stage_jobs import EvaluationJob, EvaluationRecipe
+from eagle3_assets.core.evaluation.job import EvaluationJob, EvaluationRecipe
 from eagle3_assets.core.serving.deployment import DRAFT_SAMPLE_METHODS
 from eagle3_assets.core.storage.files import asset_dir, write_bytes_atomic
 from resources.gpu_host import GPU_POOL, GPUHost, register_stage
@@ -60,7 +60,7 @@ EVALUATION_REQUIREMENTS = register_stage(
 
 
 class DraftEvaluationConfig(EvaluationRecipe, Config):
-    """Which held-out prompts (here), and how the drafts are served and judged (:class:`~eagle3_assets.core.gpu_host.stage_jobs.EvaluationRecipe`)."""
+    """Which held-out prompts (here), and how the drafts are served and judged (:class:`~eagle3_assets.core.evaluation.job.EvaluationRecipe`)."""
 
     eval_prompts: str = Field(
         default="",

@@ -36,7 +36,7 @@ from dagster import AssetExecutionContext, AssetKey, AssetSpec, MetadataValue, m
 from eagle3_assets.capacity_facts import refuse_unless_run_fits
 from eagle3_assets.core.extraction.needs import EXTRACTION_MODULES, EXTRACTION_STAGE, TRACES, disk_estimate
 from eagle3_assets.core.extraction.state_layout import BACKENDS, STORAGE_DTYPE_BYTES
-from eagle3_assets.core.gpu_host.stage_jobs import EXTRACTION_SHARD_MESSAGE, ExtractionJob, ExtractionShard, StageTarget, shard_check_seed
+from eagle3_assets.core.extraction.job import EXTRACTION_SHARD_MESSAGE, ExtractionJob, ExtractionShard, shard_check_seed, StageTarget
 from eagle3_assets.core.gpu_host.stage_requirements import StageRequirements, with_serving_need
 from eagle3_assets.core.reporting.checks import CheckOutcome
 from eagle3_assets.core.settings.environment import EXTRACTION_SHARDS_PER_RUN

@@ -49,7 +49,7 @@ from eagle3_assets.core.generation.redaction import redact_credentials, redact_u
 from eagle3_assets.core.generation.response_rules import DEFAULT_MIN_REASONING_SHARE
 from eagle3_assets.core.storage.shard_files import quarantine_if_corrupt, read_shard_parquet
 from eagle3_assets.core.storage.shard_lease import ShardLease
-from eagle3_assets.core.gpu_host.stage_jobs import EVAL_MAX_TOKENS
+from eagle3_assets.core.evaluation.job import EVAL_MAX_TOKENS
 from eagle3_assets.core.storage.shard_paths import ShardPaths
 from eagle3_assets.core.settings import environment as env_vars
 from eagle3_assets.core.storage.files import stable_hash

@@ -12,7 +12,8 @@ from dagster import Config
 from pydantic import Field
 
 from eagle3_assets.core.settings.environment import ACCEPT_UNKNOWN_CAPACITY
-from eagle3_assets.core.gpu_host.stage_jobs import BoundedWindow, ExtractionRecipe, HiddenStatesSource, ShardRerun, TrainingStageRecipe
+from eagle3_assets.core.extraction.job import ExtractionRecipe, ShardRerun
+from eagle3_assets.core.training.job import BoundedWindow, HiddenStatesSource, TrainingStageRecipe
 from eagle3_assets.core.training.config import TrainingRecipe
 
 
@@ -37,7 +38,7 @@ class DraftTrainingConfig(BoundedWindow, HiddenStatesSource, TrainingStageRecipe
 
     The settings models themselves with Dagster's base mixed in, no field listed again: the recipe
     (:class:`~eagle3_assets.core.training.config.TrainingRecipe`), the stage's processes, export precision and vLLM
-    check (:class:`~eagle3_assets.core.gpu_host.stage_jobs.TrainingStageRecipe`), and where the states come from
+    check (:class:`~eagle3_assets.core.training.job.TrainingStageRecipe`), and where the states come from
     (``HiddenStatesSource``, ``BoundedWindow``).
     """
 

@@ -24,7 +24,7 @@ from dagster import DagsterInstance, RunConfig, materialize
 
 from eagle3_assets.core.extraction.traces import read_traces
 from eagle3_assets.core.extraction.transformers_backend import TransformersBackend
-from eagle3_assets.core.gpu_host.stage_jobs import BoundedModeError, TrainingJob
+from eagle3_assets.core.training.job import BoundedModeError, TrainingJob
 from eagle3_assets.core.serving.profile import ServingProfile
 from eagle3_assets.core.extraction.state_layout import FP8_DTYPE, bytes_per_token
 from eagle3_assets.core.storage.files import write_json_atomic

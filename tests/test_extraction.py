@@ -28,7 +28,7 @@ from eagle3_assets.core.extraction.traces import TargetFacts, Trace, read_traces
 from eagle3_assets.core.extraction.transformers_backend import TransformersBackend
 from eagle3_assets.core.storage.shard_paths import SIDECAR
 from eagle3_assets.core.serving.profile import ServingProfile
-from eagle3_assets.core.gpu_host.stage_jobs import ExtractionRecipe
+from eagle3_assets.core.extraction.job import ExtractionRecipe
 from eagle3_assets.core.storage.files import file_hash, stable_hash
 from eagle3_assets.core.target.head import TargetHead, rms_norm
 from eagle3_assets.core.extraction.hidden_state_checks import (
@@ -160,7 +160,7 @@ from pathlib import Path
 from eagle3_assets.core.extraction.shard_extraction import ExtractionSettings, extract_shard
 from eagle3_assets.core.extraction.traces import read_traces
 from eagle3_assets.core.extraction.transformers_backend import TransformersBackend
-from eagle3_assets.core.gpu_host.stage_jobs import ExtractionRecipe
+from eagle3_assets.core.extraction.job import ExtractionRecipe
 
 torch.set_num_threads(1)
 target, traces_file, out, part_bytes = sys.argv[1], sys.argv[2], Path(sys.argv[3]), int(sys.argv[4])

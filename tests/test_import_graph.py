@@ -1,5 +1,5 @@
-"""No import cycle among the modules of ``eagle3_assets``, no asset module imports another, and the code
-location loads without torch.
+"""No import cycle among the modules of ``eagle3_assets``, ``core``'s folders stacked in layers (none imports
+its own layer or one above), no asset module imports another, and the code location loads without torch.
 
 Every import statement counts, those inside functions too: a function-level
 import that closes a cycle still ties the two modules together (one cannot be
@@ -11,6 +11,16 @@ An asset module (one that defines an ``@asset`` or ``@multi_asset``) is a
 thin wrapper over ``core/``: what two assets share (a config class, a table of
 gates, a helper) lives below both, so that reading, testing or changing one
 asset never drags in another, and the graph stays low.
+
+``core``'s folders are layered (:data:`CORE_LAYERS`): a folder imports only the
+folders of the layers below its own, and nothing of ``eagle3_assets`` outside
+``core``. The layers say where a thing goes: a stage's job is its domain's
+(``core/extraction/job.py`` ...), not the transport's (``core/gpu_host``), which
+carries a job it never reads.
+
+``python tests/test_import_graph.py`` prints the measures: modules, imports,
+the longest chain of module imports, the layers and the imports that run back
+up them.
 
 The graph is read from the source (``ast``), not by importing, so the test
 needs no GPU, no vLLM and no Dagster instance, and names the cycle it finds;
@@ -150,6 +160,98 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+# core's folders from the bottom layer up. A folder imports only the folders of the layers below its own: a change
+# to a lower folder is read without the higher ones, and a new folder finds its place by what it needs.
+CORE_LAYERS: tuple[tuple[str, ...], ...] = (
+    ("settings", "reporting"),  # declared settings and environment; check outcomes and their Markdown
+    ("storage",),  # atomic files, hashes, shard paths
+    ("prompts", "generation"),  # the prompt set; the OpenAI-API client and its responses
+    ("validation", "orchestration"),  # the traces' rules; the backfill client
+    ("target",),  # the target model: description, identity, tokenizer, head
+    ("serving",),  # vLLM: its profile, launcher, metrics, deployment
+    ("gpu_host", "draft", "extraction"),  # the transport of a stage's job (which it never reads); the draft; the states
+    ("evaluation", "training"),  # the draft trained on the states; measured through vLLM
+    ("planning",),  # capacity and the stages' rates, over extraction and training
+)
+
+
+def core_folder(module: str, package: str = "eagle3_assets") -> str | None:
+    """The folder of ``package.core`` a module lives in (``None`` outside ``core``'s folders)."""
+    parts = module.split(".")
+    return parts[2] if parts[:2] == [package, "core"] and len(parts) > 3 else None
+
+
+def upward_imports(graph: dict[str, set[str]], layers: tuple[tuple[str, ...], ...], package: str = "eagle3_assets") -> list[str]:
+    """Each import from a module of ``core`` that runs sideways or up the layers, or out of ``core``, or from a folder
+    the layers do not place, as ``importer -> imported (why)``."""
+    level = {folder: i for i, layer in enumerate(layers) for folder in layer}
+    found = []
+    for module in sorted(graph):
+        if not module.startswith(f"{package}.core."):
+            continue
+        source = core_folder(module, package)
+        for target in sorted(graph[module]):
+            folder = core_folder(target, package)
+            if not target.startswith(f"{package}.core"):
+                found.append(f"{module} -> {target} (core imports nothing above core)")
+            elif source is None or folder is None or source == folder:
+                continue
+            elif source not in level or folder not in level:
+                found.append(f"{module} -> {target} (folder {source if source not in level else folder!r} has no layer)")
+            elif level[folder] >= level[source]:
+                found.append(f"{module} -> {target} ({folder} is not below {source})")
+    return found
+
+
+def chain_height(graph: dict[str, set[str]]) -> int:
+    """Modules in the longest chain of imports (the graph has no cycle: the test above holds it)."""
+    memo: dict[str, int] = {}
+
+    def height(module: str) -> int:
+        if module not in memo:
+            memo[module] = 0  # a cycle, if one slipped in, counts once rather than recursing forever
+            memo[module] = 1 + max((height(t) for t in graph.get(module, ())), default=0)
+        return memo[module]
+
+    return max(map(height, graph), default=0)
+
+
+def test_cores_folders_import_only_the_layers_below_them():
+    """Before issue 40, ``core/gpu_host/stage_jobs.py`` held every stage's job: extraction, training and evaluation
+    imported it and it imported them (folders in one cycle, 12 imports inside it). Mutation: add
+    ``from eagle3_assets.core.extraction.job import ExtractionJob`` to ``core/gpu_host/remote.py``; this test fails
+    naming ``core.gpu_host.remote -> core.extraction.job (extraction is not below gpu_host)``."""
+    graph = import_graph(REPO, "eagle3_assets")
+    folders = {core_folder(m) for m in graph} - {None}
+    placed = {f for layer in CORE_LAYERS for f in layer}
+    assert folders == placed, f"core's folders and CORE_LAYERS differ: unplaced {sorted(folders - placed)}, gone {sorted(placed - folders)}"
+    found = upward_imports(graph, CORE_LAYERS)
+    assert found == [], "imports that run back up core's layers (move the thing imported down, or the importer up):\n" + "\n".join(found)
+
+
+def test_the_layer_rule_names_sideways_upward_and_outward_imports(tmp_path):
+    core = tmp_path / "pkg" / "core"
+    for folder in ("low", "high", "peer", "loose"):
+        (core / folder).mkdir(parents=True)
+        (core / folder / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (core / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "asset.py").write_text("from pkg.core.high import h\n")  # above core: free to import it
+    (core / "high" / "h.py").write_text("from pkg.core.low import l\nfrom pkg.core.high import h2\n")  # down, and within
+    (core / "high" / "h2.py").write_text("")
+    (core / "low" / "l.py").write_text("def later():\n    from pkg.core.high import h2\n")  # up, inside a function
+    (core / "peer" / "p.py").write_text("from pkg.core.high import h2\nimport pkg.asset\n")  # sideways; out of core
+    (core / "loose" / "x.py").write_text("from pkg.core.low import l\n")  # a folder with no layer
+    graph = import_graph(tmp_path, "pkg")
+    assert upward_imports(graph, (("low",), ("high", "peer")), "pkg") == [
+        "pkg.core.loose.x -> pkg.core.low.l (folder 'loose' has no layer)",
+        "pkg.core.low.l -> pkg.core.high.h2 (high is not below low)",
+        "pkg.core.peer.p -> pkg.asset (core imports nothing above core)",
+        "pkg.core.peer.p -> pkg.core.high.h2 (high is not below peer)",
+    ]
+    assert chain_height(graph) == 5  # p -> asset -> h -> l -> h2
+
+
 def test_no_import_cycle_among_the_platforms_modules():
     graph = import_graph(REPO, "eagle3_assets")
     assert len(graph) > 50 and sum(map(len, graph.values())) > 100, "the graph was not read (wrong root?)"
@@ -213,3 +315,11 @@ def test_the_code_location_loads_without_the_ml_packages():
     out = subprocess.run([sys.executable, "-c", probe, *HEAVY_PACKAGES], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
                          capture_output=True, text=True, check=True)  # fmt: skip
     assert out.stdout.strip() == "[]", f"loading the code location imported {out.stdout.strip()}"
+
+
+if __name__ == "__main__":
+    graph = import_graph(REPO, "eagle3_assets")
+    print(f"modules {len(graph)}, imports {sum(map(len, graph.values()))}, longest import chain {chain_height(graph)} modules")
+    print(f"core: {len(CORE_LAYERS)} layers of {sum(map(len, CORE_LAYERS))} folders")
+    up = upward_imports(graph, CORE_LAYERS)
+    print(f"imports back up core's layers: {len(up)}", *up, sep="\n  ")

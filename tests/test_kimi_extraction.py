@@ -26,7 +26,7 @@ from eagle3_assets.core.extraction.hidden_state_checks import (
     gate_extracted_shard,
     keep_logits_references,
 )
-from eagle3_assets.core.gpu_host.stage_jobs import ExtractionRecipe
+from eagle3_assets.core.extraction.job import ExtractionRecipe
 from eagle3_assets.core.target.head import TargetHead
 from eagle3_assets.core.target.identity import config_hash
 from eagle3_assets.core.target.tokenizer import load_tokenizer

@@ -129,7 +129,7 @@ def test_a_user_set_is_refused_unless_held_out_and_named_apart(held_out_and_trai
 
 
 def test_each_set_reaches_the_report_with_its_spread(tmp_path):
-    from eagle3_assets.core.gpu_host.stage_jobs import EvaluationJob
+    from eagle3_assets.core.evaluation.job import EvaluationJob
     from eagle3_assets.stages.evaluate_draft import held_out_sets, set_metadata, set_report
 
     prompts = tmp_path / "eval.jsonl"

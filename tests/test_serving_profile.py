@@ -131,7 +131,7 @@ def test_a_site_or_an_extra_argument_may_not_override_the_profile():
 
 
 def test_the_profile_and_its_environment_travel_to_the_stage_as_set():
-    from eagle3_assets.core.gpu_host.stage_jobs import EvaluationJob
+    from eagle3_assets.core.evaluation.job import EvaluationJob
 
     job = EvaluationJob(target_dir="t", draft_dir="d", eval_prompts="p", report_path="r", serving=STORY_PROFILE.model_copy(update={"env": {"VLLM_USE_DEEP_GEMM": "1"}}))
     back = EvaluationJob.from_json(job.to_json())

@@ -1,7 +1,7 @@
 """Typed stage jobs: each setting's default and description are written once, and a bad job is refused naming the key.
 
 The Dagster ``Config`` classes and the vLLM server resource are the Dagster-free
-pydantic settings models (:mod:`eagle3_assets.core.gpu_host.stage_jobs`, ``TrainConfig``,
+pydantic settings models (each stage's ``core/<domain>/job.py``, ``TrainConfig``,
 ``GenerationSettings``) or take their fields from them; these tests hold them
 to it, and send a bad job to a real stage through the GPU host resource (local
 mode).
@@ -16,18 +16,13 @@ from eagle3_assets.core.generation.config import GenerationSettings, Sampling
 from eagle3_assets.core.settings.job_schema import setting_names
 from eagle3_assets.core.serving.profile import ServingProfile
 from eagle3_assets.core.gpu_host.stage_requirements import StageRequirements
-from eagle3_assets.core.gpu_host.stage_jobs import (
+from eagle3_assets.core.evaluation.job import EvaluationJob, EvaluationRecipe
+from eagle3_assets.core.extraction.job import ExtractionJob, ExtractionRecipe, ExtractionShard, ShardRerun, StageTarget
+from eagle3_assets.core.training.job import (
     BoundedRun,
     BoundedWindow,
-    EvaluationJob,
     ExportGates,
-    ExtractionJob,
-    ExtractionShard,
-    EvaluationRecipe,
-    ExtractionRecipe,
     HiddenStatesSource,
-    ShardRerun,
-    StageTarget,
     StreamedShard,
     TrainingJob,
     TrainingStageRecipe,

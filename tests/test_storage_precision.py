@@ -33,7 +33,7 @@ from eagle3_assets.core.extraction.hidden_state_checks import (
     check_states_match_traces,
     storage_unit_roundoff,
 )
-from eagle3_assets.core.gpu_host.stage_jobs import ExtractionRecipe
+from eagle3_assets.core.extraction.job import ExtractionRecipe
 from eagle3_assets.core.extraction.state_layout import FP8_DTYPE, bytes_per_token, state_bytes_per_token
 from eagle3_assets.core.target.head import TargetHead
 from eagle3_assets.core.training.checkpoints import export_trained_draft

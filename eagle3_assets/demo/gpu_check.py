@@ -115,7 +115,7 @@ def _reset_peak(device: str) -> None:
 
 
 def extraction(ctx: Context, backend: str) -> Row:
-    from eagle3_assets.core.gpu_host.stage_jobs import ExtractionJob, ExtractionShard, StageTarget
+    from eagle3_assets.core.extraction.job import ExtractionJob, ExtractionShard, StageTarget
     from eagle3_assets.core.serving.profile import ServingProfile
     from eagle3_assets.core.target.identity import target_identity
     from eagle3_assets.demo.tiny_target import ensure_tiny_target

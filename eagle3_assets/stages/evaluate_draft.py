@@ -1,7 +1,7 @@
 """``evaluate_draft``: acceptance length of the trained draft and of a baseline, through vLLM (Dagster Pipes).
 
 Runs on the GPU host, where the target can be served. Its Pipes extras are an
-:class:`eagle3_assets.core.gpu_host.stage_jobs.EvaluationJob`: the target and the
+:class:`eagle3_assets.core.evaluation.job.EvaluationJob`: the target and the
 exported draft, how vLLM serves the target, the baseline (``"untrained"``, a
 random draft of the same shape built here, or the directory of the draft
 training started from), the held-out prompt set, the k values (the drafts are
@@ -21,7 +21,7 @@ rewrites the draft's serving notes (``SERVING.md``) with the recommended k.
 from __future__ import annotations
 
 from eagle3_assets.core.storage.shard_paths import SERVING_NOTES
-from eagle3_assets.core.gpu_host.stage_jobs import EvaluationJob
+from eagle3_assets.core.evaluation.job import EvaluationJob
 
 STAGE = "evaluate_draft"
 CPU_NOTE = (

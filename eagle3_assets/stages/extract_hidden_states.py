@@ -2,7 +2,7 @@
 
 Run by the GPU host resource (``python -m eagle3_assets.stages extract_hidden_states``
 after its pre-flight). Its Pipes extras are an
-:class:`eagle3_assets.core.gpu_host.stage_jobs.ExtractionJob` listing the run's
+:class:`eagle3_assets.core.extraction.job.ExtractionJob` listing the run's
 shards (paths relative to ``$EAGLE3_DATA_DIR`` on the host, or absolute),
 refused with the key's name when a key is unknown, missing or of the wrong type.
 
@@ -18,7 +18,7 @@ The target is loaded once per run (hours for a 1T target), never per shard:
    turn under its own lease (resuming from its durable parts), gated where the
    files are, recorded, and reported at once.
 
-Each shard is reported as a ``report_custom_message`` (:data:`~eagle3_assets.core.gpu_host.stage_jobs.EXTRACTION_SHARD_MESSAGE`)
+Each shard is reported as a ``report_custom_message`` (:data:`~eagle3_assets.core.extraction.job.EXTRACTION_SHARD_MESSAGE`)
 the moment it is done: Pipes' own ``report_asset_materialization`` takes no
 partition and one call per asset, so the orchestrator turns each message into
 that partition's materialisation and check results as it arrives. A SIGKILL
@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_assets.core.settings.environment import ALLOW_CPU
-from eagle3_assets.core.gpu_host.stage_jobs import EXTRACTION_SHARD_MESSAGE, ExtractionJob, ExtractionRecipe, ExtractionShard, StageTarget
+from eagle3_assets.core.extraction.job import EXTRACTION_SHARD_MESSAGE, ExtractionJob, ExtractionRecipe, ExtractionShard, StageTarget
 
 STAGE = "extract_hidden_states"
 PROGRESS_EVERY_S = 5.0

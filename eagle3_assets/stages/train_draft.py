@@ -1,7 +1,7 @@
 """``train_draft``: train the EAGLE-3 draft on the GPU host and export it in vLLM's form (Dagster Pipes).
 
 One stage for both hidden-state modes; its Pipes extras are an
-:class:`eagle3_assets.core.gpu_host.stage_jobs.TrainingJob`:
+:class:`eagle3_assets.core.training.job.TrainingJob`:
 
 - ``train``: the :class:`eagle3_assets.core.training.config.TrainConfig`
   (hidden-state shard directories, vocabulary map, target, training directory,
@@ -31,7 +31,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from eagle3_assets.core.gpu_host.stage_jobs import ExportGates, TrainingJob
+from eagle3_assets.core.training.job import ExportGates, TrainingJob
 
 STAGE = "train_draft"
 
@@ -99,7 +99,7 @@ def _train_streamed(job: TrainingJob, on_event) -> dict:
     import polars as pl
     import torch
 
-    from eagle3_assets.core.gpu_host.stage_jobs import mode_problems
+    from eagle3_assets.core.training.job import mode_problems
     from eagle3_assets.core.training.loop import train as train_loop
     from eagle3_assets.core.training.streamed import StreamedWindow
     from eagle3_assets.stages.extract_hidden_states import aux_reference, make_backend

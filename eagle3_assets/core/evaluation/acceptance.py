@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from eagle3_assets.core.generation.openai_client import async_openai_client
-from eagle3_assets.core.gpu_host.stage_jobs import EVAL_MAX_TOKENS
+from eagle3_assets.core.evaluation.job import EVAL_MAX_TOKENS
 from eagle3_assets.core.serving.deployment import speculative_config
 from eagle3_assets.core.serving.profile import ServingProfile
 from eagle3_assets.core.serving.vllm_launcher import VLLMServer

@@ -422,7 +422,7 @@ def gate_extracted_shard(
 ) -> list[CheckOutcome]:
     """Every gate after extraction (all of :data:`GATES` but the first), with ``recipe``'s thresholds and samples.
 
-    ``recipe`` is an :class:`~eagle3_assets.core.gpu_host.stage_jobs.ExtractionRecipe`: the
+    ``recipe`` is an :class:`~eagle3_assets.core.extraction.job.ExtractionRecipe`: the
     ``hidden_states`` stage and bounded-disk training gate their shards alike.
     ``reference_argmax`` is the producing backend's; for a vLLM extraction with a
     transformers reference at hand (``reference_states``), the agreement across

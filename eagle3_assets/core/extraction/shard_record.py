@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eagle3_assets.core.gpu_host.stage_jobs import ExtractionJob, ExtractionShard
+from eagle3_assets.core.extraction.job import ExtractionJob, ExtractionShard
 from eagle3_assets.core.reporting.checks import CheckOutcome
 from eagle3_assets.core.storage.files import stable_hash, write_json_atomic
 from eagle3_assets.core.storage.shard_paths import ENGINE_BUILDS, PART_GLOB, SHARD_RECORD, SIDECAR

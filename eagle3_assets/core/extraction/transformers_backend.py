@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import torch
 
 from eagle3_assets.core.extraction.traces import ExtractionInputError, validate_layer_ids
-from eagle3_assets.core.gpu_host.stage_jobs import ExtractionRecipe
+from eagle3_assets.core.extraction.job import ExtractionRecipe
 
 
 class CaptureBackend(Protocol):

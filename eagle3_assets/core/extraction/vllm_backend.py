@@ -48,7 +48,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 )
 
 from eagle3_assets.core.extraction.traces import TargetFacts, validate_layer_ids
-from eagle3_assets.core.gpu_host.stage_jobs import ExtractionRecipe
+from eagle3_assets.core.extraction.job import ExtractionRecipe
 from eagle3_assets.core.serving.profile import MULTIPROCESSING_ENV, ServingProfile, VLLMLaunch, require_profile, vllm_launch
 
 CONNECTOR_MODULE = __name__

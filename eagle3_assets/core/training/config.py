@@ -3,7 +3,7 @@
 ``draft_checkpoint``'s Dagster config is :class:`TrainingRecipe` itself (with the
 stage's and the hidden-state source's settings mixed in); the ``train_draft``
 stage gets a :class:`TrainConfig`, the recipe plus what the asset fills in,
-inside its job (:mod:`eagle3_assets.core.gpu_host.stage_jobs`).
+inside its job (:mod:`eagle3_assets.core.training.job`).
 """
 
 from __future__ import annotations

@@ -43,7 +43,8 @@ from pathlib import Path
 from eagle3_assets.core.extraction.shard_extraction import ExtractionSettings, extract_shard
 from eagle3_assets.core.extraction.traces import TargetFacts, read_traces
 from eagle3_assets.core.extraction.hidden_state_checks import check_target_matches_traces, gate_extracted_shard, keep_logits_references
-from eagle3_assets.core.gpu_host.stage_jobs import BoundedRun, StreamedShard, shard_check_seed
+from eagle3_assets.core.extraction.job import shard_check_seed
+from eagle3_assets.core.training.job import BoundedRun, StreamedShard
 from eagle3_assets.core.storage.files import fsync_dir, stable_hash
 from eagle3_assets.core.target.head import TargetHead
 from eagle3_assets.core.target.identity import identity_in_parquet, target_identity
