@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle3_assets.core.training.config import LOSSES, TrainConfig
+from eagle3_assets.core.training.config import TrainConfig
+from eagle3_assets.core.training.losses import LOSSES
 from eagle3_assets.core.training.loss import ChunkedHeadLoss, position_loss
 
 
@@ -24,20 +25,20 @@ def test_each_losss_value_at_the_targets_own_distribution_at_a_point_mass_and_fa
     p = torch.softmax(torch.randn(4, 50, generator=generator) * 2, dim=-1)
     entropy = -(p * p.log()).sum(-1)
     # The draft equal to the target: KL is reported as the cross-entropy (p's entropy here); the LK losses are 0.
-    torch.testing.assert_close(position_loss(p.log(), p, "kl", 3.0), entropy)
+    torch.testing.assert_close(position_loss(p.log(), p, "kl"), entropy)
     for loss in ("nla", "lk_hybrid"):
-        torch.testing.assert_close(position_loss(p.log(), p, loss, 3.0), torch.zeros(4), atol=1e-6, rtol=0)
+        torch.testing.assert_close(position_loss(p.log(), p, loss), torch.zeros(4), atol=1e-6, rtol=0)
     # A point-mass target: -log acceptance is the cross-entropy of its token.
     logits = torch.randn(4, 50, generator=generator)
     point = torch.nn.functional.one_hot(torch.tensor([3, 0, 49, 7]), 50).float()
-    torch.testing.assert_close(position_loss(logits, point, "nla", 3.0), position_loss(logits, point, "ce", 3.0))
+    torch.testing.assert_close(position_loss(logits, point, "nla"), position_loss(logits, point, "ce"))
     # A draft nearly disjoint from the target (acceptance ~ 0): lk_hybrid's blend is all KL, KL(p || q) = CE - H(p).
     near_p = torch.softmax(torch.randn(4, 50, generator=generator).index_fill(1, torch.arange(40, 50), -30.0), dim=-1)
     far = torch.full((4, 50), -30.0).index_fill(1, torch.arange(40, 50), 0.0)
     assert float(acceptance(torch.softmax(far, -1), near_p).max()) < 1e-6
     near_entropy = -(near_p * near_p.log()).sum(-1)
-    lk = position_loss(far, near_p, "lk_hybrid", 3.0)
-    torch.testing.assert_close(lk, position_loss(far, near_p, "kl", 3.0) - near_entropy, rtol=1e-5, atol=1e-4)
+    lk = position_loss(far, near_p, "lk_hybrid")
+    torch.testing.assert_close(lk, position_loss(far, near_p, "kl") - near_entropy, rtol=1e-5, atol=1e-4)
 
 
 def test_a_draft_that_cannot_match_every_target_reaches_more_acceptance_under_the_lk_losses_than_under_kl():
@@ -52,7 +53,7 @@ def test_a_draft_that_cannot_match_every_target_reaches_more_acceptance_under_th
         optimizer = torch.optim.Adam([head], lr=0.1)
         for _ in range(600):  # through the chunked loss's written-out backward, two positions a chunk
             optimizer.zero_grad()
-            total, _ = ChunkedHeadLoss.apply(hidden, head, targets.log(), rows, weight, 2, loss, 3.0)
+            total, _ = ChunkedHeadLoss.apply(hidden, head, targets.log(), rows, weight, 2, loss)
             total.backward()
             optimizer.step()
         reached[loss] = float(acceptance(torch.softmax(head.detach().T, -1), targets).mean())
@@ -64,4 +65,73 @@ def test_an_unknown_loss_is_refused_naming_the_known_ones():
     config = TrainConfig(hidden_state_dirs=["x"], vocab_mapping="v", target_path="t", training_dir="d", loss="tv")
     with pytest.raises(ValueError, match=r"loss 'tv': one of 'kl', 'ce', 'nla', 'lk_hybrid'"):
         config.validate()
-    assert LOSSES == ("kl", "ce", "nla", "lk_hybrid")
+    assert tuple(LOSSES) == ("kl", "ce", "nla", "lk_hybrid")
+
+
+def test_a_loss_registered_in_losses_py_alone_is_validated_planned_and_trained(monkeypatch):
+    """Adding a loss is one entry in core/training/losses.py: nothing else is edited here.
+
+    The entry, ``scaled_kl`` (lk_eta * KL, its written-out gradient, KL's memory; it borrows the setting lk_eta as its
+    parameter, where a loss of one's own would declare a setting in config.py), is put in the registry by the test,
+    and then the config validation accepts it, the memory plan plans it (KL's estimate: its tensors are KL's), and one
+    training step of the loop's own Trainer, the loss chunked so that the entry's written-out gradient is used, reports
+    lk_eta times KL's loss and gradient norm from the same weights and batch.
+
+    Mutations, each run by hand and failing this test: memory.py's estimate reading a table of its own again
+    (``{"kl": 3, "ce": 3, "nla": 5, "lk_hybrid": 5}[s.loss]`` for the chunked loss's transient) -> KeyError 'scaled_kl';
+    config.validate checking a tuple of names (``("kl", "ce", "nla", "lk_hybrid")``) -> "loss 'scaled_kl': one of
+    ..."; loop.py passing ``{"lk_eta": config.lk_eta}`` whatever the loss reads -> TypeError; ChunkedHeadLoss's
+    backward taking KL's gradient instead of the entry's -> grad_norm 0.444, not 2.5 x.
+    """
+    from eagle3_assets.core.draft.model import DraftConfig, Eagle3Draft
+    from eagle3_assets.core.draft.vocab import build_vocab_mapping
+    from eagle3_assets.core.target.head import TargetHead
+    from eagle3_assets.core.training import losses
+    from eagle3_assets.core.training.data import Batch
+    from eagle3_assets.core.training.loop import Trainer
+    from eagle3_assets.core.training.memory import plan_micro_batch
+
+    def scaled_kl(logits, target, *, lk_eta):
+        return lk_eta * losses.LOSSES["kl"].value(logits, target)
+
+    def scaled_kl_grad(logits, target, *, lk_eta):
+        return losses.LOSSES["kl"].gradient(logits, target).mul_(lk_eta)
+
+    entry = losses.TrainingLoss("lk_eta times KL", scaled_kl, scaled_kl_grad, kept_tensors=2, chunk_backward_tensors=3, parameters=("lk_eta",))
+    monkeypatch.setitem(losses.LOSSES, "scaled_kl", entry)
+
+    torch.set_num_threads(1)
+    vocab, draft_vocab, hidden = 300, 120, 32
+    generator = torch.Generator().manual_seed(0)
+    mapping = build_vocab_mapping(torch.randint(0, 400, (vocab,), generator=generator), draft_vocab)
+    draft_config = DraftConfig(
+        hidden_size=hidden, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+        vocab_size=vocab, draft_vocab_size=draft_vocab, target_hidden_size=hidden, aux_layer_ids=(1, 2, 3),
+    )  # fmt: skip
+    target = TargetHead(lm_head=torch.randn(vocab, hidden, generator=generator) * 0.1, norm_weight=torch.ones(hidden), eps=1e-5)
+    length = 24
+    batch = Batch(
+        aux=torch.randn(2, length, 3 * hidden, generator=generator), final=torch.randn(2, length, hidden, generator=generator),
+        input_ids=torch.randint(0, vocab, (2, length), generator=generator), loss_mask=torch.ones(2, length, dtype=torch.bool),
+        num_tokens=2 * length,
+    )  # fmt: skip
+
+    def one_step(loss: str) -> dict:
+        config = TrainConfig(
+            hidden_state_dirs=["x"], vocab_mapping="v", target_path="t", training_dir="d", loss=loss, lk_eta=2.5,
+            ttt_steps=2, loss_chunk_tokens=7, batch_tokens=2 * length, learning_rate=1e-3,
+        )  # fmt: skip
+        config.validate()
+        plan = plan_micro_batch(draft_config, config, longest=length, device=torch.device("cpu"), bf16=False, free=(2**34, 2**34))
+        torch.manual_seed(0)
+        draft = Eagle3Draft(draft_config)
+        draft.set_vocab_mapping(mapping.d2t, mapping.t2d)
+        draft.embed_tokens.weight.requires_grad_(False)
+        trainer = Trainer(draft, lambda final: target.draft_logits(final, "post_norm", mapping.draft_to_target), config, torch.device("cpu"), 1, False)
+        return {**trainer.step([batch], 1, 1), "plan": plan.parts}
+
+    kl, scaled = one_step("kl"), one_step("scaled_kl")
+    assert kl["loss"] > 0 and kl["grad_norm"] > 0
+    assert scaled["loss"] == pytest.approx(2.5 * kl["loss"], rel=1e-5)
+    assert scaled["grad_norm"] == pytest.approx(2.5 * kl["grad_norm"], rel=1e-4)
+    assert scaled["plan"] == kl["plan"]

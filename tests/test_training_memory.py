@@ -19,7 +19,7 @@ import torch
 
 from eagle3_assets.core.draft.model import DraftConfig, Eagle3Draft
 from eagle3_assets.core.target.head import TargetHead
-from eagle3_assets.core.training.config import LOSSES
+from eagle3_assets.core.training.losses import LOSSES
 from eagle3_assets.core.training.loss import TrainingTimeTest
 from eagle3_assets.core.training.memory import (
     MemoryPlanError,
@@ -281,7 +281,7 @@ def test_the_estimate_holds_the_measured_peak_at_2048_tokens_and_each_term_that_
     (0.891), optimizer_state 14.2 % / 5.8 % (0.746), target_head 7.0 % / 2.9 % (0.894), norms 3.9 % / 11.0 %
     (2,048 off: 0.923), mlp 1.8 % / 5.1 % (0.913), loss_vocabulary 0 / 8.9 % (12.9 % for nla; 0.848),
     attention_probabilities 12.9 % / 36.6 % (0.718), attention_transient 22.8 % / 7.2 % (2,048 on: 0.763).
-    Also nla's own entry, LOSS_KEPT_TENSORS["nla"] 3 -> 2 (KL's): fails (1,024 nla: 0.853); and the attention
+    Also nla's own entry, kept_tensors 3 -> 2 (KL's) in core/training/losses.py: fails (1,024 nla: 0.853); and the attention
     transient of one tensor, as before issue 39: fails (2,048 on: 0.854). The test also drops each such term itself
     (from estimate_terms) and asserts a case falls under 0.95. Under 5 % everywhere, not required: the rest
     (bf16_weight_copies, 3.6 %, cannot be measured on a CPU, where training runs in float32).

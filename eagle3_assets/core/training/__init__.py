@@ -4,7 +4,7 @@ By concern: ``config`` (what a run is told), ``data`` (the shards as samples,
 micro-batches, an epoch's plan), ``sources`` (where batches come from: the
 stored shards) and ``streamed`` (bounded-disk mode: a window of shards
 extracted as training consumes them), ``loss`` (the draft unrolled on its own
-states), ``memory`` (the step's peak estimated from the shapes, the
+states), ``losses`` (the registry of training losses: one entry each), ``memory`` (the step's peak estimated from the shapes, the
 micro-batch planned to fit), ``initial_weights`` (from scratch or
 fine-tuning), ``checkpoints`` (atomic, resumable, the journal, the export),
 ``loop`` (the training loop, top to bottom), ``launch`` and ``__main__`` (this

@@ -11,8 +11,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 from eagle3_assets.core.settings.job_schema import JobSchema, given, setting
-
-LOSSES = ("kl", "ce", "nla", "lk_hybrid")  # core/training/loss.py computes each
+from eagle3_assets.core.training.losses import LOSSES, known_losses
 
 
 class TrainingRecipe(JobSchema):
@@ -33,11 +32,9 @@ class TrainingRecipe(JobSchema):
     grad_clip: float = setting(0.5, "gradient norm clip")
     ttt_steps: int = setting(7, "training-time test: draft steps unrolled on the draft's own states")
     step_weight: float = setting(0.8, "loss weight of unrolled step i is step_weight**i")
-    # core/training/loss.py defines each; speculators trains with forward KL by default and offers the LK losses.
+    # One of the losses registered in core/training/losses.py, which this description lists.
     loss: str = setting(
-        "kl",
-        "what each position is trained towards: 'kl' (forward KL to the target's distribution), 'ce' (the target's top "
-        "token alone), or an LK loss (acceptance itself): 'nla' (-log acceptance) or 'lk_hybrid' (KL blended into TV)",
+        "kl", "what each position is trained towards: " + ", ".join(f"'{name}' ({entry.description})" for name, entry in LOSSES.items())
     )
     lk_eta: float = setting(3.0, "lk_hybrid: the blend's weight of KL is exp(-lk_eta * acceptance)", gt=0)
     # speculators trains with its head frozen; ours trains it by default. Frozen: no gradient, no AdamW state for it
@@ -88,6 +85,10 @@ class TrainingRecipe(JobSchema):
         0.9, "share of the device's free memory (CPU: available RAM) a training step may plan to use", gt=0, le=1
     )
 
+    def loss_parameters(self) -> dict:
+        """The settings the configured loss reads (its registered ``parameters``), by name: what its value and gradient take."""
+        return {name: getattr(self, name) for name in LOSSES[self.loss].parameters}
+
 
 class TrainConfig(TrainingRecipe):
     """A training run: the recipe, the inputs the asset fills in, and the recipe constants and run mechanics a
@@ -130,7 +131,11 @@ class TrainConfig(TrainingRecipe):
         if self.freeze_lm_head and not self.head_from_target and self.init_from is None:
             problems.append("freeze_lm_head with head_from_target false: the draft's lm_head would stay at its random initial weights")
         if self.loss not in LOSSES:
-            problems.append(f"loss {self.loss!r}: one of {', '.join(repr(name) for name in LOSSES)}")
+            problems.append(f"loss {self.loss!r}: one of {known_losses()} (core/training/losses.py registers them)")
+        else:
+            unknown = [name for name in LOSSES[self.loss].parameters if name not in type(self).model_fields]
+            if unknown:
+                problems.append(f"loss {self.loss!r} reads {unknown}, which are no training settings (declare each in core/training/config.py)")
         if self.draft_form not in ("auto", "llama", "deepseek_mla"):
             problems.append(f"draft_form {self.draft_form!r}: one of 'auto', 'llama', 'deepseek_mla'")
         if problems:

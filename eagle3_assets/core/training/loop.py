@@ -87,7 +87,7 @@ class Trainer:
         ttt = TrainingTimeTest(
             draft, config.ttt_steps, config.step_weight,
             checkpoint_steps=config.activation_checkpointing, loss_chunk_tokens=config.loss_chunk_tokens,
-            loss=config.loss, lk_eta=config.lk_eta,
+            loss=config.loss, loss_parameters=config.loss_parameters(),
         ).to(device)  # fmt: skip
         self.model: nn.Module = ttt
         if distributed:

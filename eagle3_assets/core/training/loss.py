@@ -21,29 +21,23 @@ that, each computing the same gradients (tests/test_training_memory.py):
   exists; the target's distribution is taken a chunk at a time from its
   restricted logits, by index (no shifted copy).
 
-What each position is trained towards (``loss``, :data:`LOSSES`), p the
-target's distribution over the draft vocabulary and q the draft's:
-
-- ``kl``: forward KL(p || q), reported as the cross-entropy -sum p log q (the
-  same gradient; they differ by p's entropy, a constant);
-- ``ce``: cross-entropy against the target's top token alone;
-- ``nla`` and ``lk_hybrid``, the LK losses (Samarin et al., arXiv 2602.23881):
-  they train the acceptance rate of speculative sampling itself, alpha =
-  sum min(p, q) = 1 - TV(p, q). ``nla`` is -log alpha (TV's gradient scaled by
-  1 / alpha, usable from a cold start); ``lk_hybrid`` is
-  lam * KL + (1 - lam) * TV with lam = exp(-eta * alpha), alpha not
-  differentiated: KL's gradient while the draft is far off, TV's once it
-  overlaps.
+What each position is trained towards (``loss``): an entry of
+:data:`~eagle3_assets.core.training.losses.LOSSES`, which holds each loss's
+value, its written-out gradient (what the chunked loss uses), its memory and
+the settings it reads.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from eagle3_assets.core.draft.model import Eagle3Draft
-from eagle3_assets.core.training.config import LOSSES
+from eagle3_assets.core.training.config import TrainingRecipe
+from eagle3_assets.core.training.losses import training_loss
 
 
 def shift_left(x: torch.Tensor, by: int, fill=0) -> torch.Tensor:
@@ -62,47 +56,22 @@ def sample_starts(documents: torch.Tensor) -> torch.Tensor:
     return torch.where(first, index, torch.zeros_like(index)).cummax(dim=1).values
 
 
-ACCEPTANCE_FLOOR = 1e-5  # nla: -log alpha is clamped here (no gradient below), as speculators does
+def resolved_parameters(loss: str, given: Mapping[str, float] | None = None) -> dict:
+    """The settings loss ``loss`` reads, by name: ``given``, or unset their defaults (TrainingRecipe declares each once)."""
+    training_loss(loss)  # an unknown loss is refused here, naming the registered ones
+    return dict(given) if given is not None else TrainingRecipe(loss=loss).loss_parameters()
 
 
-def position_loss(logits: torch.Tensor, target: torch.Tensor, loss: str, eta: float) -> torch.Tensor:
+def position_loss(logits: torch.Tensor, target: torch.Tensor, loss: str, parameters: Mapping[str, float] | None = None) -> torch.Tensor:
     """Each position's loss (last dimension: the draft vocabulary) for float32 ``logits`` and the target's
-    distribution ``target``; differentiable by autograd, and :func:`position_loss_grad` is its gradient."""
-    log_q = torch.log_softmax(logits, dim=-1)
-    if loss == "kl":
-        return -(target * log_q).sum(-1)
-    if loss == "ce":
-        return -log_q.gather(-1, target.argmax(-1, keepdim=True)).squeeze(-1)
-    accept = torch.minimum(log_q.exp(), target).sum(-1)
-    if loss == "nla":
-        return -torch.log(accept.clamp_min(ACCEPTANCE_FLOOR))
-    if loss == "lk_hybrid":
-        lam = torch.exp(-eta * accept.detach())
-        kl = (torch.xlogy(target, target) - target * log_q).sum(-1)
-        return lam * kl + (1 - lam) * (1 - accept)
-    raise ValueError(f"loss {loss!r}: one of {LOSSES}")
+    distribution ``target``: loss ``loss``'s registered value; differentiable by autograd, and
+    :func:`position_loss_grad` is its gradient. ``parameters``: the settings it reads (unset: their defaults)."""
+    return training_loss(loss).value(logits, target, **resolved_parameters(loss, parameters))
 
 
-def position_loss_grad(logits: torch.Tensor, target: torch.Tensor, loss: str, eta: float) -> torch.Tensor:
-    """d :func:`position_loss` / d ``logits``, written out so that the chunked loss keeps no graph.
-
-    With q = softmax(logits) and alpha = sum min(p, q): d KL / d logits = q - p, and
-    d alpha / d logits_j = q_j * (b_j - sum_v b_v q_v) where b_v = 1 where q_v < p_v.
-    """
-    q = torch.softmax(logits, dim=-1)
-    if loss == "kl":
-        return q.sub_(target)
-    if loss == "ce":
-        return q.scatter_add_(-1, target.argmax(-1, keepdim=True), torch.full_like(q[..., :1], -1.0))
-    below = (q < target).to(q.dtype)
-    accept = torch.minimum(q, target).sum(-1, keepdim=True)
-    d_accept = below.sub_((below * q).sum(-1, keepdim=True)).mul_(q)  # reuses below's memory
-    if loss == "nla":
-        return d_accept.mul_(-(accept >= ACCEPTANCE_FLOOR).to(q.dtype) / accept.clamp_min(ACCEPTANCE_FLOOR))
-    if loss == "lk_hybrid":
-        lam = torch.exp(-eta * accept)
-        return q.sub_(target).mul_(lam).sub_(d_accept.mul_(1 - lam))
-    raise ValueError(f"loss {loss!r}: one of {LOSSES}")
+def position_loss_grad(logits: torch.Tensor, target: torch.Tensor, loss: str, parameters: Mapping[str, float] | None = None) -> torch.Tensor:
+    """d :func:`position_loss` / d ``logits``: the registered gradient, written out so that the chunked loss keeps no graph."""
+    return training_loss(loss).gradient(logits, target, **resolved_parameters(loss, parameters))
 
 
 class ChunkedHeadLoss(torch.autograd.Function):
@@ -111,22 +80,24 @@ class ChunkedHeadLoss(torch.autograd.Function):
     Forward keeps nothing of size [tokens, vocabulary]; backward recomputes
     each chunk's logits and takes :func:`position_loss_grad` (for the default
     ``kl``: (softmax(logits) - p) * weight). Also returns each position's
-    argmax (no gradient) for the accuracy figures.
+    argmax (no gradient) for the accuracy figures. ``parameters``: the
+    settings the loss reads, by name.
     """
 
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
-    def forward(ctx, hidden, weight, target_logits, rows, token_weight, chunk: int, loss_name: str = "kl", eta: float = 3.0):
+    def forward(ctx, hidden, weight, target_logits, rows, token_weight, chunk: int, loss_name: str = "kl", parameters: Mapping | None = None):
+        parameters = resolved_parameters(loss_name, parameters)  # once, not per chunk
         loss = torch.zeros((), device=hidden.device, dtype=torch.float32)
         argmax = torch.empty(hidden.shape[0], dtype=torch.long, device=hidden.device)
         for start in range(0, hidden.shape[0], chunk):
             end = min(start + chunk, hidden.shape[0])
             logits = (hidden[start:end] @ weight.to(hidden.dtype).T).float()
             target = torch.softmax(target_logits[rows[start:end]].float(), dim=-1)
-            loss += (position_loss(logits, target, loss_name, eta) * token_weight[start:end]).sum()
+            loss += (position_loss(logits, target, loss_name, parameters) * token_weight[start:end]).sum()
             argmax[start:end] = logits.argmax(-1)
         ctx.save_for_backward(hidden, weight, target_logits, rows, token_weight)
-        ctx.chunk, ctx.loss_name, ctx.eta = chunk, loss_name, eta
+        ctx.chunk, ctx.loss_name, ctx.parameters = chunk, loss_name, parameters
         ctx.mark_non_differentiable(argmax)
         return loss, argmax
 
@@ -142,7 +113,7 @@ class ChunkedHeadLoss(torch.autograd.Function):
             h = hidden[start:end]
             logits = (h @ w.T).float()
             target = torch.softmax(target_logits[rows[start:end]].float(), dim=-1)
-            grad_logits = position_loss_grad(logits, target, ctx.loss_name, ctx.eta).mul_((token_weight[start:end] * grad_loss)[:, None])
+            grad_logits = position_loss_grad(logits, target, ctx.loss_name, ctx.parameters).mul_((token_weight[start:end] * grad_loss)[:, None])
             if grad_hidden is not None:
                 grad_hidden[start:end] = (grad_logits.to(hidden.dtype) @ w).to(hidden.dtype)
             if grad_weight is not None:
@@ -165,14 +136,13 @@ class TrainingTimeTest(nn.Module):
 
     def __init__(
         self, draft: Eagle3Draft, steps: int, step_weight: float, *,
-        checkpoint_steps: bool = False, loss_chunk_tokens: int = 0, loss: str = "kl", lk_eta: float = 3.0,
+        checkpoint_steps: bool = False, loss_chunk_tokens: int = 0, loss: str = "kl", loss_parameters: Mapping[str, float] | None = None,
     ):  # fmt: skip
         super().__init__()
-        if loss not in LOSSES:
-            raise ValueError(f"loss {loss!r}: one of {LOSSES}")
         self.draft, self.steps, self.step_weight = draft, steps, step_weight
         self.checkpoint_steps, self.loss_chunk_tokens = checkpoint_steps, loss_chunk_tokens
-        self.loss, self.lk_eta = loss, lk_eta
+        # An unknown loss is refused here; the settings it reads (lk_hybrid: lk_eta) resolved once.
+        self.loss, self.loss_parameters = loss, resolved_parameters(loss, loss_parameters)
 
     def forward(
         self, aux: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor, target_logits: torch.Tensor, target_top: torch.Tensor,
@@ -212,12 +182,12 @@ class TrainingTimeTest(nn.Module):
                     token_weight = mask.reshape(-1).float() / count.clamp(min=1)
                     step_loss, argmax = ChunkedHeadLoss.apply(
                         normed.reshape(batch * length, -1), draft.lm_head.weight, flat_targets, rows, token_weight,
-                        self.loss_chunk_tokens, self.loss, self.lk_eta,
+                        self.loss_chunk_tokens, self.loss, self.loss_parameters,
                     )  # fmt: skip
                     argmax = argmax.view(batch, length)
                 else:
                     logits = draft.lm_head(normed)
-                    token_loss = position_loss(logits.float(), shift_left(target_probs, 1 + k), self.loss, self.lk_eta)
+                    token_loss = position_loss(logits.float(), shift_left(target_probs, 1 + k), self.loss, self.loss_parameters)
                     step_loss = (token_loss * mask).sum() / count.clamp(min=1)
                     argmax = logits.detach().argmax(-1)
                 return step_loss, next_hidden, cache[-1][0], cache[-1][1], argmax

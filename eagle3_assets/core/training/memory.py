@@ -52,17 +52,11 @@ from dataclasses import asdict, dataclass
 
 from eagle3_assets.core.draft.model import DraftConfig
 from eagle3_assets.core.draft.model_mla import MLADraftConfig
+from eagle3_assets.core.training.losses import training_loss
 
 FLOAT32 = 4
-# Vocabulary-wide float32 tensors per position of each loss (core/training/loss.py).
-# Kept for backward when the loss is not chunked: the log-softmax and the target's shifted distribution; the LK losses
-# also the softmax (their overlap min(q, p) keeps it), lk_hybrid one more of its KL's. Measured as
-# tests/test_training_memory.py measures it (2,048 tokens, settings off): nla's peak was one such tensor a step over
-# KL's (the estimate 1.03 of it with 3; 1.09 with the 4 it had), lk_hybrid's 1.75 (1.04 with 4).
-# Alive at once in one chunk's backward when it is chunked: the logits, the target's distribution, the gradient; the
-# LK losses also the overlap's mask and its gradient.
-LOSS_KEPT_TENSORS = {"kl": 2, "ce": 2, "nla": 3, "lk_hybrid": 4}
-LOSS_CHUNK_BACKWARD_TENSORS = {"kl": 3, "ce": 3, "nla": 5, "lk_hybrid": 5}
+# Each loss's vocabulary-wide tensors (kept unchunked, alive in a chunk's backward chunked) are in its entry in
+# core/training/losses.py: this module names no loss.
 
 
 @dataclass(frozen=True)
@@ -87,7 +81,7 @@ class StepShape:
     attention_parameters: int = 0  # the MLA form's projections (0: grouped-query attention's, from the widths above)
     latent_width: int = 0  # the MLA form's query and KV latents per token
     frozen_lm_head: bool = False  # freeze_lm_head: the head's weights only, no gradient or optimizer state
-    loss: str = "kl"  # the training loss (its vocabulary-wide tensors)
+    loss: str = "kl"  # the training loss (its vocabulary-wide tensors: its entry in core/training/losses.py)
 
     @classmethod
     def of(cls, draft: DraftConfig | MLADraftConfig, tokens: int, seq_len: int, ttt_steps: int, *, bf16: bool, **settings) -> StepShape:
@@ -152,7 +146,7 @@ def step_activation_terms(shape: StepShape, k: int, tokens: int | None = None) -
         # the MLA form's latents: the projection's output and its norm's float32 input and value
         "mla_latents": s.latent_width * (a + 2 * FLOAT32),
         # the loss's vocabulary-wide tensors (none kept when it runs in chunks)
-        "loss_vocabulary": 0 if s.loss_chunk_tokens else LOSS_KEPT_TENSORS[s.loss] * s.draft_vocab * FLOAT32,
+        "loss_vocabulary": 0 if s.loss_chunk_tokens else training_loss(s.loss).kept_tensors * s.draft_vocab * FLOAT32,
     }
     return {name: each * n for name, each in per_token.items()}
 
@@ -216,11 +210,12 @@ def estimate_terms(shape: StepShape) -> dict[str, int]:
     # that the test of what each is worth can drop one and see the estimate fall by it.)
     last = s.ttt_steps - 1
     attention = 2 * n * s.heads * (s.seq_len + last) * FLOAT32 + n * s.seq_len
-    after_attention = n * (4 * s.intermediate * a + (0 if s.loss_chunk_tokens else LOSS_KEPT_TENSORS[s.loss] * s.draft_vocab * FLOAT32))
+    loss = training_loss(s.loss)
+    after_attention = n * (4 * s.intermediate * a + (0 if s.loss_chunk_tokens else loss.kept_tensors * s.draft_vocab * FLOAT32))
     terms["attention_transient"] = max(0, attention - after_attention)
     loss_chunk = min(s.loss_chunk_tokens or n, n)
     # Unchunked, the loss's peak is in its last step's forward: its logits and one product beside what it keeps.
-    terms["loss_transient"] = (LOSS_CHUNK_BACKWARD_TENSORS[s.loss] if s.loss_chunk_tokens else 2) * loss_chunk * s.draft_vocab * FLOAT32
+    terms["loss_transient"] = (loss.chunk_backward_tensors if s.loss_chunk_tokens else 2) * loss_chunk * s.draft_vocab * FLOAT32
     return terms
 
 

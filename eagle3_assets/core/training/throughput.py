@@ -49,7 +49,7 @@ import sys
 import time
 from pathlib import Path
 
-from eagle3_assets.core.training.config import LOSSES
+from eagle3_assets.core.training.losses import LOSSES
 
 # Draft shapes: one decoder layer as wide as the target, over a draft vocabulary.
 PRESETS = {
