@@ -63,7 +63,8 @@ from eagle3_assets.core.settings.job_schema import values_of
 from eagle3_assets.core.training.config import TrainConfig, TrainingRecipe
 from eagle3_assets.core.training.curves import epoch_means, expected_accepted_tokens, render_accuracy, render_curve
 from eagle3_assets.core.training.window import describe_estimate
-from eagle3_assets.core.extraction.needs import EXTRACTION_MODULES, TRACES, disk_estimate
+from eagle3_assets.core.extraction.backends import extraction_modules
+from eagle3_assets.core.extraction.needs import TRACES, disk_estimate
 from eagle3_assets.lineage import states_lineage
 from eagle3_assets.core.planning.shard_selection import ShardSelection
 from eagle3_assets.partitions import SAMPLE_SHARDS
@@ -183,7 +184,7 @@ def bounded_requirements(keys: list[str], hidden_size: int, extraction: HiddenSt
     shard_bytes = {key: disk_estimate(key, hidden_size, extraction.dtype)[0] for key in keys}
     window_bytes, note = describe_estimate(shard_bytes, window_shards, f"{extraction.dtype}, H={hidden_size}")
     return StageRequirements(
-        modules=EXTRACTION_MODULES + (["vllm"] if extraction.backend == "vllm" else []),
+        modules=extraction_modules(extraction.backend),
         output_dirs=["draft_checkpoint"],
         disk_bytes=window_bytes,
         disk_note=note,

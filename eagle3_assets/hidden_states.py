@@ -35,7 +35,8 @@ from dagster import AssetExecutionContext, AssetKey, AssetSpec, MetadataValue, m
 
 from eagle3_assets.capacity_facts import refuse_unless_run_fits
 from eagle3_assets.core.extraction.needs import EXTRACTION_MODULES, EXTRACTION_STAGE, TRACES, disk_estimate
-from eagle3_assets.core.extraction.state_layout import BACKENDS, STORAGE_DTYPE_BYTES
+from eagle3_assets.core.extraction.backends import EXTRACTION_BACKENDS, extraction_backend, extraction_modules
+from eagle3_assets.core.extraction.state_layout import STORAGE_DTYPE_BYTES
 from eagle3_assets.core.extraction.job import EXTRACTION_SHARD_MESSAGE, ExtractionJob, ExtractionShard, shard_check_seed, StageTarget
 from eagle3_assets.core.gpu_host.stage_requirements import StageRequirements, with_serving_need
 from eagle3_assets.core.reporting.checks import CheckOutcome
@@ -80,8 +81,8 @@ EXTRACTION_REQUIREMENTS = register_stage(STAGE, StageRequirements(modules=EXTRAC
 )
 def hidden_states(context: AssetExecutionContext, config: HiddenStatesConfig, target_model: TargetModel, gpu_host: GPUHost):
     """Every shard of the run from one engine on the GPU host, each reported as its own partition as soon as it is done."""
-    if config.backend not in BACKENDS:
-        raise ValueError(f"hidden_states config backend {config.backend!r}: one of {BACKENDS}")
+    if config.backend not in EXTRACTION_BACKENDS:
+        raise ValueError(f"hidden_states config backend {config.backend!r}: one of {tuple(EXTRACTION_BACKENDS)}")
     if config.dtype not in STORAGE_DTYPE_BYTES:
         raise ValueError(f"hidden_states config dtype {config.dtype!r}: one of {sorted(STORAGE_DTYPE_BYTES)}")
     keys = list(context.partition_keys)  # the run's range of shards (one, from the UI)
@@ -109,13 +110,13 @@ def hidden_states(context: AssetExecutionContext, config: HiddenStatesConfig, ta
         + "\n".join(note for _, note in estimates)
     )
     requirements = StageRequirements(
-        modules=EXTRACTION_MODULES + (["vllm"] if config.backend == "vllm" else []),
+        modules=extraction_modules(config.backend),
         output_dirs=[ASSET],
         disk_bytes=disk_bytes,
         disk_note="offline mode, the states stay on disk: "  # bounded mode: draft_checkpoint_bounded.py
         + (estimates[0][1] if len(keys) == 1 else f"{len(keys)} shards, {disk_bytes} B ({config.dtype}), the first {estimates[0][1]}"),
     )
-    if config.backend == "vllm":  # the engine serves the target as its profile says: its GPUs and memory, checked first
+    if extraction_backend(config.backend).serves_target:  # as the target's profile says: its GPUs and memory, checked first
         requirements = with_serving_need(requirements, target_model.gpu_need())
     context.log.info(
         f"{len(keys)} shard(s) ({keys[0]} .. {keys[-1]}): extracting hidden states at layer ids {layer_ids} with the "

@@ -154,6 +154,45 @@ def test_batch_size_does_not_change_a_samples_states(tmp_path, tiny_target, trac
     assert not alone
 
 
+def test_a_backend_registered_in_backends_py_alone_is_built_recorded_and_preflighted(tmp_path, tiny_target, traces, tf_backend, monkeypatch):
+    """Adding an extraction backend is its class plus one entry in core/extraction/backends.py: nothing else is edited.
+
+    The entry added here, ``shared_model``, builds a transformers backend over the model already loaded (a real
+    engine) under a name of its own. The stage's ``make_backend`` builds it from the recipe's name, the shard records
+    that name, and the pre-flight is asked for the entry's modules; an unregistered name is refused naming the
+    registered ones. Every backend class meets the whole :class:`CaptureBackend` protocol (each member callers use).
+
+    Mutations, each run by hand and failing this test: ``make_backend`` choosing by if-chain again (``if
+    recipe.backend == "transformers": ... raise ValueError``) -> "extraction backend 'shared_model'" refused;
+    ``extraction_modules`` returning ``EXTRACTION_MODULES`` without the entry's -> the modules differ;
+    ``TransformersBackend.keep_references`` removed (the protocol's two-method version) -> not a CaptureBackend.
+    """
+    from types import SimpleNamespace
+
+    from eagle3_assets.core.extraction import backends
+
+    class SharedModelBackend(TransformersBackend):
+        name = "shared_model"
+
+    def build(recipe, target, run_traces):
+        return SharedModelBackend(target.path, target.aux_layer_ids, recipe, model=tf_backend.model)
+
+    entry = backends.ExtractionBackend(build, modules=("safetensors",), serves_target=False, description="the loaded model, shared")
+    monkeypatch.setitem(backends.EXTRACTION_BACKENDS, "shared_model", entry)
+    target = SimpleNamespace(path=str(tiny_target), aux_layer_ids=list(LAYER_IDS), trust_remote_code=False)
+    backend = backends.make_backend(ExtractionRecipe(backend="shared_model", max_batch_size=8), target, traces)
+    try:
+        assert isinstance(backend, SharedModelBackend) and isinstance(backend, backends.CaptureBackend)
+        assert isinstance(tf_backend, backends.CaptureBackend)
+        extract_shard(traces, tmp_path / SHARD, settings_for(tiny_target), backend)
+    finally:
+        backend.close()
+    assert read_sidecar(tmp_path / SHARD, expected_layer_ids=LAYER_IDS)["backend"] == "shared_model"
+    assert backends.extraction_modules("shared_model") == [*backends.extraction_modules("transformers"), "safetensors"]
+    with pytest.raises(ValueError, match=r"extraction backend 'nope': one of 'transformers', 'vllm', 'shared_model'"):
+        backends.make_backend(ExtractionRecipe(backend="nope"), target, traces)
+
+
 KILLED_RUN = """
 import os, signal, sys, torch
 from pathlib import Path

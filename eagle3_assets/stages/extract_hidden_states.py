@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_assets.core.settings.environment import ALLOW_CPU
+from eagle3_assets.core.extraction.backends import make_backend  # the recipe's backend, from its registered entry
 from eagle3_assets.core.extraction.job import EXTRACTION_SHARD_MESSAGE, ExtractionJob, ExtractionRecipe, ExtractionShard, StageTarget
 
 STAGE = "extract_hidden_states"
@@ -86,26 +87,6 @@ class Progress:
             rate = done / elapsed if elapsed > 0 else 0.0
             eta = (self.total - done) / rate if rate > 0 else float("nan")
             self.log(f"{STAGE}: {done}/{self.total} tokens computed, {rate:.0f} tokens/s, ETA {eta:.0f}s")
-
-
-def make_backend(job: ExtractionRecipe, target: StageTarget, traces):
-    """The recipe's extraction backend for ``target``; vLLM's context sized from the longest of ``traces``."""
-    if job.backend == "transformers":
-        from eagle3_assets.core.extraction.transformers_backend import TransformersBackend
-
-        return TransformersBackend(
-            target.path,
-            target.aux_layer_ids,
-            job,
-            trust_remote_code=target.trust_remote_code,
-        )
-    if job.backend == "vllm":
-        from eagle3_assets.core.extraction.vllm_backend import VLLMBackend
-
-        longest = max(t.num_tokens for t in traces)
-        # The context this use needs (the target's serving profile may set its own max_model_len).
-        return VLLMBackend(target.path, target.aux_layer_ids, job, max_model_len=-(-(longest + 1) // 16) * 16, serving=target.serving)
-    raise ValueError(f"backend {job.backend!r}: one of transformers, vllm")
 
 
 def aux_reference(job: ExtractionRecipe, target: StageTarget, backend) -> tuple[Any, list]:

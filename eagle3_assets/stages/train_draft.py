@@ -102,7 +102,8 @@ def _train_streamed(job: TrainingJob, on_event) -> dict:
     from eagle3_assets.core.training.job import mode_problems
     from eagle3_assets.core.training.loop import train as train_loop
     from eagle3_assets.core.training.streamed import StreamedWindow
-    from eagle3_assets.stages.extract_hidden_states import aux_reference, make_backend
+    from eagle3_assets.core.extraction.backends import make_backend
+    from eagle3_assets.stages.extract_hidden_states import aux_reference
 
     run = job.bounded
     assert run is not None

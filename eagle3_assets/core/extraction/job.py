@@ -18,7 +18,7 @@ and :mod:`eagle3_assets.core.evaluation.job`.
 
 from __future__ import annotations
 
-from eagle3_assets.core.extraction.state_layout import BACKENDS, DEFAULT_PART_BYTES, FP8_DTYPE, STORAGE_DTYPE_BYTES
+from eagle3_assets.core.extraction.state_layout import DEFAULT_PART_BYTES, FP8_DTYPE, STORAGE_DTYPE_BYTES
 from eagle3_assets.core.serving.profile import ServingProfile
 from eagle3_assets.core.settings.job_schema import JobSchema, given, setting
 from eagle3_assets.core.storage.files import stable_hash
@@ -37,7 +37,9 @@ class StageTarget(JobSchema):
 class ExtractionRecipe(JobSchema):
     """How states are extracted and gated: ``hidden_states``' settings, shared by offline and bounded-disk mode."""
 
-    backend: str = setting("transformers", f"one of {BACKENDS}; 'vllm' for targets too large for transformers")
+    backend: str = setting(
+        "transformers", "the engine that captures the states, a name core/extraction/backends.py registers; 'vllm' for targets too large for transformers"
+    )
     dtype: str = setting(
         "bfloat16",
         f"storage precision of the states, one of {sorted(STORAGE_DTYPE_BYTES)}; '{FP8_DTYPE}' stores 8-bit codes "

@@ -3,7 +3,8 @@
 EAGLE-3 trains on the target's residual stream at three auxiliary layers plus
 the final hidden state that the target's ``lm_head`` consumes. This module
 writes them per sample shard in the ``hidden_states`` contract (see docs/hidden-states.md
-and :data:`~eagle3_assets.core.extraction.part_files.TENSOR_ORDER`), whichever backend computes them:
+and :data:`~eagle3_assets.core.extraction.part_files.TENSOR_ORDER`), whichever backend computes them
+(each registered in :mod:`eagle3_assets.core.extraction.backends`, which says what a backend must do):
 
 - :class:`~eagle3_assets.core.extraction.transformers_backend.TransformersBackend`: the HF model, bf16 with
   ``device_map="auto"`` on GPUs, fp32 on CPU; the final state is
@@ -57,7 +58,7 @@ from eagle3_assets.core.extraction.part_files import PartFileWriter, SCALES_NOTE
 from eagle3_assets.core.extraction.shard_reading import shard_bytes
 from eagle3_assets.core.extraction.state_layout import DEFAULT_DTYPE, DEFAULT_PART_BYTES, FINAL_STATES, FORMAT_VERSION, bytes_per_token, is_scaled
 from eagle3_assets.core.extraction.traces import ExtractionInputError, TargetFacts, Trace, traces_digest, validate_layer_ids
-from eagle3_assets.core.extraction.transformers_backend import CaptureBackend
+from eagle3_assets.core.extraction.backends import CaptureBackend
 from eagle3_assets.core.storage.files import PARTIAL_SUFFIX, atomic_path, file_hash, stable_hash, write_json_atomic
 from eagle3_assets.core.storage.shard_files import quarantine
 from eagle3_assets.core.storage.shard_paths import PART_GLOB, PART_PATTERN, SIDECAR

@@ -18,7 +18,6 @@ from __future__ import annotations
 FORMAT_VERSION = 1  # of a shard's files: its parts' headers and its sidecar
 DEFAULT_PART_BYTES = 2 * 1024**3
 DEFAULT_DTYPE = "bfloat16"
-BACKENDS = ("transformers", "vllm")
 FINAL_STATES = ("post_norm", "pre_norm")
 FP8_DTYPE = "float8_e4m3fn"
 STORAGE_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, FP8_DTYPE: 1}

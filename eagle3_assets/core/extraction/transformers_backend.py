@@ -1,36 +1,21 @@
 """The transformers backend: the target's states captured with hooks at exactly the configured layer ids.
 
-What :func:`eagle3_assets.core.extraction.shard_extraction.extract_shard` needs
-of a backend (:class:`CaptureBackend`, which vLLM's backend meets too), and
 :class:`TransformersBackend` (the HF model, bf16 with ``device_map="auto"`` on
-GPUs, fp32 on CPU) with its padded length batching. Dagster-free.
+GPUs, fp32 on CPU) with its padded length batching: a
+:class:`~eagle3_assets.core.extraction.backends.CaptureBackend`, registered in
+:mod:`eagle3_assets.core.extraction.backends` as ``transformers``. Dagster-free.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from eagle3_assets.core.extraction.traces import ExtractionInputError, validate_layer_ids
 from eagle3_assets.core.extraction.job import ExtractionRecipe
-
-
-class CaptureBackend(Protocol):
-    """What :func:`extract_shard` needs from a backend."""
-
-    name: str  # "transformers" | "vllm"
-    final_state: str  # "post_norm" | "pre_norm"
-
-    def batches(self, lengths: Sequence[int]) -> list[list[int]]:
-        """Group positions into ``lengths`` (already sorted ascending) into batches, in order."""
-        ...
-
-    def capture(self, sequences: Sequence[Sequence[int]], dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per sequence, on the CPU in ``dtype``: aux states [T, 3·H] (in layer-id order) and the final state [T, H]."""
-        ...
 
 
 def length_batches(lengths: Sequence[int], max_batch_tokens: int, max_batch_size: int) -> list[list[int]]:
@@ -92,6 +77,7 @@ class TransformersBackend:
 
     name = "transformers"
     final_state = "post_norm"
+    logits_dtype = None  # the gate reports float32: reference_forward upcasts the logits
 
     def __init__(
         self,
@@ -115,6 +101,7 @@ class TransformersBackend:
         self.input_device = self.decoder.get_input_embeddings().weight.device
         self._captured: dict[int, torch.Tensor] = {}
         self._hooks = []
+        self.reference_passes: dict[str, int] = {}  # one forward per sequence checked: the gate counts them itself
         for layer_id in self.aux_layer_ids:
             module = layers[layer_id] if layer_id < self.num_layers else norm
             self._hooks.append(module.register_forward_pre_hook(self._recorder(layer_id), with_kwargs=True))
@@ -158,6 +145,9 @@ class TransformersBackend:
         ids = torch.as_tensor(sequence, dtype=torch.long).reshape(1, -1).to(self.input_device)
         output = self.model(input_ids=ids, output_hidden_states=True, use_cache=False)
         return output.logits[0].float().cpu(), tuple(h[0].float().cpu() for h in output.hidden_states)
+
+    def keep_references(self, sequences: Sequence[Sequence[int]]) -> None:
+        """Nothing to keep: :meth:`reference_argmax` runs its own forward of each sequence checked."""
 
     def reference_argmax(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """The target's own greedy choice after each position of each sequence (for the checks)."""
