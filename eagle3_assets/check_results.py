@@ -1,56 +1,29 @@
-"""An asset's checks declared once: one table of gates that builds both the ``AssetCheckSpec`` and the ``AssetCheckResult``.
+"""An asset's gates as Dagster's checks: the one adapter from a declared :class:`GateTable` to specs and results.
 
-Each :class:`Gate` names its check, says whether it blocks (ERROR: nothing
-downstream of a failed one is built) or advises (WARN), describes what it
-holds, and computes its :class:`~eagle3_assets.core.reporting.checks.CheckOutcome`
-(Dagster-free) from the evidence the asset gathered. The severity is stated
-there and nowhere else: the spec's ``blocking`` and the result's ``severity``
-both come from it. A gate computed on the GPU host (``hidden_states``,
-``draft_evaluation``) has no predicate here: its outcome comes back over Pipes
-and :meth:`Gates.result` turns it into the result.
+The gates are declared once, in core beside the functions that compute them
+(:class:`~eagle3_assets.core.reporting.checks.Gate`: name, blocking, threshold,
+description, severity). :class:`AssetChecks` only turns that table into what
+Dagster takes: the ``AssetCheckSpec`` of each gate (its ``blocking`` and
+description) and the ``AssetCheckResult`` of each outcome (its severity as the
+gate declares it). A gate computed on the GPU host (``hidden_states``,
+``draft_evaluation``) has no predicate: its outcome comes back over Pipes and
+:meth:`AssetChecks.result` turns it into the result.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from dagster import AssetCheckResult, AssetCheckSeverity, AssetCheckSpec, MetadataValue
 
-from eagle3_assets.core.reporting.checks import CheckOutcome
+from eagle3_assets.core.reporting.checks import CheckOutcome, GateTable
 
 
-@dataclass(frozen=True)
-class Gate:
-    name: str
-    blocking: bool  # True: ERROR and blocking; False: WARN, advisory
-    description: str
-    predicate: Callable[[Any], CheckOutcome] | None = None  # the evidence -> the outcome; None: computed by a GPU stage
+class AssetChecks(GateTable):
+    """A declared table of gates, as Dagster's check specs and results (the table's names, order and severities)."""
 
-    @property
-    def severity(self) -> AssetCheckSeverity:
-        return AssetCheckSeverity.ERROR if self.blocking else AssetCheckSeverity.WARN
-
-
-class Gates:
-    """The checks of one asset, in the order the UI lists them."""
-
-    def __init__(self, asset: str, gates: Sequence[Gate]):
-        names = [g.name for g in gates]
-        if len(set(names)) != len(names):
-            raise ValueError(f"{asset}: a check is declared twice in {names}")
-        self.asset = asset
-        self.by_name = {g.name: g for g in gates}
-
-    @property
-    def names(self) -> list[str]:
-        return list(self.by_name)
-
-    @property
-    def blocking_names(self) -> list[str]:
-        """The gates that block downstream: a shard that failed one is not trained on."""
-        return [g.name for g in self.by_name.values() if g.blocking]
+    def __init__(self, table: GateTable):
+        super().__init__(table.asset, list(table.by_name.values()))
 
     def specs(self) -> list[AssetCheckSpec]:
         return [AssetCheckSpec(g.name, asset=self.asset, blocking=g.blocking, description=g.description) for g in self.by_name.values()]
@@ -67,15 +40,16 @@ class Gates:
             results.append(self.result(outcome))
         return results
 
+    def severity(self, outcome: CheckOutcome) -> AssetCheckSeverity:
+        """The severity its gate declares for ``outcome``, as Dagster's enum."""
+        return AssetCheckSeverity(self[outcome.name].severity_of(outcome))
+
     def result(self, outcome: CheckOutcome) -> AssetCheckResult:
         """The outcome as Dagster shows it, with its gate's severity: its verdict and description, its evidence as metadata."""
-        if outcome.name not in self.by_name:
-            raise KeyError(f"{self.asset} declares no check {outcome.name!r}; its checks: {self.names}")
         return AssetCheckResult(
             check_name=outcome.name,
             passed=outcome.passed,
-            severity=self.by_name[outcome.name].severity,
+            severity=self.severity(outcome),
             description=outcome.description or None,
             metadata={k: MetadataValue.json(v) if isinstance(v, (list, dict)) else v for k, v in outcome.metadata.items()},
         )
-

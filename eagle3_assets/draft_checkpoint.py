@@ -43,10 +43,10 @@ from dagster import (
     asset,
 )
 
-from eagle3_assets.check_results import Gate, Gates
+from eagle3_assets.check_results import AssetChecks
 from eagle3_assets.core.draft.load_check import LOAD_CHECK_CONTEXT
 from eagle3_assets.core.gpu_host.stage_requirements import StageRequirements, with_serving_need
-from eagle3_assets.core.reporting.checks import CheckOutcome
+from eagle3_assets.core.draft.gates import DRAFT_CHECKPOINT_GATES
 from eagle3_assets.core.storage.shard_paths import SIDECAR, DatasetPaths, ShardPaths
 from eagle3_assets.core.extraction.job import ExtractionRecipe, StageTarget
 from eagle3_assets.core.training.job import (
@@ -63,12 +63,13 @@ from eagle3_assets.core.settings.job_schema import values_of
 from eagle3_assets.core.training.config import TrainConfig, TrainingRecipe
 from eagle3_assets.core.training.curves import epoch_means, expected_accepted_tokens, render_accuracy, render_curve
 from eagle3_assets.core.training.window import describe_estimate
+from eagle3_assets.core.extraction.gates import HIDDEN_STATE_GATES
 from eagle3_assets.core.extraction.backends import extraction_modules
 from eagle3_assets.core.extraction.needs import TRACES, disk_estimate
+from eagle3_assets.core.validation.gates import TRACE_GATES
 from eagle3_assets.lineage import states_lineage
 from eagle3_assets.core.planning.shard_selection import ShardSelection
 from eagle3_assets.partitions import SAMPLE_SHARDS
-from eagle3_assets.shard_gates import STATE_GATES, TRACE_GATES
 from eagle3_assets.shard_status import green_shards, selection_metadata
 from eagle3_assets.stage_configs import DraftTrainingConfig, HiddenStatesConfig
 from resources.gpu_host import GPU_POOL, GPUHost, register_stage
@@ -86,45 +87,7 @@ TRAIN_DRAFT_REQUIREMENTS = register_stage(
 )
 
 
-# The evidence each predicate reads: the stage's config problems, the layer ids, its vLLM report, the loss by epoch.
-def _config_complete(e) -> CheckOutcome:
-    return CheckOutcome(
-        "config_complete", not e.problems, "; ".join(e.problems[:5]),
-        {"problems": e.problems, "expected_aux_layer_ids": e.layer_ids},
-    )  # fmt: skip
-
-
-def _loads_in_vllm(e) -> CheckOutcome:
-    metadata = {k: v for k, v in e.vllm_report["metadata"].items() if v is not None}
-    return CheckOutcome("loads_in_vllm", bool(e.vllm_report["passed"]), e.vllm_report["detail"], metadata)
-
-
-def _loss_decreased(e) -> CheckOutcome:
-    went_down = len(e.losses) >= 2 and e.losses[-1] < e.losses[0]
-    return CheckOutcome(
-        "loss_decreased", went_down,
-        "" if went_down else f"mean loss by epoch {[round(x, 4) for x in e.losses]} did not go down",
-        {"first_epoch_loss": e.losses[0] if e.losses else None, "last_epoch_loss": e.losses[-1] if e.losses else None},
-    )  # fmt: skip
-
-
-# Computed from what the stage reports (config_complete and loads_in_vllm run on the GPU host, beside the target).
-GATES = Gates(
-    "draft_checkpoint",
-    [
-        Gate(
-            "config_complete", True,
-            "config.json has every field vLLM reads, the weights are complete, and the layer ids equal the hidden states'",
-            _config_complete,
-        ),
-        Gate(
-            "loads_in_vllm", True,
-            "vLLM serves the target with this draft as --speculative-config and answers a chat completion",
-            _loads_in_vllm,
-        ),
-        Gate("loss_decreased", False, "the last epoch's mean loss is below the first's", _loss_decreased),
-    ],
-)  # fmt: skip
+CHECKS = AssetChecks(DRAFT_CHECKPOINT_GATES)  # the declared gates as this asset's checks
 
 
 def check_mode(mode: str, window_shards: int, checkpoint_every_steps: int = 1, nproc: int = 1) -> None:
@@ -168,7 +131,7 @@ def training_shards(context: AssetExecutionContext, config: DraftTrainingConfig)
     """The shards to train on: green for what the mode reads (bounded mode extracts and gates the states itself)."""
     gates = {TRACES: TRACE_GATES.blocking_names}
     if config.hidden_states_mode != "bounded":
-        gates["hidden_states"] = STATE_GATES.blocking_names
+        gates["hidden_states"] = HIDDEN_STATE_GATES.blocking_names
     selection = green_shards(context.instance, gates, config.shards)
     context.log.info(f"draft_checkpoint: {selection.summary()}")
     return selection
@@ -230,7 +193,7 @@ def streamed_states(
         AssetDep(AssetKey("validated_traces"), partition_mapping=AllPartitionMapping()),
         AssetKey("vocab_mapping"),
     ],
-    check_specs=GATES.specs(),
+    check_specs=CHECKS.specs(),
 )
 def draft_checkpoint(
     context: AssetExecutionContext, config: DraftTrainingConfig, target_model: TargetModel, gpu_host: GPUHost
@@ -323,5 +286,5 @@ def draft_checkpoint(
                 "Last epoch, draft token i vs the target's top-1 token:\n\n" + render_accuracy(accuracy)
             ),
         },
-        check_results=GATES.results(SimpleNamespace(problems=problems, layer_ids=layer_ids, vllm_report=vllm_report, losses=losses)),
+        check_results=CHECKS.results(SimpleNamespace(problems=problems, layer_ids=layer_ids, vllm_report=vllm_report, losses=losses)),
     )

@@ -20,8 +20,8 @@ The standard set's spread over prompts (how far its mean can be trusted) comes w
 report, from each response's own spec-decode counts in the same concurrent pass
 (:mod:`eagle3_assets.core.evaluation.spread`).
 Writes ``<data>/draft_evaluation/report.json``. The gate
-``acceptance_above_floor`` is ERROR below the floor and WARN when the trained
-draft does not beat the baseline: by default the draft training started from
+``acceptance_above_floor`` (declared in :mod:`eagle3_assets.core.evaluation.gates`)
+is ERROR below the floor and WARN when the trained draft does not beat the baseline: by default the draft training started from
 (a fine-tuned draft against its starting checkpoint), an untrained one of the
 same shape for a draft trained from scratch.
 """
@@ -33,7 +33,7 @@ import polars as pl
 from dagster import AssetExecutionContext, AssetKey, Config, MaterializeResult, asset
 from pydantic import Field
 
-from eagle3_assets.check_results import Gate, Gates
+from eagle3_assets.check_results import AssetChecks
 from eagle3_assets.core.evaluation.acceptance import load_conversations
 from eagle3_assets.core.evaluation.prompt_sets import BUILTIN_SETS, STANDARD
 from eagle3_assets.core.prompts.heldout import held_out_prompts, question_text
@@ -42,6 +42,7 @@ from eagle3_assets.core.storage.shard_files import read_shard_parquet
 from eagle3_assets.core.storage.shard_paths import DRAFT_CONFIG_FILE, RESULT_FILE, DatasetPaths, training_shards
 from eagle3_assets.core.evaluation.speculation_depth import validated_k_values
 from eagle3_assets.core.settings.job_schema import values_of
+from eagle3_assets.core.evaluation.gates import ACCEPTANCE_GATES
 from eagle3_assets.core.evaluation.job import EvaluationJob, EvaluationRecipe
 from eagle3_assets.core.serving.deployment import DRAFT_SAMPLE_METHODS
 from eagle3_assets.core.storage.files import asset_dir, write_bytes_atomic
@@ -49,11 +50,8 @@ from resources.gpu_host import GPU_POOL, GPUHost, register_stage
 from resources.target_model import TargetModel
 
 STAGE = "evaluate_draft"
-# Computed by the stage (its severity depends on which way it failed), reported over Pipes.
-GATES = Gates(
-    "draft_evaluation",
-    [Gate("acceptance_above_floor", False, "ERROR below the floor; WARN when the trained draft does not beat the baseline")],
-)
+# Computed by the stage and reported over Pipes, with the severity the gate declares for the way it failed.
+CHECKS = AssetChecks(ACCEPTANCE_GATES)
 EVALUATION_REQUIREMENTS = register_stage(
     STAGE, StageRequirements(modules=["vllm", "torch", "openai", "dagster_pipes"], output_dirs=["draft_evaluation"], serves_target=True)
 )
@@ -137,7 +135,7 @@ def check_prompt_sets(builtin: list[str], user_sets: dict[str, str], prompts_dir
     kinds={"vllm"},
     pool=GPU_POOL,
     deps=[AssetKey("draft_checkpoint")],
-    check_specs=GATES.specs(),
+    check_specs=CHECKS.specs(),
 )
 def draft_evaluation(
     context: AssetExecutionContext, config: DraftEvaluationConfig, target_model: TargetModel, gpu_host: GPUHost

@@ -17,7 +17,8 @@ partition's materialisation and gate results at once
 finished shards; the rerun reports them as stored and extracts only the rest,
 and builds no engine when none is left.
 
-The gates (declared in :mod:`eagle3_assets.shard_gates`) are computed on the
+The gates (declared in core beside their checks,
+:data:`eagle3_assets.core.extraction.gates.HIDDEN_STATE_GATES`) are computed on the
 GPU host, next to the files; all five block everything downstream (training)
 of a shard whose states are not finite, not the traces' samples, not what the
 target's ``lm_head`` consumes, not from the layers the sidecar names, or not
@@ -34,6 +35,8 @@ from typing import Any
 from dagster import AssetExecutionContext, AssetKey, AssetSpec, MetadataValue, multi_asset
 
 from eagle3_assets.capacity_facts import refuse_unless_run_fits
+from eagle3_assets.check_results import AssetChecks
+from eagle3_assets.core.extraction.gates import HIDDEN_STATE_GATES
 from eagle3_assets.core.extraction.needs import EXTRACTION_MODULES, EXTRACTION_STAGE, TRACES, disk_estimate
 from eagle3_assets.core.extraction.backends import EXTRACTION_BACKENDS, extraction_backend, extraction_modules
 from eagle3_assets.core.extraction.state_layout import STORAGE_DTYPE_BYTES
@@ -46,7 +49,6 @@ from eagle3_assets.core.storage.shard_files import ShardFileError
 from eagle3_assets.core.storage.shard_paths import ShardPaths
 from eagle3_assets.lineage import states_lineage
 from eagle3_assets.partitions import sample_shards
-from eagle3_assets.shard_gates import STATE_GATES as GATES  # its checks: the table the shards' training also reads
 from eagle3_assets.shard_runs import ShardReporter, shards_per_run_policy
 from eagle3_assets.stage_configs import HiddenStatesConfig
 from resources.gpu_host import GPU_POOL, GPUHost, register_stage
@@ -56,6 +58,7 @@ ASSET = "hidden_states"
 UPSTREAM = TRACES
 STAGE = EXTRACTION_STAGE
 CODE_VERSION = "1"
+CHECKS = AssetChecks(HIDDEN_STATE_GATES)  # the declared gates as this asset's checks
 SHARDS_PER_RUN = EXTRACTION_SHARDS_PER_RUN.get()  # read once, when the definitions load
 # serves_target: the vLLM backend, the scale path, starts the target as its profile says.
 EXTRACTION_REQUIREMENTS = register_stage(STAGE, StageRequirements(modules=EXTRACTION_MODULES, output_dirs=[ASSET], serves_target=True))
@@ -74,7 +77,7 @@ EXTRACTION_REQUIREMENTS = register_stage(STAGE, StageRequirements(modules=EXTRAC
             "with input ids and loss mask (safetensors).",
         )
     ],
-    check_specs=GATES.specs(),
+    check_specs=CHECKS.specs(),
     can_subset=True,
     backfill_policy=shards_per_run_policy(SHARDS_PER_RUN),
     pool=GPU_POOL,
@@ -122,7 +125,7 @@ def hidden_states(context: AssetExecutionContext, config: HiddenStatesConfig, ta
         f"{len(keys)} shard(s) ({keys[0]} .. {keys[-1]}): extracting hidden states at layer ids {layer_ids} with the "
         f"{config.backend} backend, one engine for the run"
     )
-    reporter = ShardReporter(context, GATES, code_version=CODE_VERSION, upstream=[UPSTREAM])
+    reporter = ShardReporter(context, CHECKS, code_version=CODE_VERSION, upstream=[UPSTREAM])
     reported: set[str] = set()
     stopped: dict[str, str] = {}
 
@@ -137,7 +140,7 @@ def hidden_states(context: AssetExecutionContext, config: HiddenStatesConfig, ta
             stopped[shard] = str(payload["stopped"])
             return
         checks = [CheckOutcome(c["name"], bool(c["passed"]), c.get("description") or "", dict(c.get("metadata") or {})) for c in payload["checks"]]
-        missing = sorted(set(GATES.names) - {c.name for c in checks})
+        missing = sorted(set(CHECKS.names) - {c.name for c in checks})
         if missing:
             stopped[shard] = f"stage {STAGE} reported no result for the checks {missing}"
             return

@@ -29,8 +29,8 @@ from types import SimpleNamespace
 
 from dagster import AssetExecutionContext, AssetSpec, BackfillPolicy, MetadataValue, multi_asset
 
-from eagle3_assets.check_results import Gate, Gates
-from eagle3_assets.core.reporting.checks import CheckOutcome, share_at_most
+from eagle3_assets.check_results import AssetChecks
+from eagle3_assets.core.prompts.gates import PROMPT_GATES
 from eagle3_assets.core.storage.shard_files import quarantine_if_corrupt
 from eagle3_assets.core.storage.shard_lease import ShardLease
 from eagle3_assets.core.prompts.heldout import split_held_out
@@ -40,26 +40,7 @@ from eagle3_assets.partitions import sample_shards
 from eagle3_assets.shard_runs import ShardReporter
 from resources.prompt_dataset import PromptDataset
 
-MAX_REJECTED_SHARE = 0.05
-
-GATES = Gates(
-    "prompts",
-    [
-        Gate(
-            "prompts_present", True, "the shard holds at least one usable prompt",
-            lambda e: CheckOutcome(
-                "prompts_present", e.accepted > 0, "" if e.accepted else f"shard {e.key} has no usable prompt ({e.rejected} rows rejected)",
-                {"accepted": e.accepted, "rejected": e.rejected},
-            ),
-        ),
-        Gate(
-            "rejected_rows_rare", False, f"at most {MAX_REJECTED_SHARE:.0%} of the shard's rows were rejected",
-            lambda e: share_at_most(
-                "rejected_rows_rare", "rejected_share", e.rejected_share, MAX_REJECTED_SHARE, "the shard's rows were rejected", examples=e.examples
-            ),
-        ),
-    ],
-)  # fmt: skip
+CHECKS = AssetChecks(PROMPT_GATES)  # the declared gates as this asset's checks
 
 
 CODE_VERSION = "2"  # 2: held out by question, not by id
@@ -72,14 +53,14 @@ CODE_VERSION = "2"  # 2: held out by question, not by id
             description="The questions of one shard, normalised to id and chat messages; bad rows kept apart with a reason.",
         )
     ],
-    check_specs=GATES.specs(),
+    check_specs=CHECKS.specs(),
     can_subset=True,
     backfill_policy=BackfillPolicy.single_run(),  # see the module: one run for a backfill's prompts
 )  # fmt: skip
 def prompts(context: AssetExecutionContext, prompt_dataset: PromptDataset):
     """The questions of each shard of the run, normalised to ``id`` and chat ``messages``; bad rows kept apart with a reason."""
     holdout = prompt_dataset.holdout_plan()  # the share that holds out at least holdout_min_prompts over the dataset
-    reporter = ShardReporter(context, GATES, code_version=CODE_VERSION)
+    reporter = ShardReporter(context, CHECKS, code_version=CODE_VERSION)
     for key in context.partition_keys:
         metadata, version, outcomes = _shard(context, prompt_dataset, holdout, key)
         reporter.report(key, metadata, version, outcomes)  # recorded now: a run that dies later keeps it
@@ -122,4 +103,4 @@ def _shard(context: AssetExecutionContext, prompt_dataset: PromptDataset, holdou
         "dagster/row_count": accepted,
     }
     evidence = SimpleNamespace(key=key, accepted=accepted, rejected=rejected, rejected_share=rejected_share, examples=examples)
-    return metadata, version, [gate.predicate(evidence) for gate in GATES.by_name.values()]
+    return metadata, version, [gate.predicate(evidence) for gate in CHECKS.by_name.values()]

@@ -43,7 +43,8 @@ from eagle3_assets.core.generation.shard_resume import ShardJob, ShardOutcome
 from eagle3_assets.core.generation.shard_run import generate_shards
 from eagle3_assets.core.generation.client import PreflightError
 from eagle3_assets.core.generation.report import completion_length_histogram, shard_summary
-from eagle3_assets.check_results import Gate, Gates
+from eagle3_assets.check_results import AssetChecks
+from eagle3_assets.core.generation.gates import RESPONSE_GATES
 from eagle3_assets.core.reporting.checks import CheckOutcome
 from eagle3_assets.core.generation.redaction import redact_credentials, redact_url
 from eagle3_assets.core.generation.response_rules import DEFAULT_MIN_REASONING_SHARE
@@ -65,34 +66,7 @@ from eagle3_assets.raw_responses_adoption import RawResponsesConfig, adopt_exist
 CODE_VERSION = "1"
 
 
-def _one_row_per_prompt(e) -> CheckOutcome:
-    passed = not (e.duplicated or e.missing or e.extra) and e.written_ids.len() == e.expected_ids.len()
-    return CheckOutcome(
-        "one_row_per_prompt", passed,
-        "" if passed else f"{len(e.missing)} prompts without a row, {len(e.duplicated)} with two, {len(e.extra)} rows of no prompt",
-        {
-            "prompts": e.expected_ids.len(), "rows": e.written_ids.len(), "missing_ids": e.missing[:10],
-            "duplicated_ids": e.duplicated[:10], "unexpected_ids": e.extra[:10],
-        },
-    )  # fmt: skip
-
-
-GATES = Gates(
-    "raw_responses",
-    [
-        Gate(
-            "one_row_per_prompt", True,
-            "the shard's Parquet holds exactly one row per prompt id of the shard, none missing, none twice",
-            _one_row_per_prompt,
-        ),
-        Gate(
-            "reasoning_present", True,
-            f"at least {DEFAULT_MIN_REASONING_SHARE:.0%} of the rows that got a response carry reasoning; "
-            "otherwise the server lost its reasoning parser (fix it and materialise the shard again: those rows are re-sent)",
-            lambda e: e.reasoning,
-        ),
-    ],
-)  # fmt: skip
+CHECKS = AssetChecks(RESPONSE_GATES)  # the declared gates as this asset's checks
 
 
 # A backfill puts up to this many shards in one run (a range of shards); from the UI a run is one shard.
@@ -107,7 +81,7 @@ SHARDS_PER_RUN = env_vars.SHARDS_PER_RUN.get()
             description="The target's reasoning and answer for every prompt of the shard, regenerated through vLLM; resumable after a crash.",
         )
     ],
-    check_specs=GATES.specs(),
+    check_specs=CHECKS.specs(),
     can_subset=True,
     backfill_policy=shards_per_run_policy(SHARDS_PER_RUN),
     pool=GENERATION_POOL,
@@ -121,7 +95,7 @@ def raw_responses(context: AssetExecutionContext, config: RawResponsesConfig, vl
     problems = target_model.preflight_problems(max_tokens=max_tokens, eval_max_tokens=EVAL_MAX_TOKENS)
     if problems:
         raise Failure(f"raw_responses {where}: the target pre-flight failed, nothing was sent:\n" + "\n".join(f"- {p}" for p in problems))
-    reporter = ShardReporter(context, GATES, code_version=CODE_VERSION, upstream=["prompts"])
+    reporter = ShardReporter(context, CHECKS, code_version=CODE_VERSION, upstream=["prompts"])
     with ExitStack() as leases:
         # One writer per shard: a shard another run holds fails this run here, naming that run, before any request.
         held = {}
@@ -266,7 +240,7 @@ def _shard_report(context, key: str, config, outcome: ShardOutcome, expected_ids
         written_ids=written_ids, expected_ids=expected_ids, duplicated=duplicated, missing=missing, extra=extra,
         reasoning=reasoning.with_evidence(reasoning_fields=summary["reasoning_fields"]),
     )  # fmt: skip
-    return metadata, [gate.predicate(evidence) for gate in GATES.by_name.values()]
+    return metadata, [gate.predicate(evidence) for gate in CHECKS.by_name.values()]
 
 
 def _by_server(counts) -> dict[str, int]:

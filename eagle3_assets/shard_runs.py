@@ -54,7 +54,7 @@ from dagster._core.definitions.data_version import (  # no public names for the 
     get_input_event_pointer_tag,
 )
 
-from eagle3_assets.check_results import Gates
+from eagle3_assets.check_results import AssetChecks
 from eagle3_assets.core.reporting.checks import CheckOutcome
 
 
@@ -68,7 +68,7 @@ def shards_per_run_policy(shards_per_run: int) -> BackfillPolicy:
 class ShardReporter:
     """Reports each shard of a ranged run to Dagster as its own partition: materialization and gate results."""
 
-    def __init__(self, context: AssetExecutionContext, gates: Gates, code_version: str, upstream: Iterable[str] = ()):
+    def __init__(self, context: AssetExecutionContext, gates: AssetChecks, code_version: str, upstream: Iterable[str] = ()):
         self.context = context
         self.gates = gates
         self.asset_key = AssetKey(gates.asset)
@@ -118,7 +118,7 @@ class ShardReporter:
                     metadata={
                         k: MetadataValue.json(v) if isinstance(v, (list, dict)) else v for k, v in outcome.metadata.items()
                     },
-                    severity=gate.severity,
+                    severity=self.gates.severity(outcome),
                     description=outcome.description or None,
                     blocking=gate.blocking,
                     partition=shard,

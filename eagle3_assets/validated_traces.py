@@ -12,8 +12,9 @@ step fails after writing its files (so the rejected rows can be inspected),
 and nothing downstream of the shard is built in that run. Had such a gate stood
 after generation in the story this project comes from, 388 rows of empty
 reasoning would have stopped the run at once.
-The gates are declared in :mod:`eagle3_assets.shard_gates`, where the
-assets that train on green shards read them too.
+The gates are declared in core beside their checks
+(:data:`eagle3_assets.core.validation.gates.TRACE_GATES`), where the assets
+that train on green shards read them too; :data:`CHECKS` adapts them.
 
 ``raw_responses`` is referenced by key, not imported, so this module does not
 depend on how generation is implemented.
@@ -33,6 +34,7 @@ from dagster import (
 )
 from pydantic import Field
 
+from eagle3_assets.check_results import AssetChecks
 from eagle3_assets.core.storage.journal import parquet_generation
 from eagle3_assets.core.generation.response_rules import DEFAULT_MIN_REASONING_SHARE
 from eagle3_assets.core.storage.shard_files import quarantine_if_corrupt, verify_shard_parquet
@@ -45,15 +47,16 @@ from eagle3_assets.core.validation.trace_files import written_ids, written_token
 from eagle3_assets.core.validation.gates import (
     DEFAULT_MAX_REQUEST_ERROR_SHARE,
     DEFAULT_MAX_TRUNCATION_RATE,
+    TRACE_GATES,
     token_length_histogram_markdown,
     token_length_stats,
 )
 from eagle3_assets.core.validation.shard_validation import REJECTION_REASONS, ValidationRules, validate_shard
 from eagle3_assets.partitions import sample_shards
-from eagle3_assets.shard_gates import TRACE_GATES as GATES  # its checks: the table the shards' training also reads
 from resources.target_model import TargetModel
 
 ASSET = "validated_traces"
+CHECKS = AssetChecks(TRACE_GATES)  # the declared gates as this asset's checks
 
 
 class ValidationConfig(Config):
@@ -88,7 +91,7 @@ class ValidationConfig(Config):
     code_version="1",
     kinds={"polars", "parquet"},
     deps=[AssetKey("prompts"), AssetKey("raw_responses")],
-    check_specs=GATES.specs(),
+    check_specs=CHECKS.specs(),
 )
 def validated_traces(context: AssetExecutionContext, config: ValidationConfig, target_model: TargetModel) -> MaterializeResult:
     """Rows that pass the gates, rendered into the target's chat template with its thinking tokens, with input_ids and loss_mask; rejected rows kept apart with a reason."""
@@ -133,7 +136,7 @@ def _validate(context: AssetExecutionContext, config: ValidationConfig, target_m
         f"tokens p50 {stats['p50']} p95 {stats['p95']} max {stats['max']}"
     )
 
-    check_results = GATES.results(
+    check_results = CHECKS.results(
         SimpleNamespace(
             summary=summary, config=config, alignment=alignment, markers=markers,
             kept_ids=written_ids(kept_path), rejected_ids=written_ids(rejected_path),

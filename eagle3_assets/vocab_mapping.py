@@ -21,34 +21,19 @@ from dagster import (
     asset,
 )
 
-from eagle3_assets.check_results import Gate, Gates
-from eagle3_assets.core.reporting.checks import CheckOutcome
+from eagle3_assets.check_results import AssetChecks
+from eagle3_assets.core.draft.gates import VOCAB_MAPPING_GATES
 from eagle3_assets.core.storage.shard_files import read_shard_parquet
 from eagle3_assets.core.storage.shard_paths import ShardPaths
 from eagle3_assets.core.storage.files import asset_dir, file_hash, stable_hash
 from eagle3_assets.partitions import SAMPLE_SHARDS
-from eagle3_assets.shard_gates import TRACE_GATES
+from eagle3_assets.core.validation.gates import TRACE_GATES
 from eagle3_assets.shard_status import green_shards, selection_metadata
 from eagle3_assets.stage_configs import VocabMappingConfig
 from resources.target_model import TargetModel
 
-MIN_COVERAGE = 0.95
 TRACES = "validated_traces"
-
-
-def _covers_targets(e) -> CheckOutcome:
-    passed = e.covered >= MIN_COVERAGE
-    return CheckOutcome(
-        "draft_vocab_covers_targets", passed,
-        "" if passed else f"only {e.covered:.2%} of supervised tokens are in the draft vocabulary: raise draft_vocab_size",
-        {"coverage": e.covered, "threshold": MIN_COVERAGE, "uncovered_tokens": e.uncovered, "most_frequent_uncovered_ids": e.uncovered_ids},
-    )  # fmt: skip
-
-
-GATES = Gates(
-    "vocab_mapping",
-    [Gate("draft_vocab_covers_targets", False, f"at least {MIN_COVERAGE:.0%} of the supervised target tokens are in the draft vocabulary", _covers_targets)],
-)
+CHECKS = AssetChecks(VOCAB_MAPPING_GATES)  # the declared gates as this asset's checks
 
 
 def shard_files(asset_name: str, keys: list[str]) -> dict:
@@ -67,7 +52,7 @@ def shard_files(asset_name: str, keys: list[str]) -> dict:
     code_version="1",
     kinds={"polars", "safetensors"},
     deps=[AssetDep(AssetKey("validated_traces"), partition_mapping=AllPartitionMapping())],
-    check_specs=GATES.specs(),
+    check_specs=CHECKS.specs(),
 )
 def vocab_mapping(context: AssetExecutionContext, config: VocabMappingConfig, target_model: TargetModel) -> MaterializeResult:
     """The draft vocabulary (d2t/t2d): the most frequent target tokens of every shard's assistant turns."""
@@ -128,7 +113,7 @@ def vocab_mapping(context: AssetExecutionContext, config: VocabMappingConfig, ta
             "shards": len(keys),
             **selection_metadata(selection),
         },
-        check_results=GATES.results(
+        check_results=CHECKS.results(
             SimpleNamespace(covered=covered, uncovered=supervised - int(counts[mapping.t2d].sum()), uncovered_ids=uncovered_ids)
         ),
     )

@@ -9,7 +9,7 @@ import pytest
 from eagle3_assets.core.evaluation.acceptance import load_conversations, render_positions
 from eagle3_assets.core.serving.vllm_metrics import SpecDecodeCounters
 from eagle3_assets.draft_evaluation import resolve_baseline
-from eagle3_assets.stages.evaluate_draft import judge
+from eagle3_assets.core.evaluation.gates import ACCEPTANCE_GATES, check_acceptance_above_floor
 
 PAGE = """# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
 # TYPE vllm:spec_decode_num_drafts_total counter
@@ -64,8 +64,8 @@ def test_no_drafts_means_acceptance_length_one():
     [(2.4, 1.0, True, "ERROR"), (1.8, 1.0, False, "ERROR"), (2.1, 2.3, False, "WARN")],
 )
 def test_floor_is_an_error_and_not_beating_the_baseline_a_warning(trained, baseline, passed, severity):
-    verdict = judge(trained, baseline, floor=2.0)
-    assert verdict[:2] == (passed, severity)
+    verdict = check_acceptance_above_floor(trained, baseline, floor=2.0)
+    assert (verdict.passed, ACCEPTANCE_GATES["acceptance_above_floor"].severity_of(verdict)) == (passed, severity)
 
 
 def test_without_a_baseline_the_target_starts_once_fewer_and_only_the_floor_judges():
@@ -77,8 +77,11 @@ def test_without_a_baseline_the_target_starts_once_fewer_and_only_the_floor_judg
     assert drafts == {"trained": "trained_dir"}  # with the reference: 2 starts of the target instead of 3
     drafts, k_by_label = served_drafts("trained_dir", None, [1, 2, 3], measure_each=True)
     assert list(drafts) == ["trained", "trained@k1", "trained@k2"] and k_by_label == {"trained@k1": 1, "trained@k2": 2}
-    assert judge(2.4, None, floor=2.0)[:2] == (True, "ERROR") and "no baseline served" in judge(2.4, None, floor=2.0)[2]
-    assert judge(1.8, None, floor=2.0)[:2] == (False, "ERROR")
+    gate = ACCEPTANCE_GATES["acceptance_above_floor"]
+    alone = check_acceptance_above_floor(2.4, None, floor=2.0)
+    assert (alone.passed, gate.severity_of(alone)) == (True, "ERROR") and "no baseline served" in alone.description
+    below = check_acceptance_above_floor(1.8, None, floor=2.0)
+    assert (below.passed, gate.severity_of(below)) == (False, "ERROR")
 
 
 def test_eval_prompts_with_a_bad_row_fail_naming_the_file_and_row(tmp_path):

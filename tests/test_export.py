@@ -174,12 +174,12 @@ def test_draft_checkpoints_gates_judge_the_stages_report_with_the_tables_severit
 
     from dagster import AssetCheckSeverity
 
-    from eagle3_assets.draft_checkpoint import GATES
+    from eagle3_assets.draft_checkpoint import CHECKS
 
     report = {"passed": False, "detail": "not tried: config_complete failed", "metadata": {"log": None, "k": 3}}
     evidence = SimpleNamespace(problems=["config.json has no draft_vocab_size"], layer_ids=[1, 2, 3], vllm_report=report, losses=[2.0, 2.5])
-    results = {r.check_name: r for r in GATES.results(evidence)}
-    assert {s.name: s.blocking for s in GATES.specs()} == {"config_complete": True, "loads_in_vllm": True, "loss_decreased": False}
+    results = {r.check_name: r for r in CHECKS.results(evidence)}
+    assert {s.name: s.blocking for s in CHECKS.specs()} == {"config_complete": True, "loads_in_vllm": True, "loss_decreased": False}
     assert not results["config_complete"].passed and results["config_complete"].severity == AssetCheckSeverity.ERROR
     assert results["config_complete"].description == "config.json has no draft_vocab_size"
     assert results["config_complete"].metadata["expected_aux_layer_ids"].value == [1, 2, 3]
@@ -187,7 +187,7 @@ def test_draft_checkpoints_gates_judge_the_stages_report_with_the_tables_severit
     assert not results["loss_decreased"].passed and results["loss_decreased"].severity == AssetCheckSeverity.WARN
     assert "[2.0, 2.5] did not go down" in results["loss_decreased"].description
     evidence.losses = [2.5, 2.0]
-    assert {r.check_name: r.passed for r in GATES.results(evidence)}["loss_decreased"]
+    assert {r.check_name: r.passed for r in CHECKS.results(evidence)}["loss_decreased"]
 
 
 def test_render_curve_draws_every_value_within_its_range():

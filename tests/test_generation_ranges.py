@@ -26,7 +26,7 @@ from eagle3_assets.core.generation.response_rules import content_failures
 from eagle3_assets.demo.plugin import DemoTargetModel
 from eagle3_assets.partitions import register_shards
 from eagle3_assets.prompts import prompts
-from eagle3_assets.raw_responses import GATES, raw_responses
+from eagle3_assets.raw_responses import CHECKS, raw_responses
 from resources.vllm_server import VLLMServerResource
 from tests.fault_proxy import FaultProxy
 from tests.test_generation import FAST, demo_prompts
@@ -130,7 +130,7 @@ def test_a_ranged_run_keeps_each_shard_separate_and_a_sigkill_keeps_the_finished
     assert len(versions) == len(SHARDS)  # each shard its own data version
     rerun_meta = {m.partition: m.metadata for m in rerun.asset_materializations_for_node("raw_responses")}
     assert rerun_meta[SHARDS[0]]["reused_rows"].value == SHARD_SIZE and rerun_meta[SHARDS[0]]["sent_rows"].value == 0
-    for name in GATES.names:
+    for name in CHECKS.names:
         history = instance.event_log_storage.get_asset_check_execution_history(AssetCheckKey(AssetKey("raw_responses"), name), limit=20)
         latest = {}
         for record in sorted(history, key=lambda r: r.id):

@@ -267,8 +267,7 @@ def test_no_asset_module_imports_another():
     assert {"eagle3_assets.prompts", "eagle3_assets.hidden_states", "eagle3_assets.deployed_draft"} <= assets, assets
     found = asset_imports(graph, assets)
     assert found == [], (
-        "asset modules import other asset modules (move what they share below both: core/, stage_configs.py, "
-        "shard_gates.py):\n" + "\n".join(found)
+        "asset modules import other asset modules (move what they share below both: core/, stage_configs.py):\n" + "\n".join(found)
     )
 
 

@@ -22,7 +22,8 @@ from dagster import (
     multi_asset,
 )
 
-from eagle3_assets.check_results import Gate, Gates
+from eagle3_assets.check_results import AssetChecks
+from eagle3_assets.core.reporting.checks import Gate, GateTable
 from eagle3_assets.core.reporting.checks import CheckOutcome
 from eagle3_assets.demo.pipeline import shard_runs
 from eagle3_assets.graph import PER_SHARD_ASSETS
@@ -30,7 +31,7 @@ from eagle3_assets.partitions import shard_range_tags
 from eagle3_assets.shard_runs import ShardReporter, shards_per_run_policy
 
 shards = DynamicPartitionsDefinition(name="test_shards")
-GATES = Gates("ranged", [Gate("rows_positive", True, "each shard has rows"), Gate("advice", False, "advisory")])
+CHECKS = AssetChecks(GateTable("ranged", [Gate("rows_positive", True, "each shard has rows"), Gate("advice", False, "advisory")]))
 BAD_SHARD = "s2"
 
 
@@ -41,12 +42,12 @@ def upstream(context) -> MaterializeResult:
 
 @multi_asset(
     specs=[AssetSpec("ranged", partitions_def=shards, deps=[AssetKey("upstream")], code_version="7")],
-    check_specs=GATES.specs(),
+    check_specs=CHECKS.specs(),
     can_subset=True,
     backfill_policy=shards_per_run_policy(8),
 )
 def ranged(context):
-    reporter = ShardReporter(context, GATES, code_version="7", upstream=["upstream"])
+    reporter = ShardReporter(context, CHECKS, code_version="7", upstream=["upstream"])
     for shard in context.partition_keys:
         reporter.materialized(shard, {"shard": shard, "rows": int(shard[1:])}, f"v-{shard}")
         reporter.checked(shard, [CheckOutcome("rows_positive", shard != BAD_SHARD, "no rows" if shard == BAD_SHARD else ""), CheckOutcome("advice", False, "just advice")])
@@ -90,12 +91,12 @@ def test_a_single_shard_is_a_range_of_one():
 
 @multi_asset(
     specs=[AssetSpec("reported", partitions_def=shards, deps=[AssetKey("upstream")], code_version="7")],
-    check_specs=Gates("reported", [Gate("rows_positive", True, "each shard has rows")]).specs(),
+    check_specs=AssetChecks(GateTable("reported", [Gate("rows_positive", True, "each shard has rows")])).specs(),
     can_subset=True,
     backfill_policy=shards_per_run_policy(8),
 )
 def reported(context):
-    reporter = ShardReporter(context, Gates("reported", [Gate("rows_positive", True, "each shard has rows")]), code_version="7", upstream=["upstream"])
+    reporter = ShardReporter(context, AssetChecks(GateTable("reported", [Gate("rows_positive", True, "each shard has rows")])), code_version="7", upstream=["upstream"])
     for shard in context.partition_keys:
         reporter.report(shard, {"rows": int(shard[1:])}, f"v-{shard}", [CheckOutcome("rows_positive", True, "")])
     yield from reporter.results()

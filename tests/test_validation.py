@@ -484,11 +484,11 @@ def test_a_gates_outcome_reaches_dagster_through_the_one_adapter_and_over_pipes(
 
     from eagle3_assets.core.reporting.checks import CheckOutcome
     from eagle3_assets.core.validation.gates import check_truncation_rate_low
-    from eagle3_assets.validated_traces import GATES
+    from eagle3_assets.validated_traces import CHECKS
 
     outcome = check_truncation_rate_low(10, ["q1", "q2"], 0.05)
     assert (outcome.name, outcome.passed, outcome.figure, outcome.threshold, outcome.offending_ids) == ("truncation_rate_low", False, 0.2, 0.05, ["q1", "q2"])
-    result = GATES.result(outcome)  # the severity is the table's: truncation_rate_low is advisory
+    result = CHECKS.result(outcome)  # the severity is the table's: truncation_rate_low is advisory
     assert (result.check_name, result.passed, result.severity, result.description) == ("truncation_rate_low", False, AssetCheckSeverity.WARN, outcome.description)
     assert result.metadata["truncation_rate"].value == 0.2 and result.metadata["offending_ids"].value == ["q1", "q2"]
     sent = outcome.pipes_metadata()  # what a GPU stage reports

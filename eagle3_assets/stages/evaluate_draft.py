@@ -21,6 +21,7 @@ rewrites the draft's serving notes (``SERVING.md``) with the recommended k.
 from __future__ import annotations
 
 from eagle3_assets.core.storage.shard_paths import SERVING_NOTES
+from eagle3_assets.core.evaluation.gates import ACCEPTANCE_GATES, check_acceptance_above_floor
 from eagle3_assets.core.evaluation.job import EvaluationJob
 
 STAGE = "evaluate_draft"
@@ -122,17 +123,6 @@ def set_metadata(by_set: list[dict]) -> dict:
         "acceptance_by_prompt_set": {"raw_value": render_set_table(by_set) + "\n\n" + SETS_NOTE, "type": "md"},
         "prompt_sets": {"raw_value": figures, "type": "json"},
     }
-
-
-def judge(trained: float, baseline: float | None, floor: float) -> tuple[bool, str, str]:
-    """(passed, severity, message) of ``acceptance_above_floor``: ERROR below the floor, WARN if no better than baseline."""
-    if trained < floor:
-        return False, "ERROR", f"mean acceptance length {trained:.2f} is below the floor {floor:.2f}"
-    if baseline is None:
-        return True, "ERROR", f"mean acceptance length {trained:.2f} >= floor {floor:.2f} (no baseline served: baseline none)"
-    if trained <= baseline:
-        return False, "WARN", f"the trained draft ({trained:.2f}) does not beat the baseline ({baseline:.2f})"
-    return True, "ERROR", f"mean acceptance length {trained:.2f} >= floor {floor:.2f}, baseline {baseline:.2f}"
 
 
 def gpu_available() -> bool:
@@ -318,8 +308,8 @@ def main() -> None:
             profile=job.serving,
             draft_sample_method=job.draft_sample_method,
         )
-        passed, severity, message = judge(trained.mean_acceptance_length, baseline_length, job.floor)
-        pipes.log.info(f"{STAGE}: {message}")
+        verdict = check_acceptance_above_floor(trained.mean_acceptance_length, baseline_length, job.floor)
+        pipes.log.info(f"{STAGE}: {verdict.description}")
         figures = {
             "mean_acceptance_length": round(trained.mean_acceptance_length, 4),
             **({"baseline_mean_acceptance_length": round(baseline_length, 4)} if baseline_length is not None else {}),
@@ -361,11 +351,11 @@ def main() -> None:
             data_version=stable_hash({"report": report["results"], "draft": str(draft_dir), "k_values": k_values}),
         )
         pipes.report_asset_check(
-            check_name="acceptance_above_floor",
-            passed=passed,
-            severity=severity,
+            check_name=verdict.name,
+            passed=verdict.passed,
+            severity=ACCEPTANCE_GATES[verdict.name].severity_of(verdict),  # as the gate declares it
             # The interval beside the verdict: a figure just above the floor over a handful of prompts is no pass to lean on.
-            metadata={**figures, **{k: spread[k] for k in ("prompts_with_acceptance", "acceptance_ci95") if k in spread}, "message": message},
+            metadata={**figures, **{k: spread[k] for k in ("prompts_with_acceptance", "acceptance_ci95") if k in spread}, "message": verdict.description},
         )
 
 

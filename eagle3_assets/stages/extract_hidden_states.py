@@ -139,7 +139,8 @@ def run(job: ExtractionJob, log=print, run_id: str | None = None, on_shard: Call
     """Extract and gate every shard of ``job`` with one engine (none when nothing is left); each result as it is done."""
     import torch
 
-    from eagle3_assets.core.extraction.hidden_state_checks import GATES, check_target_matches_traces
+    from eagle3_assets.core.extraction.gates import HIDDEN_STATE_GATES
+    from eagle3_assets.core.extraction.hidden_state_checks import check_target_matches_traces
     from eagle3_assets.core.extraction.traces import ExtractionInputError, TargetFacts, read_traces, traces_digest
     from eagle3_assets.core.extraction.shard_record import reusable, reuse_key
     from eagle3_assets.core.reporting.checks import CheckOutcome
@@ -174,7 +175,10 @@ def run(job: ExtractionJob, log=print, run_id: str | None = None, on_shard: Call
         target_check = check_target_matches_traces(identity, identity_in_parquet(traces_path))
         if not target_check.passed:
             log(f"{STAGE}: {spec.shard}: {target_check.description}; nothing extracted")
-            not_run = [CheckOutcome(name, False, "not computed: the target does not match the traces (see target_matches_traces)") for name in GATES[1:]]
+            not_run = [
+                CheckOutcome(name, False, "not computed: the target does not match the traces (see target_matches_traces)")
+                for name in HIDDEN_STATE_GATES.names[1:]
+            ]
             done(ShardResult(spec.shard, spec.data_version, {"target": identity.as_dict()}, [target_check, *not_run]))
             continue
         key = reuse_key(job, spec, traces_digest(traces), identity.config_hash)

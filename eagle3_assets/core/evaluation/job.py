@@ -13,6 +13,7 @@ missing or mistyped key is refused there, naming the key. Dagster-free.
 
 from __future__ import annotations
 
+from eagle3_assets.core.evaluation.gates import ACCEPTANCE_GATES
 from eagle3_assets.core.evaluation.speculation_depth import DEFAULT_DRAFT_COST_RATIO, DEFAULT_K_VALUES
 from eagle3_assets.core.serving.profile import ServingProfile
 from eagle3_assets.core.settings.job_schema import JobSchema, given, setting
@@ -51,7 +52,9 @@ class EvaluationRecipe(JobSchema):
         "probability of it; 'probabilistic' a sample of its distribution, accepted with min(1, p/q); the serving notes use it too",
     )
     concurrency: int = setting(8, "requests in flight")
-    floor: float = setting(2.0, "acceptance_above_floor fails (ERROR) below this mean acceptance length")
+    floor: float = setting(
+        ACCEPTANCE_GATES["acceptance_above_floor"].threshold, "acceptance_above_floor fails (ERROR) below this mean acceptance length"
+    )
     baseline: str = setting(
         "starting",
         "'starting' (the draft draft_checkpoint fine-tuned from, as its run recorded; from scratch: 'untrained'), "

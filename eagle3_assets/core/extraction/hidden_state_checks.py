@@ -27,7 +27,11 @@
 
 Each gate returns its figure, threshold and a few offending ids. Dagster-free.
 
-Why one file of about 450 lines: the five gates are one table (:data:`GATES`),
+The gates are declared (name, blocking, threshold, description) in
+:data:`eagle3_assets.core.extraction.gates.HIDDEN_STATE_GATES`, beside this
+module, which computes them: the declarations load without torch.
+
+Why one file of about 450 lines: the five gates are one table,
 reported together by :func:`gate_extracted_shard`, and the two gates that
 sample (logits, aux states) share the draw (:func:`checked_ids`) and the
 storage's rounding bound; apart, each would be read with the others open.
@@ -45,6 +49,7 @@ from typing import Any
 import torch
 
 from eagle3_assets.core.reporting.checks import CheckOutcome
+from eagle3_assets.core.extraction.gates import HIDDEN_STATE_GATES
 from eagle3_assets.core.extraction.shard_extraction import storage_order
 from eagle3_assets.core.extraction.shard_reading import iter_samples, read_sidecar
 from eagle3_assets.core.extraction.traces import TargetFacts, Trace
@@ -52,10 +57,8 @@ from eagle3_assets.core.extraction.state_layout import FP8_DTYPE
 from eagle3_assets.core.target.head import TargetHead
 from eagle3_assets.core.target.identity import TargetIdentity
 
-# Every gate of a shard, in the order they are reported; the first is computed before extraction.
-GATES = ("target_matches_traces", "states_finite", "states_match_traces", "final_state_reproduces_logits", "aux_states_match_layer_ids")
 MAX_EXAMPLES = 10
-DEFAULT_MIN_ARGMAX_AGREEMENT = 0.999
+DEFAULT_MIN_ARGMAX_AGREEMENT = HIDDEN_STATE_GATES["final_state_reproduces_logits"].threshold
 # Stored states of a bf16 engine against an fp32 forward of another engine (transformers). Measured: a tiny-target
 # shard extracted in bf16 on an H200 and in fp32 on a CPU agree on 99.78 % of final-state argmaxes (a dense
 # model); the bf16 MoE tiny Kimi target, vLLM against transformers here: see docs/hidden-states.md. Not a tie
@@ -420,7 +423,7 @@ def gate_extracted_shard(
     recipe: Any,
     seed: int,
 ) -> list[CheckOutcome]:
-    """Every gate after extraction (all of :data:`GATES` but the first), with ``recipe``'s thresholds and samples.
+    """Every gate after extraction (all of ``HIDDEN_STATE_GATES`` but the first), with ``recipe``'s thresholds and samples.
 
     ``recipe`` is an :class:`~eagle3_assets.core.extraction.job.ExtractionRecipe`: the
     ``hidden_states`` stage and bounded-disk training gate their shards alike.

@@ -18,6 +18,7 @@ and :mod:`eagle3_assets.core.evaluation.job`.
 
 from __future__ import annotations
 
+from eagle3_assets.core.extraction.gates import HIDDEN_STATE_GATES
 from eagle3_assets.core.extraction.state_layout import DEFAULT_PART_BYTES, FP8_DTYPE, STORAGE_DTYPE_BYTES
 from eagle3_assets.core.serving.profile import ServingProfile
 from eagle3_assets.core.settings.job_schema import JobSchema, given, setting
@@ -51,7 +52,12 @@ class ExtractionRecipe(JobSchema):
     cpu_threads: int = setting(0, "torch threads on a CPU host; 0: torch's default", ge=0)
     logits_check_samples: int = setting(8, "samples drawn for final_state_reproduces_logits", gt=0)
     logits_check_positions: int = setting(4096, "at most this many positions compared over those samples", gt=0)
-    min_argmax_agreement: float = setting(0.999, "final_state_reproduces_logits passes at or above this share", ge=0, le=1)
+    min_argmax_agreement: float = setting(
+        HIDDEN_STATE_GATES["final_state_reproduces_logits"].threshold,
+        "final_state_reproduces_logits passes at or above this share",
+        ge=0,
+        le=1,
+    )
     aux_check_samples: int = setting(4, "samples drawn for aux_states_match_layer_ids", gt=0)
     aux_check_reference: str = setting(
         "auto", "'transformers' (a transformers forward), 'none' (sidecar only) or 'auto' (transformers unless backend is vllm)"

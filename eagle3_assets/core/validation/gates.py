@@ -1,8 +1,12 @@
-"""The gates of ``validated_traces``, as pure functions of what a pass over the shard found.
+"""The gates of ``validated_traces``: each a pure function of what a pass over the shard found, and their declaration.
 
 Each returns a :class:`~eagle3_assets.core.reporting.checks.CheckOutcome` (figure,
 threshold, up to ``MAX_OFFENDING_IDS`` offending ids), so they are tested
-without Dagster and the asset only converts them.
+without Dagster. :data:`TRACE_GATES` declares them once (name, blocking,
+threshold, description, the evidence each reads): the asset adapts the table
+into its checks (:class:`eagle3_assets.check_results.AssetChecks`), and
+``vocab_mapping`` and ``draft_checkpoint`` read its blocking gates to pick the
+green shards.
 """
 
 from __future__ import annotations
@@ -11,10 +15,10 @@ import math
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from eagle3_assets.core.reporting.checks import CheckOutcome
+from eagle3_assets.core.reporting.checks import CheckOutcome, Gate, GateTable
 from eagle3_assets.core.reporting.markdown import markdown_histogram
 from eagle3_assets.core.validation.mask_alignment import MaskAlignment
-from eagle3_assets.core.generation.response_rules import NO_REASONING_DIAGNOSIS, PROMPT_TOO_LONG
+from eagle3_assets.core.generation.response_rules import DEFAULT_MIN_REASONING_SHARE, NO_REASONING_DIAGNOSIS, PROMPT_TOO_LONG
 
 MAX_OFFENDING_IDS = 10
 DEFAULT_MAX_TRUNCATION_RATE = 0.05  # truncation_rate_low warns above it
@@ -259,3 +263,60 @@ def token_length_stats(lengths: Sequence[int]) -> dict[str, float]:
 def token_length_histogram_markdown(lengths: Sequence[int], bins: int = 12, bar_width: int = 40) -> str:
     """Token lengths of the kept traces as a markdown histogram."""
     return markdown_histogram(lengths, label="tokens", empty="_no kept traces_", bins=bins, bar_width=bar_width)
+
+
+# The evidence each predicate reads: the shard's summary, this run's config, the loss-mask audit, the ids written.
+TRACE_GATES = GateTable(
+    "validated_traces",
+    [
+        Gate(
+            "traces_present", True, "at least one row of the shard was kept",
+            lambda e: check_traces_present(e.summary.kept, e.summary.rejected_by_reason, e.summary.rejected_examples),
+        ),
+        Gate(
+            "reasoning_present", True,
+            f"enough of the rows that got a response carry non-empty reasoning (default {DEFAULT_MIN_REASONING_SHARE:.0%})",
+            lambda e: check_reasoning_present(
+                e.summary.answered_rows, e.summary.ids_without_reasoning, e.config.min_reasoning_share, e.summary.reasoning_fields
+            ),
+            threshold=DEFAULT_MIN_REASONING_SHARE,
+        ),
+        Gate(
+            "responses_accounted", True, "raw rows = kept + rejected, raw ids unique, every prompt of the shard answered",
+            lambda e: check_responses_accounted(e.summary.raw_ids, e.summary.prompt_ids, e.kept_ids, e.rejected_ids),
+        ),
+        Gate(
+            "loss_mask_aligned", True,
+            "every kept row supervises exactly the target's output: reasoning, think markers, answer, end of turn; "
+            "token by token against the server's own ids where raw_responses has them",
+            lambda e: check_loss_mask_aligned(e.alignment),
+        ),
+        # The one measure of failed requests (raw_responses has none): blocking, because past it the server or the
+        # network is failing, and a rerun of raw_responses for the shard sends the errored rows again.
+        Gate(
+            "request_errors_rare", True,
+            "few requests ended in an error, the server's or the network's failure "
+            f"(default at most {DEFAULT_MAX_REQUEST_ERROR_SHARE:.0%} of the requests sent; prompts too long were never sent)",
+            lambda e: check_request_errors_rare(
+                e.summary.raw_rows, e.summary.request_error_ids, e.summary.request_errors_by_kind,
+                len(e.summary.prompt_too_long_ids), e.config.max_request_error_share,
+            ),
+            threshold=DEFAULT_MAX_REQUEST_ERROR_SHARE,
+        ),
+        Gate(
+            "truncation_rate_low", False, f"few generations hit max_tokens (default at most {DEFAULT_MAX_TRUNCATION_RATE:.0%})",
+            lambda e: check_truncation_rate_low(e.summary.raw_rows, e.summary.truncated_ids, e.config.max_truncation_rate),
+            threshold=DEFAULT_MAX_TRUNCATION_RATE,
+        ),
+        Gate(
+            "think_markers_absent", False, f"at most {MAX_THINK_MARKER_SHARE:.0%} of the raw rows hold a think marker inside reasoning or answer",
+            lambda e: check_think_markers_absent(e.summary.raw_rows, e.summary.think_marker_ids, e.markers),
+            threshold=MAX_THINK_MARKER_SHARE,
+        ),
+        Gate(
+            "prompts_fit_context", False,
+            "no prompt is longer than the server's context (such prompts are rejected as prompt_too_long, never sent)",
+            lambda e: check_prompts_fit_context(e.summary.raw_rows, e.summary.prompt_too_long_ids),
+        ),
+    ],
+)  # fmt: skip
