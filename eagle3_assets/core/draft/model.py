@@ -45,6 +45,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from eagle3_assets.core.target.description import rms_norm_eps, text_config
 from eagle3_assets.core.target.head import rms_norm
@@ -163,6 +164,16 @@ def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tens
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
 
 
+# Query rows of one sample that chain attention computes at once, each block recomputed in backward, for a sample
+# longer than this; a sample of at most this many tokens takes the one-matrix path (the demo's ~55-token samples
+# train exactly as before). Why 1,024: at Kimi width (64 heads) one block's float32 scores over an 8,192-token sample
+# are 64 x 1,024 x 8,198 x 4 B = 2.1 GB, and the step holds about three of them at once (scores, softmax's input,
+# probabilities; in backward the probabilities, their gradient and the full-width buffer), 6.4 GB where the whole
+# matrix was three times 17 GB; a block's products ([1,024 x 128] @ [128 x T] a head) stay large enough to run at a
+# device's matrix rate; and the unblocked path's kept probabilities stay bounded by 1,024 keys a query.
+ATTENTION_BLOCK = 1024
+
+
 def chain_attention(
     q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], scale: float, documents: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -170,7 +181,10 @@ def chain_attention(
 
     Step 0's keys causally; then each later step's key of the same chain (the diagonal). A packed row
     (``documents`` [1, T], each token's sample) is attended one sample at a time, each within itself: the
-    scores of the whole row would cost its width squared, almost all of them masked.
+    scores of the whole row would cost its width squared, almost all of them masked. A sample longer than
+    :data:`ATTENTION_BLOCK` is attended in blocks of that many query rows, each over the keys up to its last row,
+    and under autograd each block is recomputed in backward (``torch.utils.checkpoint``): no [T, T] tensor is
+    built or kept, the attention's memory is one block's, O(block x T) a head.
     """
     if documents is not None:
         if documents.shape[0] != 1:
@@ -179,13 +193,39 @@ def chain_attention(
         by_sample = zip(q.split(sizes, dim=2), zip(*(k.split(sizes, dim=2) for k in keys)), zip(*(v.split(sizes, dim=2) for v in values)))
         return torch.cat([chain_attention(qs, list(ks), list(vs), scale) for qs, ks, vs in by_sample], dim=2)
     length = q.shape[2]
-    causal = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
-    scores = [(q @ keys[0].transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))]
-    scores += [(q * key).sum(-1, keepdim=True) * scale for key in keys[1:]]
+    if length <= ATTENTION_BLOCK:
+        return attention_rows(q, keys[0], values[0], keys[1:], values[1:], scale=scale, first_row=0)
+    blocks = []
+    for start in range(0, length, ATTENTION_BLOCK):
+        end = min(start + ATTENTION_BLOCK, length)
+        # The block's queries, the step-0 keys and values its causal mask can reach, and the chain's own of its rows.
+        args = (q[:, :, start:end], keys[0][:, :, :end], values[0][:, :, :end],
+                [k[:, :, start:end] for k in keys[1:]], [v[:, :, start:end] for v in values[1:]])  # fmt: skip
+        if torch.is_grad_enabled():
+            # Nothing random inside: no RNG state to keep. Nested in the step's own checkpoint (activation_checkpointing)
+            # too: non-reentrant checkpoints nest.
+            out = checkpoint(attention_rows, *args, scale=scale, first_row=start, use_reentrant=False, preserve_rng_state=False)
+        else:
+            out = attention_rows(*args, scale=scale, first_row=start)
+        blocks.append(out)
+    return torch.cat(blocks, dim=2)
+
+
+def attention_rows(
+    q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, chain_keys: list[torch.Tensor], chain_values: list[torch.Tensor],
+    *, scale: float, first_row: int,
+) -> torch.Tensor:  # fmt: skip
+    """Chain attention of the query rows ``first_row`` onwards of a sample: ``q`` [B, heads, rows, d] over the step-0
+    ``key``/``value`` of its first ``first_row + rows`` tokens (causally: row i sees keys up to ``first_row + i``) and
+    the chain's own keys/values of the same rows (``chain_keys``: steps 1..k, each [B, heads, rows, d])."""
+    rows, width = q.shape[2], key.shape[2]
+    causal = torch.ones(rows, width, dtype=torch.bool, device=q.device).tril(diagonal=first_row)
+    scores = [(q @ key.transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))]
+    scores += [(q * chain_key).sum(-1, keepdim=True) * scale for chain_key in chain_keys]
     probs = torch.softmax(torch.cat(scores, dim=-1).float(), dim=-1).to(q.dtype)
-    out = probs[..., :length] @ values[0]
-    for j, value in enumerate(values[1:]):
-        out = out + probs[..., length + j : length + j + 1] * value
+    out = probs[..., :width] @ value
+    for j, chain_value in enumerate(chain_values):
+        out = out + probs[..., width + j : width + j + 1] * chain_value
     return out
 
 
