@@ -1,7 +1,7 @@
 """``capacity_plan``: what the whole run of the registered shards needs of disk and GPU time, before the work and as shards finish.
 
 An unpartitioned asset (group ``planning``) with one check, ``run_fits``
-(ERROR when a volume cannot hold what the rest of the run writes there, or
+(declared in :mod:`eagle3_assets.core.planning.gates`: ERROR when a volume cannot hold what the rest of the run writes there, or
 when its free bytes cannot be read and ``accept_unknown_capacity`` is not set;
 with it set, passed with the risk in its description and metadata), a
 job ``plan_capacity`` that materialises it, and a sensor
@@ -20,9 +20,6 @@ import os
 from typing import Optional
 
 from dagster import (
-    AssetCheckResult,
-    AssetCheckSeverity,
-    AssetCheckSpec,
     AssetExecutionContext,
     Config,
     MaterializeResult,
@@ -35,6 +32,8 @@ from pydantic import Field
 from eagle3_assets.capacity_facts import latest_metadata, measured_rates, measured_training_rate, shard_facts, volume_at
 from eagle3_assets.core.extraction.state_layout import DEFAULT_DTYPE, STORAGE_DTYPE_BYTES
 from eagle3_assets.core.planning.capacity import CapacityPlan, PlanSettings, plan_capacity
+from eagle3_assets.check_results import AssetChecks
+from eagle3_assets.core.planning.gates import CAPACITY_GATES, check_run_fits
 from eagle3_assets.core.planning.stage_rates import Rate, estimated_training_rate, first_rate
 from eagle3_assets.core.settings.environment import ACCEPT_UNKNOWN_CAPACITY
 from eagle3_assets.core.storage.shard_paths import data_dir
@@ -44,6 +43,7 @@ from resources.prompt_dataset import PromptDataset
 from resources.target_model import TargetModel
 
 ASSET = "capacity_plan"
+CHECKS = AssetChecks(CAPACITY_GATES)  # the declared gate as this asset's check
 # The story's GPU: an H200's bf16 matrix product measured 790 TFLOP/s, and the training step reached 0.34 of it
 # at Kimi width, depth 7 (issue training-at-scale; docs/performance.md P13).
 DEFAULT_DEVICE_TFLOPS = 790.0
@@ -146,14 +146,7 @@ def make_plan(
     group_name="planning",
     code_version="1",
     kinds={"python"},
-    check_specs=[
-        AssetCheckSpec(
-            "run_fits",
-            asset=ASSET,
-            description="the data volume and the GPU host's have room for what the rest of the registered shards' run writes "
-            "(hidden states, raw responses and traces, checkpoints)",
-        )
-    ],
+    check_specs=CHECKS.specs(),
 )
 def capacity_plan(
     context: AssetExecutionContext, config: CapacityPlanConfig, target_model: TargetModel, gpu_host: GPUHost, prompt_dataset: PromptDataset
@@ -166,40 +159,12 @@ def capacity_plan(
         {True: context.log.info, False: context.log.error, None: context.log.warning}[need.fits](need.describe())
     context.log.info(f"ETA: {plan.eta()}")
     figures = plan.as_metadata()
-    refusal = plan.states_refusal()
-    short = [need.describe() for need in plan.needs if need.fits is False]
-    unjudged = plan.unknown_refusal()
-    risks = plan.accepted_risks()
-    if short:
-        verdict, severity, description = False, AssetCheckSeverity.ERROR, refusal or "; ".join(short)
-    elif unjudged:
-        # A volume of unknown free bytes is not taken to fit: failed, naming it, why, and the setting that accepts the risk.
-        verdict, severity, description = False, AssetCheckSeverity.ERROR, unjudged
-    elif not plan.projected:
-        # Nothing to project from yet: said as a warning, not as a pass.
-        verdict, severity = False, AssetCheckSeverity.WARN
-        description = "cannot project the run: no shard is validated yet; validate one, or configure sample_tokens"
-    else:
-        verdict, severity, description = True, AssetCheckSeverity.ERROR, "; ".join(risks) or None
     return MaterializeResult(
         metadata={
             "plan": MetadataValue.md(plan.markdown()),
             **{k: MetadataValue.json(v) if isinstance(v, (dict, list)) else v for k, v in figures.items() if v is not None},
         },
-        check_results=[
-            AssetCheckResult(
-                check_name="run_fits",
-                passed=verdict,
-                severity=severity,
-                description=description,
-                metadata={
-                    "volumes": MetadataValue.json(figures["volumes"]),
-                    "hidden_states_bytes_to_write_8bit": plan.states_to_write_8bit,
-                    "bounded_window_bytes": plan.bounded_window_bytes,
-                    "accepted_risks": MetadataValue.json(risks),
-                },
-            )
-        ],
+        check_results=[CHECKS.result(check_run_fits(plan))],
     )
 
 

@@ -18,6 +18,7 @@ from eagle3_assets.capacity_facts import refuse_unless_run_fits, volume_at
 from eagle3_assets.capacity_plan import capacity_plan
 from eagle3_assets.core.extraction.state_layout import FP8_DTYPE, bytes_per_token
 from eagle3_assets.core.planning.capacity import PlanSettings, ShardFacts, Volume, checkpoint_bytes, human, plan_capacity
+from eagle3_assets.core.planning.gates import CAPACITY_GATES, check_run_fits
 from eagle3_assets.core.planning.stage_rates import Rate, measured_rate
 from eagle3_assets.core.prompts.loading import PROMPTS_SCHEMA
 from eagle3_assets.core.storage.files import asset_dir, write_parquet_atomic
@@ -178,6 +179,10 @@ def test_nothing_to_project_from_is_said_not_passed():
     assert not plan.projected and plan.tokens_per_prompt is None
     assert any("validate a shard, or configure sample_tokens" in line for line in plan.unknown)
     assert "unknown" in plan.eta()
+    # run_fits fails as a warning, the severity its declaration gives this way of failing (mutation: declare
+    # NOTHING_TO_PROJECT "ERROR" in core/planning/gates.py, or drop the not-projected branch of check_run_fits: this fails).
+    outcome = check_run_fits(plan)
+    assert not outcome.passed and CAPACITY_GATES["run_fits"].severity_of(outcome) == "WARN" and "no shard is validated" in outcome.description
 
 
 # -- through Dagster ---------------------------------------------------------------------

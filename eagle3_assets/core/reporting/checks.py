@@ -2,9 +2,9 @@
 
 Each domain declares its assets' gates in its ``gates.py``, beside the
 functions that compute them (``core/prompts``, ``core/generation``,
-``core/validation``, ``core/extraction``, ``core/draft``, ``core/evaluation``):
-name, whether it blocks, its default threshold, its description and its
-severity. An outcome is the verdict, a one-line
+``core/validation``, ``core/extraction``, ``core/draft``, ``core/evaluation``,
+``core/planning``): name, whether it blocks, its default threshold, its
+description and its severity. An outcome is the verdict, a one-line
 description that says what to look at, and the evidence the UI shows beside
 it: the figure the gate measured, its threshold, a few offending ids, further
 counts. :class:`eagle3_assets.check_results.AssetChecks` is the one adapter of
