@@ -303,6 +303,37 @@ def test_the_checker_finds_a_cycle_closed_inside_a_function_and_ignores_type_che
     assert cycles(graph) == [["pkg.a", "pkg.c", "pkg.sub.b"]]
 
 
+# What declares a gate or builds a check by hand: in core (a gate's declaration) and check_results.py (the adapter) only.
+GATE_BUILDERS = {"Gate", "GateTable", "AssetCheckSpec", "AssetCheckResult", "AssetCheckSeverity"}
+# host_probe reports a check of whatever name its caller sends (a probe of the host, used by tests): no gate of the product.
+NOT_GATES = {"eagle3_assets.stages.host_probe"}
+
+
+def hand_made_checks(root: Path, package: str, modules: set[str]) -> list[str]:
+    """Each place in ``modules`` (and the stages) that declares a gate, builds a check spec or result, or names a
+    severity itself, instead of adapting a table declared in core: ``module:line what``."""
+    found = []
+    files = {_module_name(root, p): p for p in (root / package.replace(".", "/")).rglob("*.py")}
+    stages = {m for m in files if m.startswith(f"{package}.stages.")} - NOT_GATES
+    for module in sorted(modules | stages):
+        path = files[module]
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.Name, ast.Attribute)) and _called_name(node) in GATE_BUILDERS:
+                found.append(f"{module}:{node.lineno} {_called_name(node)}")
+            elif isinstance(node, ast.keyword) and node.arg == "severity" and isinstance(node.value, ast.Constant):
+                found.append(f"{module}:{node.value.lineno} severity={node.value.value!r}")
+    return found
+
+
+def test_asset_modules_and_stages_only_adapt_the_gates_core_declares():
+    """Each gate is declared once, in ``core/<domain>/gates.py`` beside its check, with its severity; an asset module
+    adapts the table (``CHECKS = AssetChecks(...)``) and a stage reports the declared severity. Mutations: give
+    ``capacity_plan`` an ``AssetCheckSpec`` of its own, or report ``severity="WARN"`` from ``stages/evaluate_draft.py``:
+    this test names the line."""
+    found = hand_made_checks(REPO, "eagle3_assets", asset_modules(REPO, "eagle3_assets"))
+    assert found == [], "gates declared or checks built outside core's gates.py and check_results.py:\n" + "\n".join(found)
+
+
 # Imported in the Dagster processes only by the stages that need them (on the GPU host, or in a worker's function).
 HEAVY_PACKAGES = ("torch", "transformers", "vllm", "safetensors")
 
