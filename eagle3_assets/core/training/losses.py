@@ -1,4 +1,10 @@
-"""The training losses, one entry each: to add a loss, add an entry to :data:`LOSSES` (and nothing else).
+"""The training losses, one entry each: to add a loss, add an entry to :data:`LOSSES`.
+
+Nothing else is edited, but for two things: a loss with a parameter of its own
+declares that setting in :class:`~eagle3_assets.core.training.config.TrainingRecipe`
+(where every setting is declared once), and ``docs/configuration.md``, which
+lists the losses in the ``loss`` setting's description, is regenerated
+(``.venv/bin/python scripts/config_reference.py``; tests/test_docs.py fails until it is).
 
 An entry (:class:`TrainingLoss`) is everything the rest of training reads of a
 loss, so that nothing else names one:
