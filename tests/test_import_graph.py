@@ -169,7 +169,9 @@ CORE_LAYERS: tuple[tuple[str, ...], ...] = (
     ("validation", "orchestration"),  # the traces' rules; the backfill client
     ("target",),  # the target model: description, identity, tokenizer, head
     ("serving",),  # vLLM: its profile, launcher, metrics, deployment
-    ("gpu_host", "draft", "extraction"),  # the transport of a stage's job (which it never reads); the draft; the states
+    # The transport of a stage's job, beside extraction so that neither imports the other: gpu_host carries a job it
+    # never reads (each stage's job is its domain's job.py); the draft; the states.
+    ("gpu_host", "draft", "extraction"),
     ("evaluation", "training"),  # the draft trained on the states; measured through vLLM
     ("planning",),  # capacity and the stages' rates, over extraction and training
 )
@@ -220,7 +222,9 @@ def test_cores_folders_import_only_the_layers_below_them():
     """Before issue 40, ``core/gpu_host/stage_jobs.py`` held every stage's job: extraction, training and evaluation
     imported it and it imported them (folders in one cycle, 12 imports inside it). Mutation: add
     ``from eagle3_assets.core.extraction.job import ExtractionJob`` to ``core/gpu_host/remote.py``; this test fails
-    naming ``core.gpu_host.remote -> core.extraction.job (extraction is not below gpu_host)``."""
+    naming ``core.gpu_host.remote -> core.extraction.job (extraction is not below gpu_host)``; or the other way, add
+    ``from eagle3_assets.core.gpu_host import stage_requirements`` to ``core/extraction/shard_record.py``: it names
+    ``(gpu_host is not below extraction)``."""
     graph = import_graph(REPO, "eagle3_assets")
     folders = {core_folder(m) for m in graph} - {None}
     placed = {f for layer in CORE_LAYERS for f in layer}
