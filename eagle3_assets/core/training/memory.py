@@ -12,6 +12,14 @@ and the optimizer state already there):
   (a packed one is counted as its padded shape, ``batch_tokens`` tokens whose
   attention spans the longest sample: its samples attend one at a time, each
   within itself, so that bounds it);
+- the attention, two ways (:func:`~eagle3_assets.core.draft.model.chain_attention`):
+  samples of at most ``ATTENTION_BLOCK`` (1,024) tokens keep their
+  probabilities for backward (one matrix a sample), longer ones are attended a
+  block of query rows at a time, each block recomputed in backward, and keep
+  nothing of it. So a micro-batch of many one-block samples can hold more than
+  one of a single long sample: :func:`estimate_step_bytes` (what the planner
+  uses) is the larger over the sample lengths up to ``seq_len`` where each
+  regime peaks;
 - the target's head: its draft-vocabulary logits (kept for every unrolled
   step), its distribution over them (kept unless the loss runs in chunks),
   and one chunk of its full-vocabulary logits while they are computed;
@@ -19,7 +27,7 @@ and the optimizer state already there):
   :mod:`eagle3_assets.core.draft.model` and :mod:`.loss` (norms, the 2·H
   attention input, q/k/v and their rotations, the keys and values of every
   earlier step copied for the grouped heads, the attention probabilities over
-  T + k keys, the MLP's four I-wide tensors, the logits' log-softmax and the
+  T + k keys (a sample of one block or less), the MLP's four I-wide tensors, the logits' log-softmax and the
   target distribution's shifted copy). With ``activation_checkpointing`` only
   each step's inputs stay (its state, key and value), plus one step's
   activations while it is recomputed; with ``loss_chunk_tokens`` the
@@ -27,7 +35,8 @@ and the optimizer state already there):
 - the last step's own transient, at whichever of two moments is larger: at
   its attention, two more tensors of its probabilities' size (the masked
   scores and softmax's input in forward; the probabilities' gradient and its
-  slices' full-width buffer in backward) while its MLP and loss are not yet
+  slices' full-width buffer in backward; a blocked sample: three of its
+  widest block's, nothing being kept) while its MLP and loss are not yet
   (or no longer) alive; at its loss, its vocabulary-wide transients (the
   logits and a product; chunked, one chunk's logits, distribution and
   gradient).
@@ -50,7 +59,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from eagle3_assets.core.draft.model import DraftConfig
+from eagle3_assets.core.draft.model import ATTENTION_BLOCK, DraftConfig
 from eagle3_assets.core.draft.model_mla import MLADraftConfig
 from eagle3_assets.core.training.losses import training_loss
 
@@ -72,7 +81,7 @@ class StepShape:
     vocab: int  # the target's
     draft_vocab: int
     tokens: int  # padded tokens of the micro-batch
-    seq_len: int  # its padded width (attention is seq_len wide per token)
+    seq_len: int  # its samples' length, its padded width (attention is seq_len wide per token; blocked past ATTENTION_BLOCK)
     ttt_steps: int
     activation_bytes: int = FLOAT32  # 2 under bf16 autocast
     activation_checkpointing: bool = False
@@ -114,6 +123,11 @@ class StepShape:
     def lm_head_parameters(self) -> int:
         return self.draft_vocab * self.hidden
 
+    @property
+    def blocked_attention(self) -> bool:
+        """Its samples are attended a block of query rows at a time, each recomputed in backward: no probabilities kept."""
+        return self.seq_len > ATTENTION_BLOCK
+
 
 def mla_attention_parameters(draft: MLADraftConfig) -> int:
     """The MLA form's attention weights: low-rank query, joint KV latent with the shared rotary key, their norms, o."""
@@ -137,10 +151,11 @@ def step_activation_terms(shape: StepShape, k: int, tokens: int | None = None) -
         "attention_projections": (4 * q + 4 * kv) * a,
         # every earlier step's key and value copied to the query heads (grouped-query attention)
         "grouped_kv_copies": 2 * (k + 1) * q * a,
-        # the attention probabilities over the sequence and the chain's k earlier keys, in float32
-        "attention_probabilities": s.heads * (s.seq_len + k) * FLOAT32,
-        # the negated causal mask the masked scores keep for backward: one byte a key, for all heads
-        "causal_mask": s.seq_len,
+        # the attention probabilities over the sequence and the chain's k earlier keys, in float32 (a blocked sample
+        # keeps none: each block is recomputed in backward)
+        "attention_probabilities": 0 if s.blocked_attention else s.heads * (s.seq_len + k) * FLOAT32,
+        # the negated causal mask the masked scores keep for backward: one byte a key, for all heads (blocked: none)
+        "causal_mask": 0 if s.blocked_attention else s.seq_len,
         # the MLP: gate, its SiLU, up, their product
         "mlp": 4 * s.intermediate * a,
         # the MLA form's latents: the projection's output and its norm's float32 input and value
@@ -208,8 +223,15 @@ def estimate_terms(shape: StepShape) -> dict[str, int]:
     # are. peak_of takes the larger.
     # (What is not alive is counted here from the shape, not from the terms above: each term stays on its own, so
     # that the test of what each is worth can drop one and see the estimate fall by it.)
+    # A blocked sample keeps nothing of its attention; the moment holds its widest block's three tensors (in forward the
+    # masked scores, softmax's input and the probabilities; in backward the recomputed probabilities, their gradient and
+    # the full-width buffer) for every row of the micro-batch, and the block's mask and its negation (a byte a key).
     last = s.ttt_steps - 1
-    attention = 2 * n * s.heads * (s.seq_len + last) * FLOAT32 + n * s.seq_len
+    if s.blocked_attention:
+        rows, (block_rows, block_keys) = math.ceil(n / s.seq_len), widest_attention_block(s.seq_len)
+        attention = 3 * rows * s.heads * block_rows * (block_keys + last) * FLOAT32 + 2 * block_rows * block_keys
+    else:
+        attention = 2 * n * s.heads * (s.seq_len + last) * FLOAT32 + n * s.seq_len
     loss = training_loss(s.loss)
     after_attention = n * (4 * s.intermediate * a + (0 if s.loss_chunk_tokens else loss.kept_tensors * s.draft_vocab * FLOAT32))
     terms["attention_transient"] = max(0, attention - after_attention)
@@ -233,12 +255,24 @@ def peak_of(terms: dict[str, int]) -> dict[str, int]:
     return parts
 
 
-def estimate_step_bytes(shape: StepShape) -> dict[str, int]:
-    """The step's peak, by part (bytes); ``total`` is the fixed parts plus the larger of the two phases.
+def widest_attention_block(seq_len: int) -> tuple[int, int]:
+    """(query rows, step-0 keys) of the block of a blocked ``seq_len``-token sample whose scores are the largest."""
+    blocks = [(min(ATTENTION_BLOCK, seq_len - start), min(start + ATTENTION_BLOCK, seq_len)) for start in range(0, seq_len, ATTENTION_BLOCK)]
+    return max(blocks, key=lambda block: block[0] * block[1])
 
-    The two phases: the target's head (one full-vocabulary chunk) and the draft's forward and backward.
+
+def estimate_step_bytes(shape: StepShape) -> dict[str, int]:
+    """The peak of a step over ``shape.tokens`` tokens of samples up to ``shape.seq_len`` long, by part (bytes).
+
+    ``total`` is the fixed parts plus the larger of the two phases: the target's head (one full-vocabulary chunk) and
+    the draft's forward and backward. Past ATTENTION_BLOCK the attention of longer samples costs less than that of
+    one-block samples (which keep their probabilities): the estimate is the larger of samples of ``seq_len`` tokens,
+    of one block, and of one token more (the blocked regime's widest per token), each a :func:`peak_of` its
+    :func:`estimate_terms`.
     """
-    return peak_of(estimate_terms(shape))
+    lengths = sorted({shape.seq_len, min(shape.seq_len, ATTENTION_BLOCK), min(shape.seq_len, ATTENTION_BLOCK + 1)})
+    estimates = [peak_of(estimate_terms(replace_shape(shape, seq_len=length))) for length in lengths]
+    return max(estimates, key=lambda parts: parts["total"])
 
 
 def free_memory_bytes(device) -> tuple[int, int]:
