@@ -30,6 +30,7 @@ only the code location's load is tried for real, in a fresh interpreter.
 from __future__ import annotations
 
 import ast
+import functools
 import os
 import subprocess
 import sys
@@ -218,6 +219,17 @@ def chain_height(graph: dict[str, set[str]]) -> int:
     return max(map(height, graph), default=0)
 
 
+@functools.cache
+def platform_graph() -> dict[str, set[str]]:
+    """This checkout's graph, read once for the tests that read it (each read parses every module)."""
+    return import_graph(REPO, "eagle3_assets")
+
+
+@functools.cache
+def platform_assets() -> frozenset[str]:
+    return frozenset(asset_modules(REPO, "eagle3_assets"))
+
+
 def test_cores_folders_import_only_the_layers_below_them():
     """Before issue 40, ``core/gpu_host/stage_jobs.py`` held every stage's job: extraction, training and evaluation
     imported it and it imported them (folders in one cycle, 12 imports inside it). Mutation: add
@@ -225,7 +237,7 @@ def test_cores_folders_import_only_the_layers_below_them():
     naming ``core.gpu_host.remote -> core.extraction.job (extraction is not below gpu_host)``; or the other way, add
     ``from eagle3_assets.core.gpu_host import stage_requirements`` to ``core/extraction/shard_record.py``: it names
     ``(gpu_host is not below extraction)``."""
-    graph = import_graph(REPO, "eagle3_assets")
+    graph = platform_graph()
     folders = {core_folder(m) for m in graph} - {None}
     placed = {f for layer in CORE_LAYERS for f in layer}
     assert folders == placed, f"core's folders and CORE_LAYERS differ: unplaced {sorted(folders - placed)}, gone {sorted(placed - folders)}"
@@ -257,7 +269,7 @@ def test_the_layer_rule_names_sideways_upward_and_outward_imports(tmp_path):
 
 
 def test_no_import_cycle_among_the_platforms_modules():
-    graph = import_graph(REPO, "eagle3_assets")
+    graph = platform_graph()
     assert len(graph) > 50 and sum(map(len, graph.values())) > 100, "the graph was not read (wrong root?)"
     found = cycles(graph)
     assert found == [], "import cycles (each line: modules that import one another, directly or not):\n" + "\n".join(
@@ -266,8 +278,8 @@ def test_no_import_cycle_among_the_platforms_modules():
 
 
 def test_no_asset_module_imports_another():
-    graph = import_graph(REPO, "eagle3_assets")
-    assets = asset_modules(REPO, "eagle3_assets")
+    graph = platform_graph()
+    assets = set(platform_assets())
     assert {"eagle3_assets.prompts", "eagle3_assets.hidden_states", "eagle3_assets.deployed_draft"} <= assets, assets
     found = asset_imports(graph, assets)
     assert found == [], (
@@ -334,7 +346,7 @@ def test_asset_modules_and_stages_only_adapt_the_gates_core_declares():
     adapts the table (``CHECKS = AssetChecks(...)``) and a stage reports the declared severity. Mutations: give
     ``capacity_plan`` an ``AssetCheckSpec`` of its own, or report ``severity="WARN"`` from ``stages/evaluate_draft.py``:
     this test names the line."""
-    found = hand_made_checks(REPO, "eagle3_assets", asset_modules(REPO, "eagle3_assets"))
+    found = hand_made_checks(REPO, "eagle3_assets", set(platform_assets()))
     assert found == [], "gates declared or checks built outside core's gates.py and check_results.py:\n" + "\n".join(found)
 
 
@@ -352,7 +364,7 @@ def test_the_code_location_loads_without_the_ml_packages():
 
 
 if __name__ == "__main__":
-    graph = import_graph(REPO, "eagle3_assets")
+    graph = platform_graph()
     print(f"modules {len(graph)}, imports {sum(map(len, graph.values()))}, longest import chain {chain_height(graph)} modules")
     print(f"core: {len(CORE_LAYERS)} layers of {sum(map(len, CORE_LAYERS))} folders")
     up = upward_imports(graph, CORE_LAYERS)
