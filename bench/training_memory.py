@@ -6,12 +6,15 @@ default loss and an LK loss, the memory settings on and off, it measures one
 optimizer step's peak on the CPU as tests/test_training_memory.py does (the
 profiler's allocator events plus the tensors alive before the step, each case
 in a fresh interpreter, float32, one thread) and prints it beside
-``core/training/memory.py``'s estimate, their ratio, and the attention
-probabilities' share of the estimate. The draft is narrow (hidden 128, 2
-query heads over 1 key/value head, depth 3, draft vocabulary 1,200) so that
-an 8,192-token step runs in about a minute and the attention terms are most
-of the peak, as they are at Kimi width (``--shares`` prints each term's share
-there).
+``core/training/memory.py``'s estimate of that micro-batch (``peak_of`` its
+``estimate_terms``), their ratio, and the attention terms' share of the
+estimate; and the planner's figure for the same tokens (``estimate_step_bytes``:
+the larger of samples of that length and of one attention block, whose
+probabilities are kept). Past 1,024 tokens the attention is blocked
+(core/draft/model.py). The draft is narrow (hidden 128, 8 query heads of 16
+over 1 key/value head, depth 3, draft vocabulary 1,200) so that an
+8,192-token step runs in under two minutes and the attention terms are about
+half of the peak or more (``--shares`` prints each term's share at Kimi width).
 
     .venv/bin/python bench/training_memory.py                       # the grid in docs/performance.md
     .venv/bin/python bench/training_memory.py --tokens 2048 --losses kl
@@ -52,10 +55,10 @@ def main() -> None:
     if args.shares:
         return
 
-    from eagle3_assets.core.training.memory import estimate_step_bytes, estimate_terms
+    from eagle3_assets.core.training.memory import estimate_step_bytes, estimate_terms, peak_of
 
     print(f"\nMeasured (CPU, float32, 1 thread, each case in a fresh interpreter), draft {LONG_DRAFT}, ttt_steps {args.ttt}:")
-    print(f"  {'tokens':>6} {'settings':>8} {'loss':>9} {'estimate MB':>12} {'peak MB':>9} {'estimate/peak':>13} {'attention share':>15} {'s':>5}")
+    print(f"  {'tokens':>6} {'settings':>8} {'loss':>9} {'estimate MB':>12} {'peak MB':>9} {'estimate/peak':>13} {'attention share':>15} {'planner MB':>10} {'s':>5}")
     for tokens in args.tokens:
         for on in args.settings:
             for loss in args.losses:
@@ -64,10 +67,11 @@ def main() -> None:
                 with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
                     measured = pool.submit(measure_in_this_process, 1, tokens, settings, "llama", LONG_DRAFT, args.ttt).result()
                 elapsed = time.monotonic() - started
-                estimate = estimate_step_bytes(shape)["total"]
                 terms = estimate_terms(shape)
+                estimate = peak_of(terms)["total"]
+                planner = estimate_step_bytes(shape)["total"]
                 attention = (terms["attention_probabilities"] + terms["attention_transient"]) / estimate
-                print(f"  {tokens:>6} {on:>8} {loss:>9} {estimate / 1e6:12.1f} {measured / 1e6:9.1f} {estimate / measured:13.3f} {attention:15.2f} {elapsed:5.0f}", flush=True)
+                print(f"  {tokens:>6} {on:>8} {loss:>9} {estimate / 1e6:12.1f} {measured / 1e6:9.1f} {estimate / measured:13.3f} {attention:15.2f} {planner / 1e6:10.1f} {elapsed:5.0f}", flush=True)
 
 
 if __name__ == "__main__":
