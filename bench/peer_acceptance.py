@@ -18,6 +18,9 @@ over N seeds each:
   default norm flags, Muon at lr 1e-3 with AdamW (torch's betas) on the rest,
   a linear schedule with 1% warm-up, 20 epochs, 8,192 tokens per packed batch
   (``SPECULATORS_RECIPE`` in bench/peer/train_speculators.py);
+- ``peer-own-optimizer``: its optimizer and schedule (as ``peer-own``) on our
+  recipe's micro-batches and epochs, so as many optimizer steps as ours: on a
+  small set, 8,192-token batches leave its defaults few steps to learn in;
 
 the peer in its own environment (``make peer-env``) through
 ``bench/peer/train_speculators.py``, which reads the same shards and vocabulary
@@ -55,9 +58,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 PEER_SCRIPT = REPO / "bench" / "peer" / "train_speculators.py"
-PEER_VARIANTS = {"peer-defaults": "defaults", "peer-plain": "plain", "peer-own": "defaults"}  # the draft's norm flags
-# The peer variants trained on speculators' own recipe rather than the platform's (train_speculators --recipe speculators).
-PEER_OWN_RECIPE = {"peer-own"}
+PEER_VARIANTS = {"peer-defaults": "defaults", "peer-plain": "plain", "peer-own": "defaults", "peer-own-optimizer": "defaults"}  # norm flags
+# The peer variants trained on speculators' own recipe, or its optimizer and schedule, rather than the platform's
+# (train_speculators --recipe).
+PEER_OWN_RECIPE = {"peer-own": "speculators", "peer-own-optimizer": "speculators-optimizer"}
 DONE = "bench_run.json"  # written last into a finished draft directory
 
 
@@ -85,7 +89,7 @@ def parser() -> argparse.ArgumentParser:
         help="how vLLM's draft proposes (speculative_config): its argmax (vLLM's default) or a sample of its distribution",
     )  # fmt: skip
     p.add_argument("--ttt-steps", type=int, default=3, help="training depth of both trainers (P5c is defined at 3)")
-    p.add_argument("--variants", nargs="+", default=["ours", *PEER_VARIANTS], help="ours, peer-defaults, peer-plain, peer-own, and --ours-variant labels")
+    p.add_argument("--variants", nargs="+", default=["ours", "peer-defaults", "peer-plain", "peer-own"], help="ours, the peer variants above (peer-plain, peer-own-optimizer too), and --ours-variant labels")
     p.add_argument("--ours-setting", action="append", default=[], metavar="KEY=VALUE", help="a TrainConfig setting of ours (repeatable)")
     p.add_argument(
         "--ours-variant", action="append", default=[], metavar="LABEL:KEY=VALUE[,KEY=VALUE]",
@@ -216,7 +220,7 @@ def train_peer(label: str, seed: int, recipe: dict, shards: list[Path], vocab: P
         "--epochs", str(recipe["epochs"]), "--lr", str(recipe["learning_rate"]), "--warmup-ratio", str(recipe["warmup_ratio"]),
         "--scheduler", "cosine", "--ttt-steps", str(recipe["ttt_steps"]), "--total-seq-len", str(recipe["batch_tokens"]),
         "--max-seq-len", str(recipe["max_seq_len"]), "--betas", *map(str, recipe["betas"]),
-        "--recipe", "speculators" if label in PEER_OWN_RECIPE else "caller",
+        "--recipe", PEER_OWN_RECIPE.get(label, "caller"),
     ]  # fmt: skip
     log_path = work / "logs" / f"{label}-seed{seed}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -235,7 +239,7 @@ def train_peer(label: str, seed: int, recipe: dict, shards: list[Path], vocab: P
 
 def peer_settings(label: str) -> str | list[str]:
     """What a peer variant's drafts depend on beyond the shared inputs (kept as before for the variants on our recipe)."""
-    return [PEER_VARIANTS[label], "speculators-recipe"] if label in PEER_OWN_RECIPE else PEER_VARIANTS[label]
+    return [PEER_VARIANTS[label], f"{PEER_OWN_RECIPE[label]}-recipe"] if label in PEER_OWN_RECIPE else PEER_VARIANTS[label]
 
 
 def summary(values: list[float]) -> dict:
@@ -438,7 +442,7 @@ def main() -> None:
         for label in args.variants
     }  # fmt: skip
     comparison = compare(figures)
-    own = compare(figures, peer="peer-own")
+    own = {label: compare(figures, peer=label) for label in PEER_OWN_RECIPE if label in figures}
     table = render(figures, args.k, len(conversations), args.seeds, temperature=args.temperature, draft_sample_method=args.draft_sample_method)
     print("\n" + table)
     if comparison:
@@ -447,9 +451,9 @@ def main() -> None:
               f"both at depth {args.ttt_steps}): {comparison['p5c']:.3f} (goal >= 1.0)")  # fmt: skip
         spread_note = " (one seed: no spread, so any shortfall counts)" if args.seeds == 1 else ""
         print(f"positions where ours is below the peer by more than the seeds' spread{spread_note}: " + (", ".join(str(b["position"]) for b in below) or "none"))
-    if own:
-        print(f"ours / speculators at its own defaults (its recipe: Muon lr 1e-3, linear, 8,192-token batches; ours on the demo's), "
-              f"mean acceptance at k = {args.k}: {own['p5c']:.3f}")  # fmt: skip
+    for label, against in own.items():
+        recipe_of = "its whole recipe: Muon lr 1e-3, linear, 8,192-token batches" if label == "peer-own" else "its optimizer and schedule on our batches"
+        print(f"ours / speculators at its own defaults ({recipe_of}; ours on its own recipe), mean acceptance at k = {args.k}: {against['p5c']:.3f}")
     report = {
         **report, "measured": measured, "figures": figures, "comparison": comparison, "against_peer_own": own, "table": table,
         "k": args.k, "temperature": args.temperature, "draft_sample_method": args.draft_sample_method, "seeds": args.seeds, "ttt_steps": args.ttt_steps, "recipe": recipe, "ours_variants": ours_variants,

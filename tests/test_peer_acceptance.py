@@ -115,5 +115,7 @@ def test_the_peer_at_its_own_defaults_trains_on_speculators_recipe_whatever_the_
     assert (own["optimizer"], own["lr"], own["scheduler"], own["total_seq_len"], own["warmup_ratio"], own["betas"]) == ("muon", 1e-3, "linear", 8192, None, None)
     caller = train_speculators.resolved_recipe(train_speculators.parser().parse_args(ours))
     assert (caller["optimizer"], caller["lr"], caller["scheduler"], caller["total_seq_len"]) == ("adamw", 3e-3, "cosine", 1024)
-    # The bench asks for it by that label, and only for that label.
-    assert peer_acceptance.PEER_OWN_RECIPE == {"peer-own"} and "peer-own" in peer_acceptance.PEER_VARIANTS
+    # The bench asks for them by these labels only; the optimizer-only variant keeps the caller's batches.
+    assert set(peer_acceptance.PEER_OWN_RECIPE) == {"peer-own", "peer-own-optimizer"} <= set(peer_acceptance.PEER_VARIANTS)
+    optimizer_only = train_speculators.resolved_recipe(train_speculators.parser().parse_args([*ours, "--recipe", "speculators-optimizer"]))
+    assert (optimizer_only["optimizer"], optimizer_only["lr"], optimizer_only["scheduler"], optimizer_only["total_seq_len"]) == ("muon", 1e-3, "linear", 1024)

@@ -23,7 +23,9 @@ the four norm flags off, plain EAGLE-3 as vLLM's native form has it. The
 recipe (epochs, learning rate, warm-up, schedule, depth, tokens per packed
 micro-batch, AdamW betas) is given by the caller: the platform's; or, with
 ``--recipe speculators``, speculators' own training defaults (Muon at lr 1e-3,
-linear schedule, 1% warm-up, 8,192 tokens per packed batch: ``SPECULATORS_RECIPE``).
+linear schedule, 1% warm-up, 8,192 tokens per packed batch: ``SPECULATORS_RECIPE``);
+``--recipe speculators-optimizer``: its optimizer and schedule on the caller's
+batches and epochs (the optimizer apart from the step count its batch size gives).
 
 On a CPU: eager attention and speculators' eager losses (FlexAttention's
 backward and the fused losses need CUDA); its trainer is run on the CPU with
@@ -73,8 +75,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="where the trained draft (speculators' format) is written")
     p.add_argument("--settings", choices=sorted(SETTINGS), default="defaults")
     p.add_argument(
-        "--recipe", choices=["caller", "speculators"], default="caller",
-        help="caller: the flags below (the platform's recipe); speculators: its CLI's own training defaults, the flags ignored",
+        "--recipe", choices=["caller", "speculators", "speculators-optimizer"], default="caller",
+        help="caller: the flags below (the platform's recipe); speculators: its CLI's own training defaults, the flags ignored; "
+        "speculators-optimizer: its optimizer and schedule, on the caller's --total-seq-len and --epochs",
     )  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--epochs", type=int, default=20)
@@ -141,6 +144,8 @@ def resolved_recipe(args: argparse.Namespace) -> dict:
     """The recipe this run trains with: the caller's flags, or speculators' own defaults in their place."""
     if args.recipe == "speculators":
         return dict(SPECULATORS_RECIPE)
+    if args.recipe == "speculators-optimizer":  # the optimizer alone: as many steps over the same batches as the caller's
+        return {**SPECULATORS_RECIPE, "total_seq_len": args.total_seq_len, "epochs": args.epochs}
     return {
         "optimizer": args.optimizer, "lr": args.lr, "epochs": args.epochs, "scheduler": args.scheduler, "warmup_ratio": args.warmup_ratio,
         "total_seq_len": args.total_seq_len, "ttt_steps": args.ttt_steps, "betas": list(args.betas),
