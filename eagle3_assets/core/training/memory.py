@@ -45,7 +45,8 @@ Each of these is a named term (:func:`estimate_terms`); :func:`peak_of` adds
 them up. It is an estimate (allocator rounding and fragmentation are not in
 it): tests/test_training_memory.py holds it to the peak measured on the CPU at
 64 to 2,048 tokens, and fails when any term worth 5 % of the estimate at Kimi
-width is dropped; bench/training_memory.py measures 2,048 to 8,192 tokens.
+width is dropped (but the four its NOT_SHOWN_NEEDED names, with why);
+bench/training_memory.py measures 2,048 to 8,192 tokens.
 :func:`plan_micro_batch` compares it with the device's free memory (CUDA:
 ``torch.cuda.mem_get_info``; CPU: the available RAM) times
 ``memory_fraction``, splits the micro-batch (raising ``grad_accumulation`` so
