@@ -148,8 +148,9 @@ def step_activation_terms(shape: StepShape, k: int, tokens: int | None = None) -
     per_token = {
         # norms keep their float32 input and normalised value; the 2·H attention input; residual, MLP input, state
         "norms": 11 * s.hidden * FLOAT32,
-        # q, k, v, their rotations and rotated copies, the attention output before o_proj
-        "attention_projections": (4 * q + 4 * kv) * a,
+        # the rotated q and k, v, the attention output before o_proj (the rotations keep only their cos and sin: a
+        # product with a tensor that takes no gradient keeps that tensor, not the other; measured, issue 39)
+        "attention_projections": (2 * q + 2 * kv) * a,
         # every earlier step's key and value copied to the query heads (grouped-query attention)
         "grouped_kv_copies": 2 * (k + 1) * q * a,
         # the attention probabilities over the sequence and the chain's k earlier keys, in float32 (a blocked sample
