@@ -165,8 +165,8 @@ KVCache = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 # Query rows of one sample that chain attention computes at once, each block recomputed in backward, for a sample
-# longer than this; a sample of at most this many tokens takes the one-matrix path (the demo's ~55-token samples
-# train exactly as before). Why 1,024: at Kimi width (64 heads) one block's float32 scores over an 8,192-token sample
+# longer than this; a sample of at most this many tokens takes the one-matrix path (short samples, such as the tiny target's ~55-token
+# ones, train exactly as before). Why 1,024: at Kimi width (64 heads) one block's float32 scores over an 8,192-token sample
 # are 64 x 1,024 x 8,198 x 4 B = 2.1 GB, and the step holds about three of them at once (scores, softmax's input,
 # probabilities; in backward the probabilities, their gradient and the full-width buffer), 6.4 GB where the whole
 # matrix was three times 17 GB; a block's products ([1,024 x 128] @ [128 x T] a head) stay large enough to run at a
