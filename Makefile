@@ -31,7 +31,8 @@ $(VENV)/.installed: pyproject.toml $(LOCK)
 lock:
 	$(PY) scripts/lock.py --python $(PY) --output $(LOCK)
 
-$(DAGSTER_HOME)/dagster.yaml:
+# Made again from its template when the template changes (a module it names moved, a new setting).
+$(DAGSTER_HOME)/dagster.yaml: deploy/dagster-dev.yaml
 	mkdir -p $(DAGSTER_HOME)
 	cp deploy/dagster-dev.yaml $@
 
@@ -52,7 +53,7 @@ tensorboard: install
 dev: install $(DAGSTER_HOME)/dagster.yaml
 	$(PY) -c 'from dagster import DagsterInstance; from resources.vllm_server import ensure_generation_pool_limit as f; f(DagsterInstance.get())'
 	$(PY) -c 'from dagster import DagsterInstance; from resources.gpu_host import ensure_gpu_pool_limit as f; f(DagsterInstance.get())'
-	$(PY) -c 'from dagster import DagsterInstance; from eagle3_assets.local_runs import fail_dead_runs as f; f(DagsterInstance.get())'
+	$(PY) -c 'from dagster import DagsterInstance; from eagle3_assets.glue.local_runs import fail_dead_runs as f; f(DagsterInstance.get())'
 	$(VENV)/bin/dagster dev -w workspace.yaml -h 127.0.0.1 -p 3000
 
 # The demo's vLLM server in the foreground, for materialising from the UI.

@@ -59,7 +59,7 @@ def body_time_s(instance, dataset, runs: int) -> float:
     """The asset body alone: ``prompts`` invoked directly, no run, median of ``runs``."""
     from dagster import build_asset_context
 
-    from eagle3_assets.prompts import prompts
+    from eagle3_assets.defs.prompts import prompts
 
     times = []
     logging.disable(logging.INFO)  # the asset's own log lines are not the figures
@@ -74,7 +74,7 @@ def body_time_s(instance, dataset, runs: int) -> float:
 def in_process_run_s(instance, dataset, runs: int) -> float:
     from dagster import materialize
 
-    from eagle3_assets.prompts import prompts
+    from eagle3_assets.defs.prompts import prompts
 
     times = []
     for _ in range(runs + 1):
@@ -123,7 +123,7 @@ def launched_run(dev, instance, run_config: dict) -> dict[str, float]:
 def p6(root: Path, runs: int) -> None:
     from dagster import DagsterInstance
 
-    from eagle3_assets.partitions import register_shards
+    from eagle3_assets.glue.partitions import register_shards
     from resources.prompt_dataset import PromptDataset
     from tests.dagster_dev import DagsterDev
 
@@ -160,7 +160,7 @@ def p7(root: Path, shards: int) -> None:
 
     from eagle3_assets.core.orchestration.backfill_client import PER_SHARD_ASSETS
     from eagle3_assets.definitions import defs
-    from eagle3_assets.partitions import register_shards
+    from eagle3_assets.glue.partitions import register_shards
     from tests.dagster_dev import DagsterDev
 
     env = {"EAGLE3_DATA_DIR": os.environ["EAGLE3_DATA_DIR"], "EAGLE3_PROMPTS": "demo"}

@@ -39,8 +39,8 @@ def backfill(keys: list[str], shards_per_run: int, target: Path, backend: str) -
 
     from eagle3_assets.core.extraction.shard_record import engine_builds
     from eagle3_assets.core.storage.shard_paths import data_dir
-    from eagle3_assets.hidden_states import HiddenStatesConfig, hidden_states
-    from eagle3_assets.partitions import register_shards
+    from eagle3_assets.defs.hidden_states import HiddenStatesConfig, hidden_states
+    from eagle3_assets.glue.partitions import register_shards
     from resources.gpu_host import GPUHost
     from resources.target_model import TargetModel
 

@@ -98,7 +98,7 @@ def live_runs_sampler(home: Path, stop: threading.Event, most: list[int]) -> Non
 def one_backfill(args, per_run: int, shards: int, root: Path, prompts_path: Path) -> dict:
     from dagster import DagsterInstance, DagsterRunStatus, RunsFilter
 
-    from eagle3_assets.partitions import register_shards
+    from eagle3_assets.glue.partitions import register_shards
     from resources.prompt_dataset import PromptDataset
     from resources.vllm_server import ensure_generation_pool_limit
 

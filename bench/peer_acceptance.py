@@ -150,7 +150,7 @@ def default_eval_prompts(data: Path, work: Path) -> Path:
     the rows the ``prompts`` asset held out of training (a target configured with ``holdout_share``), written to ``work``."""
     from eagle3_assets.core.prompts.heldout import held_out_prompts
     from eagle3_assets.core.storage.files import write_bytes_atomic
-    from eagle3_assets.draft_evaluation import DraftEvaluationConfig
+    from eagle3_assets.defs.draft_evaluation import DraftEvaluationConfig
 
     report = data / "draft_evaluation" / "report.json"
     named = json.loads(report.read_text()).get("eval_prompts") if report.is_file() else None

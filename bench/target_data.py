@@ -44,9 +44,9 @@ def main() -> int:
     from eagle3_assets.core.serving.vllm_launcher import VLLMServer
     from eagle3_assets.demo.plugin import SAMPLING
     from eagle3_assets.graph import PER_SHARD_ASSETS, deployment_resources
-    from eagle3_assets.local_runs import fail_dead_runs
-    from eagle3_assets.partitions import register_shards
-    from eagle3_assets.vocab_mapping import VocabMappingConfig, vocab_mapping
+    from eagle3_assets.glue.local_runs import fail_dead_runs
+    from eagle3_assets.glue.partitions import register_shards
+    from eagle3_assets.defs.vocab_mapping import VocabMappingConfig, vocab_mapping
     from resources.gpu_host import ensure_gpu_pool_limit
     from resources.prompt_dataset import PromptDataset
     from resources.target_model import TargetModel

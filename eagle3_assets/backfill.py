@@ -63,7 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         registered = client.registered_shards(args.assets)
         if args.all:
             if not registered:
-                raise BackfillError("no shard is registered yet (eagle3_assets.partitions.register_shards or the new_prompt_shards sensor)")
+                raise BackfillError("no shard is registered yet (eagle3_assets.glue.partitions.register_shards or the new_prompt_shards sensor)")
             shards = registered
         else:
             requested = args.shards if args.shards is not None else _read_shards_file(args.shards_file)

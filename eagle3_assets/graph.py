@@ -10,17 +10,17 @@ from __future__ import annotations
 from dagster import Definitions, in_process_executor
 
 from eagle3_assets.core.prompts.sharding import PER_SHARD_ASSETS as PER_SHARD_ASSET_NAMES
-from eagle3_assets.capacity_plan import capacity_plan, plan_capacity_job
-from eagle3_assets.deployed_draft import deployed_draft
-from eagle3_assets.draft_checkpoint import draft_checkpoint
-from eagle3_assets.draft_evaluation import draft_evaluation
-from eagle3_assets.gpu_host_ready import gpu_host_ready_job
-from eagle3_assets.hidden_states import hidden_states
-from eagle3_assets.prompts import prompts
-from eagle3_assets.raw_responses import raw_responses
-from eagle3_assets.retire import retire_shards_job
-from eagle3_assets.validated_traces import validated_traces
-from eagle3_assets.vocab_mapping import vocab_mapping
+from eagle3_assets.defs.capacity_plan import capacity_plan, plan_capacity_job
+from eagle3_assets.defs.deployed_draft import deployed_draft
+from eagle3_assets.defs.draft_checkpoint import draft_checkpoint
+from eagle3_assets.defs.draft_evaluation import draft_evaluation
+from eagle3_assets.defs.gpu_host_ready import gpu_host_ready_job
+from eagle3_assets.defs.hidden_states import hidden_states
+from eagle3_assets.defs.prompts import prompts
+from eagle3_assets.defs.raw_responses import raw_responses
+from eagle3_assets.defs.retire_shards import retire_shards_job
+from eagle3_assets.defs.validated_traces import validated_traces
+from eagle3_assets.defs.vocab_mapping import vocab_mapping
 from resources.alerts import alert_channel_from_env
 from resources.gpu_host import gpu_host_from_env
 from resources.production_servers import ProductionServers

@@ -1,4 +1,4 @@
-"""Retire a sample shard (its files kept, the reason recorded), or restore one: a command and the UI's job.
+"""Retire a sample shard (its files kept, the reason recorded), or restore one, from the command line.
 
 Examples::
 
@@ -8,9 +8,8 @@ Examples::
 
 The command works on the Dagster instance of ``$DAGSTER_HOME`` (``make dev``'s
 ``.dagster``) and the data directory of ``$EAGLE3_DATA_DIR``, as the
-webserver does; the UI's way is the job ``retire_shards`` (Launchpad: the
-shards and the reason), whose run keeps who retired what and why in the run
-log. Either way the shard's partition is deleted (a backfill of every shard no
+webserver does; the UI's way is the job ``retire_shards``
+(:mod:`eagle3_assets.defs.retire_shards`, which this command calls). Either way the shard's partition is deleted (a backfill of every shard no
 longer includes it), its files stay, the new-shards sensor never registers it
 again, and ``vocab_mapping`` / ``draft_checkpoint`` list it among the shards
 left out with its reason. Exit status: 0 done, 2 bad input.
@@ -22,39 +21,10 @@ import sys
 from collections.abc import Sequence
 from typing import Optional
 
-from dagster import Config, DagsterInstance, OpExecutionContext, job, op
-from pydantic import Field
+from dagster import DagsterInstance
 
-from eagle3_assets.core.prompts.retired import record_path, retired_shards
-from eagle3_assets.partitions import restore_shards, retire_shards
-
-
-class RetireShardsConfig(Config):
-    shards: list[str] = Field(description="the shard keys to retire (or restore), e.g. ['shard-00003']")
-    reason: str = Field(default="", description="why (required to retire): shown wherever the shard is left out")
-    restore: bool = Field(default=False, description="take the shards off the retired record and register them again")
-
-
-@op(description="Retire sample shards (files kept, reason recorded) or restore them")
-def retire_shards_op(context: OpExecutionContext, config: RetireShardsConfig) -> None:
-    context.log.info(apply(context.instance, config.shards, config.reason, config.restore))
-
-
-@job(name="retire_shards", description="Retire sample shards: their partitions are deleted, their files kept, the reason recorded (or restore them)")
-def retire_shards_job():
-    retire_shards_op()
-
-
-def apply(instance: DagsterInstance, shards: list[str], reason: str, restore: bool) -> str:
-    """Retire or restore ``shards``; a line that says what changed."""
-    if restore:
-        restored = restore_shards(instance, shards)
-        others = sorted(set(shards) - set(restored))
-        return f"restored {restored or 'nothing'}" + (f"; not retired: {others}" if others else "")
-    added = retire_shards(instance, shards, reason)
-    kept = sorted(set(shards) - set(added))
-    line = f"retired {sorted(added) or 'nothing'} ({reason.strip()}); files kept; record {record_path()}"
-    return line + (f"; already retired: {kept}" if kept else "")
+from eagle3_assets.core.prompts.retired import retired_shards
+from eagle3_assets.defs.retire_shards import apply
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -9,7 +9,7 @@ many shards finished).
 
 from dagster import AssetKey, DefaultSensorStatus, RunRequest, SensorEvaluationContext, SkipReason, sensor
 
-from eagle3_assets.capacity_plan import plan_capacity_job
+from eagle3_assets.defs.capacity_plan import plan_capacity_job
 
 PER_SHARD = ("raw_responses", "validated_traces", "hidden_states")
 

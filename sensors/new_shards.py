@@ -17,7 +17,7 @@ import json
 from dagster import AssetSelection, DefaultSensorStatus, RunRequest, SensorEvaluationContext, SensorResult, SkipReason, sensor
 
 from eagle3_assets.core.settings.environment import AUTO_GENERATE
-from eagle3_assets.partitions import SAMPLE_SHARDS, sample_shards, unregistered
+from eagle3_assets.glue.partitions import SAMPLE_SHARDS, sample_shards, unregistered
 from resources.prompt_dataset import PromptDataset
 
 AUTO_GENERATE_ENV = AUTO_GENERATE.name

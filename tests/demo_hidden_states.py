@@ -157,7 +157,7 @@ def training_inputs(target_dir: Path, data_dir: Path, count: int = 24):
     """Two shards of hidden states and their traces in ``data_dir``, registered in a fresh instance (returned)."""
     from dagster import DagsterInstance
 
-    from eagle3_assets.partitions import register_shards
+    from eagle3_assets.glue.partitions import register_shards
 
     keys = [s.name for s in copy_hidden_states(cached_demo_hidden_states(target_dir, shards=2, count=count), data_dir)]
     write_validated_traces(target_dir, data_dir, keys, count)

@@ -25,10 +25,10 @@ from eagle3_assets.core.storage.journal import ShardJournal
 from eagle3_assets.core.generation.completions import CANARY_ID
 from eagle3_assets.core.generation.response_rules import content_failures
 from eagle3_assets.demo.plugin import DemoTargetModel
-from eagle3_assets.partitions import register_shards
-from eagle3_assets.prompts import prompts
-from eagle3_assets.raw_responses import raw_responses
-from eagle3_assets.validated_traces import validated_traces
+from eagle3_assets.glue.partitions import register_shards
+from eagle3_assets.defs.prompts import prompts
+from eagle3_assets.defs.raw_responses import raw_responses
+from eagle3_assets.defs.validated_traces import validated_traces
 from tests.fault_proxy import FaultProxy
 from tests.test_generation import SHARD, demo_prompts, server_at, shard_rows
 

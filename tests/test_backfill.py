@@ -7,7 +7,7 @@ Only ``prompts`` is backfilled here: it needs no vLLM server, so these tests
 show the mechanism without generation (the UI test backfills generation too).
 A backfill puts all its ``prompts`` shards in one run (a run per contiguous
 range of them), so that a whole-graph backfill requests the generation in full
-ranges (eagle3_assets/prompts.py says why).
+ranges (eagle3_assets/defs/prompts.py says why).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def dev(tmp_path_factory):
     data = root / "data"
     env = {"EAGLE3_DATA_DIR": str(data), "EAGLE3_PROMPTS": "demo", "EAGLE3_SHARD_SIZE": DEMO_SHARD_SIZE}
     with DagsterDev(root / "dagster_home", env, root / "dagster-dev.log") as dev:
-        from eagle3_assets.partitions import register_shards
+        from eagle3_assets.glue.partitions import register_shards
         from eagle3_assets.demo.plugin import DemoPromptDataset
 
         with pytest.MonkeyPatch.context() as patch:
@@ -66,7 +66,7 @@ def test_a_backfill_of_three_shards_materialises_exactly_those_in_one_run(dev):
     shard still recorded as its own partition, and nothing of the shards around them.
 
     Fails on: ``prompts`` without its backfill policy (``backfill_policy=`` removed from its ``multi_asset`` in
-    eagle3_assets/prompts.py): a run per shard, 3 runs.
+    eagle3_assets/defs/prompts.py): a run per shard, 3 runs.
     """
     done = backfill_command(dev, "--shards", ",".join(SHARDS), "--assets", "prompts", "--wait", "--timeout", "1100")
     assert done.returncode == 0, f"{done.stdout}\n{done.stderr}\n--- dagster dev log ---\n{dev.log_tail()}"

@@ -229,7 +229,7 @@ def test_a_streamed_shard_failing_a_gate_stops_training_before_it_learns_from_it
 
 
 def test_bad_mode_settings_are_refused_naming_the_setting(data_dir, tiny_target):
-    from eagle3_assets.draft_checkpoint import DraftTrainingConfig, check_mode, draft_checkpoint
+    from eagle3_assets.defs.draft_checkpoint import DraftTrainingConfig, check_mode, draft_checkpoint
     from resources.gpu_host import GPUHost
     from resources.target_model import TargetModel
 
@@ -253,8 +253,8 @@ def test_bad_mode_settings_are_refused_naming_the_setting(data_dir, tiny_target)
 
 
 def test_the_preflight_estimates_the_window_and_names_the_mode_and_both_numbers(data_dir, tiny_target):
-    from eagle3_assets.draft_checkpoint import STAGE, bounded_requirements
-    from eagle3_assets.hidden_states import HiddenStatesConfig
+    from eagle3_assets.defs.draft_checkpoint import STAGE, bounded_requirements
+    from eagle3_assets.defs.hidden_states import HiddenStatesConfig
     from resources.gpu_host import GPUHost
 
     free = __import__("shutil").disk_usage(data_dir).free
@@ -288,10 +288,10 @@ def test_bounded_mode_through_dagster_records_what_was_streamed_and_materialises
     """draft_checkpoint in bounded mode: the GPU host's stage streams, trains, exports; vLLM loads the draft."""
     from dagster import AssetKey
 
-    from eagle3_assets.draft_checkpoint import DraftTrainingConfig, draft_checkpoint, streamed_data_version
-    from eagle3_assets.hidden_states import HiddenStatesConfig
-    from eagle3_assets.partitions import register_shards
-    from eagle3_assets.vocab_mapping import VocabMappingConfig, vocab_mapping
+    from eagle3_assets.defs.draft_checkpoint import DraftTrainingConfig, draft_checkpoint, streamed_data_version
+    from eagle3_assets.defs.hidden_states import HiddenStatesConfig
+    from eagle3_assets.glue.partitions import register_shards
+    from eagle3_assets.defs.vocab_mapping import VocabMappingConfig, vocab_mapping
     from resources.gpu_host import GPUHost
     from resources.target_model import TargetModel
 

@@ -14,8 +14,8 @@ import polars as pl
 import pytest
 from dagster import DagsterInstance, RunConfig, build_asset_context, materialize
 
-from eagle3_assets.capacity_facts import refuse_unless_run_fits, volume_at
-from eagle3_assets.capacity_plan import capacity_plan
+from eagle3_assets.glue.capacity_facts import refuse_unless_run_fits, volume_at
+from eagle3_assets.defs.capacity_plan import capacity_plan
 from eagle3_assets.core.extraction.state_layout import FP8_DTYPE, bytes_per_token
 from eagle3_assets.core.planning.capacity import PlanSettings, ShardFacts, Volume, checkpoint_bytes, human, plan_capacity
 from eagle3_assets.core.planning.gates import CAPACITY_GATES, check_run_fits
@@ -23,7 +23,7 @@ from eagle3_assets.core.planning.stage_rates import Rate, measured_rate
 from eagle3_assets.core.prompts.loading import PROMPTS_SCHEMA
 from eagle3_assets.core.storage.files import asset_dir, write_parquet_atomic
 from eagle3_assets.demo.validated_traces import write_validated_traces
-from eagle3_assets.partitions import register_shards
+from eagle3_assets.glue.partitions import register_shards
 from resources.gpu_host import GPUHost
 from resources.prompt_dataset import PromptDataset
 from resources.target_model import TargetModel
@@ -200,7 +200,7 @@ def write_first_shard(data_dir, tiny_target, count: int) -> int:
 
 
 def test_hidden_states_refuses_a_run_larger_than_the_disk_before_its_first_shard(data_dir, tiny_target):
-    from eagle3_assets.hidden_states import HiddenStatesConfig, hidden_states
+    from eagle3_assets.defs.hidden_states import HiddenStatesConfig, hidden_states
 
     tokens = write_first_shard(data_dir, tiny_target, count=256)
     per_shard = tokens * bytes_per_token(64, "float32")
@@ -282,7 +282,7 @@ def test_a_gpu_host_whose_free_space_cannot_be_read_is_refused_unless_the_risk_i
     """
     from dagster import Failure
 
-    from eagle3_assets.capacity_plan import CapacityPlanConfig
+    from eagle3_assets.defs.capacity_plan import CapacityPlanConfig
 
     source = tmp_path / "prompts.jsonl"
     source.write_text("".join(f'{{"id": "p{i}", "messages": [{{"role": "user", "content": "q{i}"}}]}}\n' for i in range(128)))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dagster import AssetCheckKey, AssetKey, DynamicPartitionsDefinition
 
 from eagle3_assets.definitions import defs
-from eagle3_assets.partitions import SAMPLE_SHARDS
+from eagle3_assets.glue.partitions import SAMPLE_SHARDS
 
 PER_SHARD = {"prompts", "raw_responses", "validated_traces", "hidden_states"}
 CHECKS = {

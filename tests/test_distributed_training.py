@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from dagster import AssetKey, RunConfig, materialize
 
-from eagle3_assets.draft_checkpoint import DraftTrainingConfig, draft_checkpoint
-from eagle3_assets.vocab_mapping import VocabMappingConfig, vocab_mapping
+from eagle3_assets.defs.draft_checkpoint import DraftTrainingConfig, draft_checkpoint
+from eagle3_assets.defs.vocab_mapping import VocabMappingConfig, vocab_mapping
 from resources.gpu_host import GPUHost
 from resources.target_model import TargetModel
 from tests.demo_hidden_states import training_inputs

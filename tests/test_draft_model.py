@@ -177,8 +177,8 @@ def test_supervised_token_counts_use_only_the_loss_mask():
 def test_vocab_mapping_asset_counts_every_shard_and_warns_on_low_coverage(tiny_target, data_dir):
     from dagster import AssetCheckSeverity, DagsterInstance, RunConfig, materialize
 
-    from eagle3_assets.partitions import register_shards
-    from eagle3_assets.vocab_mapping import VocabMappingConfig, vocab_mapping
+    from eagle3_assets.glue.partitions import register_shards
+    from eagle3_assets.defs.vocab_mapping import VocabMappingConfig, vocab_mapping
     from resources.target_model import TargetModel
     from tests.demo_hidden_states import write_validated_traces
 

@@ -37,13 +37,13 @@ from eagle3_assets.core.evaluation.acceptance import evaluate, load_conversation
 from eagle3_assets.core.evaluation.prompt_sets import BUILTIN_SETS
 from eagle3_assets.core.evaluation.spread import FROM_RESPONSES
 from eagle3_assets.core.draft.export import config_problems
-from eagle3_assets.draft_evaluation import DraftEvaluationConfig, resolve_eval_prompts
-from eagle3_assets.capacity_plan import capacity_plan
+from eagle3_assets.defs.draft_evaluation import DraftEvaluationConfig, resolve_eval_prompts
+from eagle3_assets.defs.capacity_plan import capacity_plan
 from eagle3_assets.demo.pipeline import demo_resources, materialize_shards, run_whole_dataset
 from eagle3_assets.demo.plugin import SHARD_SIZE, DemoPromptDataset, DemoTargetModel
-from eagle3_assets.draft_checkpoint import DraftTrainingConfig, draft_checkpoint
-from eagle3_assets.partitions import SAMPLE_SHARDS
-from eagle3_assets.vocab_mapping import VocabMappingConfig, vocab_mapping
+from eagle3_assets.defs.draft_checkpoint import DraftTrainingConfig, draft_checkpoint
+from eagle3_assets.glue.partitions import SAMPLE_SHARDS
+from eagle3_assets.defs.vocab_mapping import VocabMappingConfig, vocab_mapping
 from sensors.new_shards import new_prompt_shards
 from eagle3_assets.demo.stack import demo_eval_prompts_path
 

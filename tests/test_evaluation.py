@@ -8,7 +8,7 @@ import pytest
 
 from eagle3_assets.core.evaluation.acceptance import load_conversations, render_positions
 from eagle3_assets.core.serving.vllm_metrics import SpecDecodeCounters
-from eagle3_assets.draft_evaluation import resolve_baseline
+from eagle3_assets.defs.draft_evaluation import resolve_baseline
 from eagle3_assets.core.evaluation.gates import ACCEPTANCE_GATES, check_acceptance_above_floor
 
 PAGE = """# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.

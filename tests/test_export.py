@@ -35,8 +35,8 @@ from eagle3_assets.core.draft.export import (  # fmt: skip
 from eagle3_assets.core.draft.load_check import check_loads_in_vllm
 from eagle3_assets.core.target.head import load_head_weights
 from eagle3_assets.core.training.curves import render_curve
-from eagle3_assets.draft_checkpoint import DraftTrainingConfig
-from eagle3_assets.vocab_mapping import VocabMappingConfig, vocab_mapping
+from eagle3_assets.defs.draft_checkpoint import DraftTrainingConfig
+from eagle3_assets.defs.vocab_mapping import VocabMappingConfig, vocab_mapping
 from resources.gpu_host import GPUHost
 from resources.target_model import TargetModel
 from tests.demo_hidden_states import training_inputs
@@ -174,7 +174,7 @@ def test_draft_checkpoints_gates_judge_the_stages_report_with_the_tables_severit
 
     from dagster import AssetCheckSeverity
 
-    from eagle3_assets.draft_checkpoint import CHECKS
+    from eagle3_assets.defs.draft_checkpoint import CHECKS
 
     report = {"passed": False, "detail": "not tried: config_complete failed", "metadata": {"log": None, "k": 3}}
     evidence = SimpleNamespace(problems=["config.json has no draft_vocab_size"], layer_ids=[1, 2, 3], vllm_report=report, losses=[2.0, 2.5])
@@ -199,7 +199,7 @@ def test_render_curve_draws_every_value_within_its_range():
 @pytest.mark.vllm
 def test_draft_checkpoint_trains_exports_and_passes_its_gates_with_real_vllm(tiny_target, data_dir, tmp_path):
     instance = training_inputs(tiny_target, data_dir)
-    from eagle3_assets.draft_checkpoint import draft_checkpoint
+    from eagle3_assets.defs.draft_checkpoint import draft_checkpoint
 
     run_config = RunConfig(
         ops={

@@ -426,8 +426,8 @@ def test_vllm_backend_writes_8bit_states_through_the_shared_writer_that_pass_the
 
 
 def test_a_planted_nan_fails_states_finite_and_blocks_downstream(data_dir, tiny_target):
-    from eagle3_assets.hidden_states import HiddenStatesConfig, hidden_states
-    from eagle3_assets.partitions import register_shards, sample_shards
+    from eagle3_assets.defs.hidden_states import HiddenStatesConfig, hidden_states
+    from eagle3_assets.glue.partitions import register_shards, sample_shards
     from resources.gpu_host import GPUHost
     from resources.target_model import TargetModel
 

@@ -29,7 +29,7 @@ from eagle3_assets.core.extraction.shard_reading import read_sidecar
 from eagle3_assets.core.extraction.shard_record import engine_builds
 from eagle3_assets.core.storage.shard_lease import lease_path
 from eagle3_assets.core.storage.shard_paths import PART_GLOB, SHARD_RECORD, SIDECAR
-from eagle3_assets.partitions import register_shards
+from eagle3_assets.glue.partitions import register_shards
 from tests.extraction_helpers import in_process_vllm_environment, write_validated_traces
 from tests.hold_point import CallRecord, HoldPoint
 
@@ -52,7 +52,7 @@ def write_shards(data_dir: Path, tiny_target: Path, keys: list[str], per_shard: 
 
 
 def run_range(instance, tiny_target: Path, keys: list[str], **config):
-    from eagle3_assets.hidden_states import HiddenStatesConfig, hidden_states
+    from eagle3_assets.defs.hidden_states import HiddenStatesConfig, hidden_states
     from resources.gpu_host import GPUHost
     from resources.target_model import TargetModel
 
@@ -121,7 +121,7 @@ def test_a_run_of_twenty_shards_loads_the_target_once_and_a_rerun_loads_it_never
     ...TransformersBackend.__init__ for a run of 20 shards" (run with the
     transformers backend).
     """
-    from eagle3_assets.hidden_states import SHARDS_PER_RUN, hidden_states
+    from eagle3_assets.defs.hidden_states import SHARDS_PER_RUN, hidden_states
 
     assert hidden_states.backfill_policy.max_partitions_per_run == SHARDS_PER_RUN == 20, "a backfill of 20 shards is one run"
     keys = shard_keys(20)
@@ -166,8 +166,8 @@ def test_a_run_of_twenty_shards_loads_the_target_once_and_a_rerun_loads_it_never
 WORKER = """
 import sys
 from dagster import DagsterInstance, RunConfig, materialize
-from eagle3_assets.hidden_states import HiddenStatesConfig, hidden_states
-from eagle3_assets.partitions import register_shards
+from eagle3_assets.defs.hidden_states import HiddenStatesConfig, hidden_states
+from eagle3_assets.glue.partitions import register_shards
 from resources.gpu_host import GPUHost
 from resources.target_model import TargetModel
 keys = sys.argv[3].split(",")

@@ -18,9 +18,9 @@ from dagster import DagsterInstance, EnvVar, materialize
 from eagle3_assets.core.generation.completions import CANARY_ID, parse_completion
 from eagle3_assets.core.generation.response_rules import content_failures
 from eagle3_assets.demo.plugin import DemoPromptDataset, DemoTargetModel
-from eagle3_assets.partitions import register_shards
-from eagle3_assets.prompts import prompts
-from eagle3_assets.raw_responses import raw_responses
+from eagle3_assets.glue.partitions import register_shards
+from eagle3_assets.defs.prompts import prompts
+from eagle3_assets.defs.raw_responses import raw_responses
 from resources.prompt_dataset import DEFAULT_HOLDOUT_SHARE, PromptDataset
 from resources.vllm_server import VLLMServerResource
 from tests.fault_proxy import FaultProxy
@@ -216,8 +216,8 @@ def test_the_resource_gives_an_openai_client_configured_as_it_is(vllm_server, mo
 WORKER = """
 import json, sys
 from dagster import DagsterInstance, materialize
-from eagle3_assets.partitions import register_shards
-from eagle3_assets.raw_responses import raw_responses
+from eagle3_assets.glue.partitions import register_shards
+from eagle3_assets.defs.raw_responses import raw_responses
 from eagle3_assets.demo.plugin import DemoTargetModel
 from resources.vllm_server import VLLMServerResource
 instance = DagsterInstance.ephemeral()

@@ -24,9 +24,9 @@ from dagster import AssetCheckKey, AssetKey, DagsterInstance, materialize
 
 from eagle3_assets.core.generation.response_rules import content_failures
 from eagle3_assets.demo.plugin import DemoTargetModel
-from eagle3_assets.partitions import register_shards
-from eagle3_assets.prompts import prompts
-from eagle3_assets.raw_responses import CHECKS, raw_responses
+from eagle3_assets.glue.partitions import register_shards
+from eagle3_assets.defs.prompts import prompts
+from eagle3_assets.defs.raw_responses import CHECKS, raw_responses
 from resources.vllm_server import VLLMServerResource
 from tests.fault_proxy import FaultProxy
 from tests.test_generation import FAST, demo_prompts
@@ -41,7 +41,7 @@ RANGE_TAGS = {"dagster/asset_partition_range_start": SHARDS[0], "dagster/asset_p
 RANGE_WORKER = """
 import json, sys
 from dagster import DagsterInstance, materialize
-from eagle3_assets.raw_responses import raw_responses
+from eagle3_assets.defs.raw_responses import raw_responses
 from eagle3_assets.demo.plugin import DemoTargetModel
 from resources.vllm_server import VLLMServerResource
 instance = DagsterInstance.from_config(sys.argv[1])

@@ -23,9 +23,9 @@ from eagle3_assets.core.storage.journal import parquet_fingerprint
 from eagle3_assets.core.generation.response_rules import NO_REASONING_DIAGNOSIS
 from eagle3_assets.demo.prompt_set import demo_prompts as demo_prompt_rows
 from eagle3_assets.demo.prompt_set import write_jsonl
-from eagle3_assets.prompts import prompts
-from eagle3_assets.raw_responses import raw_responses
-from eagle3_assets.validated_traces import validated_traces
+from eagle3_assets.defs.prompts import prompts
+from eagle3_assets.defs.raw_responses import raw_responses
+from eagle3_assets.defs.validated_traces import validated_traces
 from resources.prompt_dataset import PromptDataset
 from resources.target_model import TargetModel
 from resources.vllm_server import VLLMServerResource

@@ -35,9 +35,9 @@ from dagster import (
 from eagle3_assets.core.gpu_host.preflight import lock_holder, process_cmdline, stray_stage_processes
 from eagle3_assets.core.gpu_host.stage_requirements import StageRequirements
 from eagle3_assets.core.serving.vllm_launcher import free_port
-from eagle3_assets.gpu_host_ready import gpu_host_ready_job
-from eagle3_assets.hidden_states import HiddenStatesConfig, hidden_states
-from eagle3_assets.partitions import register_shards
+from eagle3_assets.defs.gpu_host_ready import gpu_host_ready_job
+from eagle3_assets.defs.hidden_states import HiddenStatesConfig, hidden_states
+from eagle3_assets.glue.partitions import register_shards
 from resources.gpu_host import GPU_POOL, STAGE_REQUIREMENTS, GPUHost, ensure_gpu_pool_limit
 from resources.target_model import TargetModel
 from tests.extraction_helpers import write_validated_traces

@@ -11,7 +11,7 @@ import polars as pl
 from dagster import DagsterInstance, materialize
 
 from eagle3_assets.core.prompts.heldout import MAX_RAISED_SHARE, plan_holdout, question_text
-from eagle3_assets.partitions import register_shards
+from eagle3_assets.glue.partitions import register_shards
 from resources.prompt_dataset import DEFAULT_HOLDOUT_MIN_PROMPTS, DEFAULT_HOLDOUT_SHARE, PromptDataset
 from resources.target_model import TargetModel
 
@@ -30,9 +30,9 @@ def test_the_share_is_kept_when_it_holds_out_enough_and_raised_by_question_when_
 
 
 def test_repeated_questions_under_other_ids_evaluate_with_default_settings(tmp_path, data_dir):
-    from eagle3_assets.draft_evaluation import resolve_eval_prompts, training_overlap
+    from eagle3_assets.defs.draft_evaluation import resolve_eval_prompts, training_overlap
     from eagle3_assets.core.evaluation.acceptance import load_conversations
-    from eagle3_assets.prompts import prompts
+    from eagle3_assets.defs.prompts import prompts
 
     # The story's run: 640 prompts, each question twice under different ids, default holdout settings.
     source = tmp_path / "prompts.jsonl"

@@ -280,11 +280,28 @@ def test_no_import_cycle_among_the_platforms_modules():
 def test_no_asset_module_imports_another():
     graph = platform_graph()
     assets = set(platform_assets())
-    assert {"eagle3_assets.prompts", "eagle3_assets.hidden_states", "eagle3_assets.deployed_draft"} <= assets, assets
+    assert {"eagle3_assets.defs.prompts", "eagle3_assets.defs.hidden_states", "eagle3_assets.defs.deployed_draft"} <= assets, assets
     found = asset_imports(graph, assets)
     assert found == [], (
         "asset modules import other asset modules (move what they share below both: core/, stage_configs.py):\n" + "\n".join(found)
     )
+
+
+def test_the_asset_modules_are_defs_and_the_glue_sits_below_them():
+    """Issue 40: the top level says what is an asset. Every asset module lives in ``defs/`` (beside the jobs, which
+    define ops and no asset), every other module of ``defs/`` is a part of one asset (imported by that asset's
+    module and no other), and ``glue/`` (what the assets share) imports nothing of ``defs/``. Mutation: move ``defs/deployed_draft.py`` back to the top level, or
+    import ``eagle3_assets.defs.prompts`` from ``glue/partitions.py``; this test fails naming it."""
+    graph = platform_graph()
+    outside = sorted(m for m in platform_assets() if not m.startswith("eagle3_assets.defs."))
+    assert outside == [], f"asset modules outside eagle3_assets/defs/: {outside}"
+    defs = {m for m in graph if m.startswith("eagle3_assets.defs.")}
+    jobs = {m for m in defs if "@job" in (REPO / (m.replace(".", "/") + ".py")).read_text(encoding="utf-8")}
+    importers = {m: sorted(i for i in graph if m in graph[i]) for m in defs - set(platform_assets()) - jobs}
+    shared = sorted(f"{m} (imported by {by})" for m, by in importers.items() if len(by) != 1 or by[0] not in platform_assets())
+    assert shared == [], "modules in defs/ that are no asset, no job and no part of one asset (glue/ or core/ is their place):\n" + "\n".join(shared)
+    upward = sorted(f"{m} -> {t}" for m in graph if m.startswith("eagle3_assets.glue.") for t in graph[m] if t.startswith("eagle3_assets.defs"))
+    assert upward == [], "glue imports an asset module (move what it needs into glue/ or core/):\n" + "\n".join(upward)
 
 
 def test_the_asset_rule_names_an_asset_module_importing_another(tmp_path):

@@ -38,9 +38,9 @@ from eagle3_assets.demo.kimi_target import KIMI_PROFILE
 from eagle3_assets.demo.pipeline import demo_resources, run_per_shard, run_whole_dataset
 from eagle3_assets.demo.plugin import TRAINING_CONFIG
 from eagle3_assets.demo.targets import DEMO_TARGETS
-from eagle3_assets.draft_checkpoint import draft_checkpoint
-from eagle3_assets.hidden_states import HiddenStatesConfig, hidden_states
-from eagle3_assets.partitions import register_shards
+from eagle3_assets.defs.draft_checkpoint import draft_checkpoint
+from eagle3_assets.defs.hidden_states import HiddenStatesConfig, hidden_states
+from eagle3_assets.glue.partitions import register_shards
 from tests.test_draft_model import random_draft
 from tests.test_end_to_end import data_dir_instance, latest_check
 

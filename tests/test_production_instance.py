@@ -303,7 +303,7 @@ def test_backfill_through_the_production_instance(postgres, vllm_server, data_di
         assert limits[GENERATION_POOL] == GENERATION_POOL_LIMIT and limits[GPU_POOL] == 1
 
         from eagle3_assets.definitions import defs
-        from eagle3_assets.partitions import register_shards
+        from eagle3_assets.glue.partitions import register_shards
         from eagle3_assets.demo.plugin import DemoPromptDataset
 
         keys = DemoPromptDataset(shard_size=SHARD_SIZE).shard_keys()[:SHARDS]

@@ -15,7 +15,7 @@ from eagle3_assets.core.evaluation.acceptance import PassResult, load_conversati
 from eagle3_assets.core.prompts.heldout import question_text
 from eagle3_assets.core.serving.profile import ServingProfile, vllm_launch
 from eagle3_assets.core.storage.shard_paths import training_shards
-from eagle3_assets.partitions import register_shards
+from eagle3_assets.glue.partitions import register_shards
 from resources.prompt_dataset import PromptDataset
 from resources.target_model import TargetModel
 
@@ -33,8 +33,8 @@ def tokenizer(tiny_target):
 def held_out_and_training(tmp_path, data_dir):
     """A real prompts split (the prompts asset over 200 questions): the held-out set as draft_evaluation resolves it,
     and every training question."""
-    from eagle3_assets.draft_evaluation import resolve_eval_prompts
-    from eagle3_assets.prompts import prompts
+    from eagle3_assets.defs.draft_evaluation import resolve_eval_prompts
+    from eagle3_assets.defs.prompts import prompts
 
     source = tmp_path / "prompts.jsonl"
     source.write_text("".join(json.dumps({"id": f"p{i}", "question": f"Question {i}: what is {i} times {i % 7 + 2}?"}) + "\n" for i in range(200)))
@@ -112,7 +112,7 @@ def test_the_perturbed_set_is_another_layout_of_the_same_questions(held_out_and_
 
 
 def test_a_user_set_is_refused_unless_held_out_and_named_apart(held_out_and_training, tmp_path, data_dir):
-    from eagle3_assets.draft_evaluation import check_prompt_sets
+    from eagle3_assets.defs.draft_evaluation import check_prompt_sets
 
     ids, conversations, training_questions = held_out_and_training
     mine = tmp_path / "bench.jsonl"

@@ -7,8 +7,8 @@ import json
 import polars as pl
 from dagster import DagsterInstance, materialize
 
-from eagle3_assets.partitions import register_shards
-from eagle3_assets.prompts import prompts
+from eagle3_assets.glue.partitions import register_shards
+from eagle3_assets.defs.prompts import prompts
 from resources.prompt_dataset import PromptDataset
 
 

@@ -8,8 +8,8 @@ import pytest
 from dagster import DagsterEventType, DagsterInstance, SkipReason, build_run_status_sensor_context, build_sensor_context, materialize
 
 from eagle3_assets.core.serving.vllm_metrics import parse_prometheus
-from eagle3_assets.partitions import SAMPLE_SHARDS, register_shards
-from eagle3_assets.prompts import prompts
+from eagle3_assets.glue.partitions import SAMPLE_SHARDS, register_shards
+from eagle3_assets.defs.prompts import prompts
 from resources.alerts import AlertChannel
 from resources.prompt_dataset import PromptDataset
 from sensors.gate_failure import gate_failure_alert
@@ -159,7 +159,7 @@ def test_prometheus_parsing_sums_label_sets():
 
 def test_a_failed_reasoning_present_alerts_once_with_partition_and_figure(data_dir, tiny_target, receiver):
     """The story's bug, end to end: empty reasoning on a shard -> the blocking gate fails -> one alert."""
-    from eagle3_assets.validated_traces import validated_traces
+    from eagle3_assets.defs.validated_traces import validated_traces
     from tests.test_validation import question, response, run, write_shard
 
     empty_reasoning = [response(f"p{i}", i, reasoning=None, reasoning_field="none") for i in range(4)]

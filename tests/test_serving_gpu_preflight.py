@@ -118,9 +118,9 @@ def test_extraction_with_the_tp8_profile_is_refused_before_any_work(nvidia_smi, 
     naming the processes and the unit; no stage process ran, nothing was written."""
     monkeypatch.setenv("EAGLE3_DATA_DIR", str(tmp_path / "data"))
     from eagle3_assets.core.storage.shard_paths import ShardPaths
-    from eagle3_assets.hidden_states import hidden_states
-    from eagle3_assets.partitions import SAMPLE_SHARDS
-    from eagle3_assets.stage_configs import HiddenStatesConfig
+    from eagle3_assets.defs.hidden_states import hidden_states
+    from eagle3_assets.glue.partitions import SAMPLE_SHARDS
+    from eagle3_assets.glue.stage_configs import HiddenStatesConfig
 
     shard = "shard-00000"
     traces = ShardPaths("validated_traces", shard).parquet
@@ -156,7 +156,7 @@ def test_gpu_host_ready_checks_what_each_stage_that_starts_the_target_needs(nvid
     from dagster import DagsterEventType
 
     import eagle3_assets.definitions  # noqa: F401  (every asset module registers its stage)
-    from eagle3_assets.gpu_host_ready import gpu_host_ready_job
+    from eagle3_assets.defs.gpu_host_ready import gpu_host_ready_job
     from resources.gpu_host import STAGE_REQUIREMENTS
 
     serving = sorted(stage for stage, requirements in STAGE_REQUIREMENTS.items() if requirements.serves_target)

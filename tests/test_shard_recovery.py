@@ -26,7 +26,7 @@ from eagle3_assets.core.storage.shard_paths import PART_GLOB, SIDECAR
 from eagle3_assets.core.storage.shard_lease import ShardBusyError, ShardLease, lease_path
 from eagle3_assets.core.training.data import index_hidden_states, load_batch
 from eagle3_assets.demo.plugin import DemoTargetModel
-from eagle3_assets.partitions import register_shards
+from eagle3_assets.glue.partitions import register_shards
 from tests.extraction_helpers import write_validated_traces
 from tests.hold_point import HoldPoint
 
@@ -42,13 +42,13 @@ def hidden_states_resources(tiny_target):
 
 
 def hidden_states_config(**fields):
-    from eagle3_assets.hidden_states import HiddenStatesConfig
+    from eagle3_assets.defs.hidden_states import HiddenStatesConfig
 
     return RunConfig(ops={"hidden_states": HiddenStatesConfig(dtype="float32", cpu_threads=1, **fields)})
 
 
 def materialise_hidden_states(instance, tiny_target, **fields):
-    from eagle3_assets.hidden_states import hidden_states
+    from eagle3_assets.defs.hidden_states import hidden_states
 
     return materialize(
         [hidden_states], partition_key=SHARD, resources=hidden_states_resources(tiny_target), instance=instance,
@@ -114,8 +114,8 @@ def test_a_holder_on_another_host_is_refused_until_stale_or_taken_over_by_the_op
 WORKER = """
 import sys
 from dagster import DagsterEventType, DagsterInstance, RunConfig, materialize
-from eagle3_assets.hidden_states import HiddenStatesConfig, hidden_states
-from eagle3_assets.partitions import register_shards
+from eagle3_assets.defs.hidden_states import HiddenStatesConfig, hidden_states
+from eagle3_assets.glue.partitions import register_shards
 from resources.gpu_host import GPUHost
 from resources.target_model import TargetModel
 instance = DagsterInstance.ephemeral()
@@ -212,8 +212,8 @@ def test_a_damaged_part_is_named_by_the_training_reader_and_a_rerun_rebuilds_onl
 GENERATION_WORKER = """
 import json, sys
 from dagster import DagsterInstance, materialize
-from eagle3_assets.partitions import register_shards
-from eagle3_assets.raw_responses import raw_responses
+from eagle3_assets.glue.partitions import register_shards
+from eagle3_assets.defs.raw_responses import raw_responses
 from eagle3_assets.demo.plugin import DemoTargetModel
 from resources.vllm_server import VLLMServerResource
 instance = DagsterInstance.get() if sys.argv[3] == "home" else DagsterInstance.ephemeral()
@@ -262,8 +262,8 @@ def test_a_second_run_of_a_shard_fails_at_once_naming_the_first_and_nothing_is_g
     from eagle3_assets.core.generation.completions import CANARY_ID
     from tests.fault_proxy import FaultProxy
     from tests.test_generation import demo_prompts, materialise, server_at
-    from eagle3_assets.prompts import prompts
-    from eagle3_assets.raw_responses import raw_responses
+    from eagle3_assets.defs.prompts import prompts
+    from eagle3_assets.defs.raw_responses import raw_responses
 
     materialise({"prompt_dataset": demo_prompts(24)}, assets=[prompts])
     expected = pl.read_parquet(data_dir / "prompts" / f"{SHARD}.parquet")["id"].to_list()
@@ -293,9 +293,9 @@ def test_a_second_run_of_a_shard_fails_at_once_naming_the_first_and_nothing_is_g
 
 @pytest.mark.vllm
 def test_truncated_shard_files_are_named_downstream_and_their_writer_quarantines_and_rebuilds_them(vllm_server, tiny_target, data_dir):
-    from eagle3_assets.prompts import prompts
-    from eagle3_assets.raw_responses import raw_responses
-    from eagle3_assets.validated_traces import validated_traces
+    from eagle3_assets.defs.prompts import prompts
+    from eagle3_assets.defs.raw_responses import raw_responses
+    from eagle3_assets.defs.validated_traces import validated_traces
     from resources.target_model import TargetModel
     from tests.fault_proxy import FaultProxy
     from tests.test_generation import demo_prompts, server_at
@@ -352,9 +352,9 @@ def test_truncated_shard_files_are_named_downstream_and_their_writer_quarantines
 
 @pytest.mark.vllm
 def test_a_killed_run_in_the_local_instance_is_marked_failed_and_frees_its_pool_slot(vllm_server, data_dir, tmp_path):
-    from eagle3_assets.local_runs import fail_dead_runs
-    from eagle3_assets.prompts import prompts
-    from eagle3_assets.raw_responses import raw_responses
+    from eagle3_assets.glue.local_runs import fail_dead_runs
+    from eagle3_assets.defs.prompts import prompts
+    from eagle3_assets.defs.raw_responses import raw_responses
     from resources.vllm_server import GENERATION_POOL, ensure_generation_pool_limit
     from tests.dagster_dev import write_instance_yaml
     from tests.fault_proxy import FaultProxy

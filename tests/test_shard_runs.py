@@ -1,4 +1,4 @@
-"""A run over a range of shards records each shard as its own partition (eagle3_assets/shard_runs.py).
+"""A run over a range of shards records each shard as its own partition (eagle3_assets/glue/shard_runs.py).
 
 Real Dagster (an ephemeral instance, a ranged run as a backfill makes it): the
 per-shard materializations carry their own data version and the upstream
@@ -22,13 +22,13 @@ from dagster import (
     multi_asset,
 )
 
-from eagle3_assets.check_results import AssetChecks
+from eagle3_assets.glue.check_results import AssetChecks
 from eagle3_assets.core.reporting.checks import Gate, GateTable
 from eagle3_assets.core.reporting.checks import CheckOutcome
 from eagle3_assets.demo.pipeline import shard_runs
 from eagle3_assets.graph import PER_SHARD_ASSETS
-from eagle3_assets.partitions import shard_range_tags
-from eagle3_assets.shard_runs import ShardReporter, shards_per_run_policy
+from eagle3_assets.glue.partitions import shard_range_tags
+from eagle3_assets.glue.shard_runs import ShardReporter, shards_per_run_policy
 
 shards = DynamicPartitionsDefinition(name="test_shards")
 CHECKS = AssetChecks(GateTable("ranged", [Gate("rows_positive", True, "each shard has rows"), Gate("advice", False, "advisory")]))

@@ -15,9 +15,9 @@ from dagster import AssetKey, DagsterInstance, RunConfig, build_sensor_context, 
 
 from eagle3_assets.core.planning.shard_selection import BLOCKED, GREEN, MISSING, ShardSelectionError, ShardVerdict, select_shards
 from eagle3_assets.core.prompts.retired import retired_shards
-from eagle3_assets.partitions import SAMPLE_SHARDS, register_shards
+from eagle3_assets.glue.partitions import SAMPLE_SHARDS, register_shards
 from eagle3_assets.retire import main as retire_main
-from eagle3_assets.retire import retire_shards_job
+from eagle3_assets.defs.retire_shards import retire_shards_job
 from resources.prompt_dataset import PromptDataset
 from sensors.new_shards import new_prompt_shards
 from tests.test_validation import question, response, write_shard
@@ -139,7 +139,7 @@ def test_the_green_shards_are_used_and_every_other_is_left_out_with_why():
 
 def validated_shards(data_dir, tiny_target) -> DagsterInstance:
     """Three recorded shards through validated_traces; shard-00001's responses all lack their reasoning (the story's bug)."""
-    from eagle3_assets.validated_traces import validated_traces
+    from eagle3_assets.defs.validated_traces import validated_traces
     from resources.target_model import TargetModel
 
     instance = DagsterInstance.ephemeral()
@@ -157,7 +157,7 @@ def materialization(instance, asset: str) -> dict:
 
 
 def test_a_blocked_shard_is_left_out_of_the_vocabulary_with_its_reason(data_dir, tiny_target):
-    from eagle3_assets.vocab_mapping import VocabMappingConfig, vocab_mapping
+    from eagle3_assets.defs.vocab_mapping import VocabMappingConfig, vocab_mapping
     from resources.target_model import TargetModel
 
     instance = validated_shards(data_dir, tiny_target)
@@ -190,9 +190,9 @@ def test_a_blocked_shard_is_left_out_of_the_vocabulary_with_its_reason(data_dir,
 @pytest.mark.timeout(1200)
 def test_a_blocked_shard_is_left_out_of_training_with_its_reason(data_dir, tiny_target):
     """The green shards' states are extracted and trained on; the blocked shard waits for nothing and is listed with why."""
-    from eagle3_assets.draft_checkpoint import DraftTrainingConfig, draft_checkpoint
-    from eagle3_assets.hidden_states import HiddenStatesConfig, hidden_states
-    from eagle3_assets.vocab_mapping import VocabMappingConfig, vocab_mapping
+    from eagle3_assets.defs.draft_checkpoint import DraftTrainingConfig, draft_checkpoint
+    from eagle3_assets.defs.hidden_states import HiddenStatesConfig, hidden_states
+    from eagle3_assets.defs.vocab_mapping import VocabMappingConfig, vocab_mapping
     from resources.gpu_host import GPUHost
     from resources.target_model import TargetModel
 

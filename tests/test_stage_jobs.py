@@ -28,9 +28,9 @@ from eagle3_assets.core.training.job import (
     TrainingStageRecipe,
 )
 from eagle3_assets.core.training.config import TrainConfig, TrainingRecipe
-from eagle3_assets.draft_checkpoint import DraftTrainingConfig
-from eagle3_assets.draft_evaluation import DraftEvaluationConfig
-from eagle3_assets.hidden_states import HiddenStatesConfig
+from eagle3_assets.defs.draft_checkpoint import DraftTrainingConfig
+from eagle3_assets.defs.draft_evaluation import DraftEvaluationConfig
+from eagle3_assets.defs.hidden_states import HiddenStatesConfig
 from resources.gpu_host import GPUHost
 from resources.vllm_server import VLLMServerResource
 

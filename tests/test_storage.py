@@ -10,8 +10,8 @@ import pytest
 from dagster import DagsterInstance, materialize
 
 from eagle3_assets.core.storage.files import PARTIAL_SUFFIX, staging_dir, write_json_atomic
-from eagle3_assets.partitions import register_shards
-from eagle3_assets.prompts import prompts
+from eagle3_assets.glue.partitions import register_shards
+from eagle3_assets.defs.prompts import prompts
 from resources.prompt_dataset import PromptDataset
 
 

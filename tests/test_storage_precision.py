@@ -213,8 +213,8 @@ def test_a_corrupted_8bit_part_fails_its_checksum_and_one_rerun_repairs_it(tmp_p
 
 def test_the_asset_records_the_precision_and_the_preflight_refuses_what_the_disk_cannot_hold(data_dir, tiny_target):
     """bf16 would not fit the host's disk, fp8 does: the pre-flight says so with both numbers, before extracting."""
-    from eagle3_assets.hidden_states import HiddenStatesConfig, hidden_states
-    from eagle3_assets.partitions import register_shards
+    from eagle3_assets.defs.hidden_states import HiddenStatesConfig, hidden_states
+    from eagle3_assets.glue.partitions import register_shards
     from resources.gpu_host import GPUHost
     from resources.target_model import TargetModel
 

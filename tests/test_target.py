@@ -25,7 +25,7 @@ from eagle3_assets.core.target.tokenizer import load_tokenizer
 from eagle3_assets.core.target.description import TargetDescription, TargetError, default_aux_layer_ids
 from eagle3_assets.core.target.preflight import TargetSettings, preflight_problems
 from eagle3_assets.core.serving.profile import ServingProfile, vllm_launch
-from eagle3_assets.partitions import register_shards
+from eagle3_assets.glue.partitions import register_shards
 from resources.target_model import TargetModel
 
 SHARD = "shard-00000"
@@ -131,8 +131,8 @@ def test_the_preflight_refuses_repeated_ids_a_short_context_and_remote_code_with
 
 def generate_one_shard(tmp_path: Path, vllm_server, target_model: TargetModel):
     """``prompts`` and ``raw_responses`` of one shard of four short questions: (the run's result, its instance)."""
-    from eagle3_assets.prompts import prompts
-    from eagle3_assets.raw_responses import raw_responses
+    from eagle3_assets.defs.prompts import prompts
+    from eagle3_assets.defs.raw_responses import raw_responses
     from resources.prompt_dataset import PromptDataset
 
     source = tmp_path / "prompts.jsonl"
@@ -185,7 +185,7 @@ def test_max_tokens_defaults_to_what_a_short_context_leaves_instead_of_refusing(
 
 
 def test_hidden_states_refuses_another_model_than_the_one_that_rendered_the_traces(tiny_target, tmp_path, data_dir):
-    from eagle3_assets.hidden_states import HiddenStatesConfig, hidden_states
+    from eagle3_assets.defs.hidden_states import HiddenStatesConfig, hidden_states
     from resources.gpu_host import GPUHost
     from tests.extraction_helpers import recorded_checks, write_validated_traces
 
@@ -224,7 +224,7 @@ def test_serving_follows_the_target(tiny_target, tmp_path):
 
 def materialised_prompts(source: Path, questions: list[str], data_dir: Path, holdout_share: float) -> tuple[pl.DataFrame, pl.DataFrame]:
     """``prompts`` over a dataset of ``questions`` (ids q0, q1, ...) in shards of 100: (training rows, held-out rows)."""
-    from eagle3_assets.prompts import prompts
+    from eagle3_assets.defs.prompts import prompts
     from resources.prompt_dataset import PromptDataset
 
     source.write_text("".join(json.dumps({"id": f"q{i}", "question": q}) + "\n" for i, q in enumerate(questions)))
@@ -239,13 +239,13 @@ def materialised_prompts(source: Path, questions: list[str], data_dir: Path, hol
 
 
 def eval_prompt_lines(source: str, target: TargetModel, limit: int) -> list[dict]:
-    from eagle3_assets.draft_evaluation import resolve_eval_prompts
+    from eagle3_assets.defs.draft_evaluation import resolve_eval_prompts
 
     return [json.loads(line) for line in Path(resolve_eval_prompts(source, target, limit=limit)).read_text().splitlines()]
 
 
 def test_held_out_prompts_come_from_the_users_dataset_and_never_reach_training(tmp_path, data_dir):
-    from eagle3_assets.draft_evaluation import resolve_eval_prompts, training_overlap
+    from eagle3_assets.defs.draft_evaluation import resolve_eval_prompts, training_overlap
 
     source = tmp_path / "prompts.jsonl"
     training, held = materialised_prompts(source, [f"Question number {i}?" for i in range(200)], data_dir, holdout_share=0.1)
@@ -263,7 +263,7 @@ def test_held_out_prompts_come_from_the_users_dataset_and_never_reach_training(t
 def test_a_question_repeated_under_other_ids_is_held_out_with_all_its_copies_or_none(tmp_path, data_dir):
     """Repeats are common in real prompt sets (and in the built-in one): by id, one copy was trained on while
     another was held out, and draft_evaluation refused the held-out set on every rerun."""
-    from eagle3_assets.draft_evaluation import training_overlap
+    from eagle3_assets.defs.draft_evaluation import training_overlap
 
     # 40 questions, each five times under different ids, across two shards
     training, held = materialised_prompts(tmp_path / "prompts.jsonl", [f"Question number {i % 40}?" for i in range(200)], data_dir, 0.2)

@@ -14,7 +14,7 @@ from pathlib import Path
 from dagster import DagsterInstance, RunConfig, materialize
 
 from eagle3_assets.core.target.identity import target_identity
-from eagle3_assets.partitions import register_shards
+from eagle3_assets.glue.partitions import register_shards
 from tests.extraction_helpers import recorded_checks
 
 SHARD = "shard-00000"
@@ -69,7 +69,7 @@ def test_the_weights_index_counts_and_a_missing_copy_is_named(tiny_target, tmp_p
 
 
 def extract(data_dir: Path, orchestrator: Path, gpu_host: Path):
-    from eagle3_assets.hidden_states import HiddenStatesConfig, hidden_states
+    from eagle3_assets.defs.hidden_states import HiddenStatesConfig, hidden_states
     from resources.gpu_host import GPUHost
     from resources.target_model import TargetModel
 

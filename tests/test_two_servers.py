@@ -26,8 +26,8 @@ from dagster import DagsterInstance
 from eagle3_assets.core.generation.client import SERVER_DOWN_COOLDOWN_S
 from eagle3_assets.core.serving.vllm_launcher import VLLMServer
 from eagle3_assets.demo.targets import TINY_SERVING
-from eagle3_assets.prompts import prompts
-from eagle3_assets.raw_responses import raw_responses
+from eagle3_assets.defs.prompts import prompts
+from eagle3_assets.defs.raw_responses import raw_responses
 from resources.vllm_server import VLLMServerResource
 from tests.fault_proxy import FaultProxy
 from tests.test_generation import FAST, SHARD, demo_prompts, journal_path, materialise, shard_rows

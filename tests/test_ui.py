@@ -65,7 +65,7 @@ ARTIFACTS = Path(os.environ.get("EAGLE3_TEST_ARTIFACTS") or REPO / "test-artifac
 @pytest.fixture(scope="module")
 def stack(vllm_server, tmp_path_factory):
     """``dagster dev`` with the generation pool limited (as ``make dev``) and the demo's shards registered."""
-    from eagle3_assets.partitions import register_shards
+    from eagle3_assets.glue.partitions import register_shards
     from eagle3_assets.demo.plugin import DemoPromptDataset
     from resources.vllm_server import ensure_generation_pool_limit
 

@@ -27,8 +27,8 @@ from eagle3_assets.core.validation.gates import (
     token_length_stats,
 )
 from eagle3_assets.core.validation.shard_validation import ValidationRules, validate_shard
-from eagle3_assets.partitions import register_shards, sample_shards
-from eagle3_assets.validated_traces import validated_traces
+from eagle3_assets.glue.partitions import register_shards, sample_shards
+from eagle3_assets.defs.validated_traces import validated_traces
 from resources.target_model import TargetModel
 
 SHARD = "shard-00000"
@@ -244,7 +244,7 @@ def test_blocking_gate_stops_downstream_assets_in_the_same_run(data_dir, tiny_ta
     One run selects validated_traces, the real hidden_states below it and a
     further downstream asset: the gate fails, and neither is even started.
     """
-    from eagle3_assets.hidden_states import hidden_states
+    from eagle3_assets.defs.hidden_states import hidden_states
     from resources.gpu_host import GPUHost
 
     write_shard(data_dir, [(f"p{i}", question(i)) for i in range(4)], [response(f"p{i}", i, reasoning=None, reasoning_field="none") for i in range(4)])
@@ -484,7 +484,7 @@ def test_a_gates_outcome_reaches_dagster_through_the_one_adapter_and_over_pipes(
 
     from eagle3_assets.core.reporting.checks import CheckOutcome
     from eagle3_assets.core.validation.gates import check_truncation_rate_low
-    from eagle3_assets.validated_traces import CHECKS
+    from eagle3_assets.defs.validated_traces import CHECKS
 
     outcome = check_truncation_rate_low(10, ["q1", "q2"], 0.05)
     assert (outcome.name, outcome.passed, outcome.figure, outcome.threshold, outcome.offending_ids) == ("truncation_rate_low", False, 0.2, 0.05, ["q1", "q2"])

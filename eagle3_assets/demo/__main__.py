@@ -26,7 +26,7 @@ from eagle3_assets.core.serving.vllm_launcher import VLLMServer
 from eagle3_assets.demo.pipeline import run_per_shard, run_whole_dataset
 from eagle3_assets.demo.stack import demo_prompts_path
 from eagle3_assets.demo.targets import DEMO_TARGET_ENV, selected_demo_target
-from eagle3_assets.local_runs import fail_dead_runs
+from eagle3_assets.glue.local_runs import fail_dead_runs
 from resources.gpu_host import GPU_POOL, ensure_gpu_pool_limit
 from resources.vllm_server import GENERATION_POOL, ensure_generation_pool_limit
 

@@ -16,7 +16,7 @@ from dagster import DagsterInstance, ExecuteInProcessResult, RunConfig, material
 from eagle3_assets.demo.plugin import SAMPLING, TRAINING_CONFIG, VOCAB_MAPPING_CONFIG, DemoPromptDataset
 from eagle3_assets.demo.targets import DemoTarget, selected_demo_target
 from eagle3_assets.graph import PER_SHARD_ASSETS, WHOLE_DATASET_ASSETS, deployment_resources
-from eagle3_assets.partitions import register_shards, shard_range_tags
+from eagle3_assets.glue.partitions import register_shards, shard_range_tags
 from resources.vllm_server import VLLMServerResource
 
 # The console of `make demo` (and of whoever runs these functions): the stages' progress lines and findings, INFO and

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from pydantic import Field
 
-from eagle3_assets.stage_configs import DraftTrainingConfig, VocabMappingConfig
+from eagle3_assets.glue.stage_configs import DraftTrainingConfig, VocabMappingConfig
 from resources.prompt_dataset import PromptDataset, shard_size_from_env
 from resources.target_model import TargetModel
 

@@ -9,7 +9,7 @@
   run on the GPU host beside the target), the mean loss by epoch.
 
 Each asset adapts its table into its checks
-(:class:`eagle3_assets.check_results.AssetChecks`). Dagster-free.
+(:class:`eagle3_assets.glue.check_results.AssetChecks`). Dagster-free.
 """
 
 from __future__ import annotations

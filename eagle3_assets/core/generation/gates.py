@@ -5,7 +5,7 @@ wrote: the prompt ids expected and the row ids written (polars Series), those
 missing, twice or of no prompt, and ``reasoning_present``'s outcome, computed
 by :func:`eagle3_assets.core.validation.gates.check_reasoning_present` (the
 rule ``validated_traces`` applies again). The asset adapts the table into its
-checks (:class:`eagle3_assets.check_results.AssetChecks`). Dagster-free.
+checks (:class:`eagle3_assets.glue.check_results.AssetChecks`). Dagster-free.
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ What the client gets right, because the story this project comes from got it wro
   of the parser's text fields. Asking for them changes no response, so it is no
   part of a shard's identity.
 
-Nothing here imports Dagster: the asset (``eagle3_assets/raw_responses.py``)
+Nothing here imports Dagster: the asset (``eagle3_assets/defs/raw_responses.py``)
 is a thin wrapper, and the benchmark drives this module directly.
 """
 

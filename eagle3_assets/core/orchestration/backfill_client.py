@@ -40,7 +40,7 @@ class UnknownShardsError(BackfillError):
         known = f"{len(registered)} registered: {registered[0]} .. {registered[-1]}" if registered else "none registered"
         super().__init__(
             f"unknown shard(s): {shown} ({known}); register new shards first "
-            f"(eagle3_assets.partitions.register_shards or the new_prompt_shards sensor)"
+            f"(eagle3_assets.glue.partitions.register_shards or the new_prompt_shards sensor)"
         )
 
 

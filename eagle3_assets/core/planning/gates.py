@@ -6,7 +6,7 @@ cannot be read and ``accept_unknown_capacity`` is not set; WARN when nothing
 can be projected yet (no shard validated, no configured mean). Passed with the
 accepted risks in its description and metadata. Non-blocking: nothing is
 downstream of the plan; ``hidden_states`` refuses a run that does not fit
-itself (:func:`eagle3_assets.capacity_facts.refuse_unless_run_fits`). Dagster-free.
+itself (:func:`eagle3_assets.glue.capacity_facts.refuse_unless_run_fits`). Dagster-free.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ listed with why: retired (with the recorded reason), a gate that failed (with
 its words), no output yet, or not in the named list. More shards turning green
 later makes the trained assets stale, which the UI shows: retraining is a
 click, not a wait for the slowest shard. Dagster-free: the Dagster records
-are read in :mod:`eagle3_assets.shard_status`.
+are read in :mod:`eagle3_assets.glue.shard_status`.
 """
 
 from __future__ import annotations

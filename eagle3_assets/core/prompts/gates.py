@@ -3,7 +3,7 @@
 The evidence each predicate reads is what the asset counted over the shard:
 its key, the rows accepted and rejected, the rejected share and a few rejected
 examples. The asset adapts the table into its checks
-(:class:`eagle3_assets.check_results.AssetChecks`). Dagster-free.
+(:class:`eagle3_assets.glue.check_results.AssetChecks`). Dagster-free.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ functions that compute them (``core/prompts``, ``core/generation``,
 description and its severity. An outcome is the verdict, a one-line
 description that says what to look at, and the evidence the UI shows beside
 it: the figure the gate measured, its threshold, a few offending ids, further
-counts. :class:`eagle3_assets.check_results.AssetChecks` is the one adapter of
+counts. :class:`eagle3_assets.glue.check_results.AssetChecks` is the one adapter of
 a table to Dagster's ``AssetCheckSpec`` and ``AssetCheckResult``; a GPU stage
 sends the same outcome through Dagster Pipes (:meth:`CheckOutcome.pipes_metadata`).
 """

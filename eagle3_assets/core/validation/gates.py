@@ -4,7 +4,7 @@ Each returns a :class:`~eagle3_assets.core.reporting.checks.CheckOutcome` (figur
 threshold, up to ``MAX_OFFENDING_IDS`` offending ids), so they are tested
 without Dagster. :data:`TRACE_GATES` declares them once (name, blocking,
 threshold, description, the evidence each reads): the asset adapts the table
-into its checks (:class:`eagle3_assets.check_results.AssetChecks`), and
+into its checks (:class:`eagle3_assets.glue.check_results.AssetChecks`), and
 ``vocab_mapping`` and ``draft_checkpoint`` read its blocking gates to pick the
 green shards.
 """

@@ -34,7 +34,7 @@ from dagster import (
 )
 from pydantic import Field
 
-from eagle3_assets.check_results import AssetChecks
+from eagle3_assets.glue.check_results import AssetChecks
 from eagle3_assets.core.storage.journal import parquet_generation
 from eagle3_assets.core.generation.response_rules import DEFAULT_MIN_REASONING_SHARE
 from eagle3_assets.core.storage.shard_files import quarantine_if_corrupt, verify_shard_parquet
@@ -52,7 +52,7 @@ from eagle3_assets.core.validation.gates import (
     token_length_stats,
 )
 from eagle3_assets.core.validation.shard_validation import REJECTION_REASONS, ValidationRules, validate_shard
-from eagle3_assets.partitions import sample_shards
+from eagle3_assets.glue.partitions import sample_shards
 from resources.target_model import TargetModel
 
 ASSET = "validated_traces"

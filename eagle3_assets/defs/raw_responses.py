@@ -24,7 +24,7 @@ one pre-flight, then every shard's samples under ONE budget of
 the places the previous shard's long traces leave
 (:func:`~eagle3_assets.core.generation.shard_run.generate_shards`). Each shard
 keeps its own lease, journal and Parquet file, and is checked and recorded as
-its own partition the moment it is durable (:class:`~eagle3_assets.shard_runs.ShardReporter`),
+its own partition the moment it is durable (:class:`~eagle3_assets.glue.shard_runs.ShardReporter`),
 so a run killed midway keeps the shards it finished and its rerun resumes the others.
 
 The step runs in the Dagster pool ``vllm_generation`` so that a backfill of many
@@ -43,7 +43,7 @@ from eagle3_assets.core.generation.shard_resume import ShardJob, ShardOutcome
 from eagle3_assets.core.generation.shard_run import generate_shards
 from eagle3_assets.core.generation.client import PreflightError
 from eagle3_assets.core.generation.report import completion_length_histogram, shard_summary
-from eagle3_assets.check_results import AssetChecks
+from eagle3_assets.glue.check_results import AssetChecks
 from eagle3_assets.core.generation.gates import RESPONSE_GATES
 from eagle3_assets.core.reporting.checks import CheckOutcome
 from eagle3_assets.core.generation.redaction import redact_credentials, redact_url
@@ -55,12 +55,12 @@ from eagle3_assets.core.storage.shard_paths import ShardPaths
 from eagle3_assets.core.settings import environment as env_vars
 from eagle3_assets.core.storage.files import stable_hash
 from eagle3_assets.core.validation.gates import check_reasoning_present
-from eagle3_assets.partitions import sample_shards
-from eagle3_assets.lineage import upstream_version
-from eagle3_assets.shard_runs import ShardReporter, shards_per_run_policy
+from eagle3_assets.glue.partitions import sample_shards
+from eagle3_assets.glue.lineage import upstream_version
+from eagle3_assets.glue.shard_runs import ShardReporter, shards_per_run_policy
 from resources.target_model import TargetModel
 from resources.vllm_server import GENERATION_POOL, VLLMServerResource
-from eagle3_assets.raw_responses_adoption import RawResponsesConfig, adopt_existing, adoption_lineage, adoption_metadata
+from eagle3_assets.defs.raw_responses_adoption import RawResponsesConfig, adopt_existing, adoption_lineage, adoption_metadata
 
 
 CODE_VERSION = "1"

@@ -26,8 +26,8 @@ from eagle3_assets.core.planning.capacity import PlanSettings, ShardFacts, Volum
 from eagle3_assets.core.planning.stage_rates import Rate, measured_rate
 from eagle3_assets.core.storage.shard_files import ShardFileError, read_shard_parquet
 from eagle3_assets.core.storage.shard_paths import ShardPaths, data_dir
-from eagle3_assets.partitions import SAMPLE_SHARDS
-from eagle3_assets.shard_status import PAGE, records_filter
+from eagle3_assets.glue.partitions import SAMPLE_SHARDS
+from eagle3_assets.glue.shard_status import PAGE, records_filter
 from resources.gpu_host import GPUHost
 from resources.target_model import TargetModel
 

@@ -54,7 +54,7 @@ from dagster._core.definitions.data_version import (  # no public names for the 
     get_input_event_pointer_tag,
 )
 
-from eagle3_assets.check_results import AssetChecks
+from eagle3_assets.glue.check_results import AssetChecks
 from eagle3_assets.core.reporting.checks import CheckOutcome
 
 

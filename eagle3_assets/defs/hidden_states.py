@@ -13,7 +13,7 @@ shards (a single shard from the UI is a range of one). Each run sends one job
 listing its shards: the stage builds the engine once (loading a 1T target takes
 hours) and reports each shard the moment it is done, which becomes that
 partition's materialisation and gate results at once
-(:class:`eagle3_assets.shard_runs.ShardReporter`). A crash part-way keeps the
+(:class:`eagle3_assets.glue.shard_runs.ShardReporter`). A crash part-way keeps the
 finished shards; the rerun reports them as stored and extracts only the rest,
 and builds no engine when none is left.
 
@@ -34,8 +34,8 @@ from typing import Any
 
 from dagster import AssetExecutionContext, AssetKey, AssetSpec, MetadataValue, multi_asset
 
-from eagle3_assets.capacity_facts import refuse_unless_run_fits
-from eagle3_assets.check_results import AssetChecks
+from eagle3_assets.glue.capacity_facts import refuse_unless_run_fits
+from eagle3_assets.glue.check_results import AssetChecks
 from eagle3_assets.core.extraction.gates import HIDDEN_STATE_GATES
 from eagle3_assets.core.extraction.needs import EXTRACTION_MODULES, EXTRACTION_STAGE, TRACES, disk_estimate
 from eagle3_assets.core.extraction.backends import EXTRACTION_BACKENDS, extraction_backend, extraction_modules
@@ -47,10 +47,10 @@ from eagle3_assets.core.settings.environment import EXTRACTION_SHARDS_PER_RUN
 from eagle3_assets.core.storage.files import stable_hash
 from eagle3_assets.core.storage.shard_files import ShardFileError
 from eagle3_assets.core.storage.shard_paths import ShardPaths
-from eagle3_assets.lineage import states_lineage
-from eagle3_assets.partitions import sample_shards
-from eagle3_assets.shard_runs import ShardReporter, shards_per_run_policy
-from eagle3_assets.stage_configs import HiddenStatesConfig
+from eagle3_assets.glue.lineage import states_lineage
+from eagle3_assets.glue.partitions import sample_shards
+from eagle3_assets.glue.shard_runs import ShardReporter, shards_per_run_policy
+from eagle3_assets.glue.stage_configs import HiddenStatesConfig
 from resources.gpu_host import GPU_POOL, GPUHost, register_stage
 from resources.target_model import TargetModel
 

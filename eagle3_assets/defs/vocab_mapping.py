@@ -3,7 +3,7 @@
 Counts target token ids where ``loss_mask == 1`` (the tokens the target wrote
 itself) over the shards whose validated traces passed their blocking gates (or
 the shards the config names; a blocked shard is left out, never waited for,
-and the metadata lists it with why: :mod:`eagle3_assets.shard_status`), keeps the ``draft_vocab_size`` most frequent (ties by
+and the metadata lists it with why: :mod:`eagle3_assets.glue.shard_status`), keeps the ``draft_vocab_size`` most frequent (ties by
 id), and writes ``<data>/vocab_mapping/vocab_mapping.safetensors`` (``d2t``,
 ``t2d``) and ``vocab_mapping.json``. See :mod:`eagle3_assets.core.draft.vocab`.
 """
@@ -21,15 +21,15 @@ from dagster import (
     asset,
 )
 
-from eagle3_assets.check_results import AssetChecks
+from eagle3_assets.glue.check_results import AssetChecks
 from eagle3_assets.core.draft.gates import VOCAB_MAPPING_GATES
 from eagle3_assets.core.storage.shard_files import read_shard_parquet
 from eagle3_assets.core.storage.shard_paths import ShardPaths
 from eagle3_assets.core.storage.files import asset_dir, file_hash, stable_hash
-from eagle3_assets.partitions import SAMPLE_SHARDS
+from eagle3_assets.glue.partitions import SAMPLE_SHARDS
 from eagle3_assets.core.validation.gates import TRACE_GATES
-from eagle3_assets.shard_status import green_shards, selection_metadata
-from eagle3_assets.stage_configs import VocabMappingConfig
+from eagle3_assets.glue.shard_status import green_shards, selection_metadata
+from eagle3_assets.glue.stage_configs import VocabMappingConfig
 from resources.target_model import TargetModel
 
 TRACES = "validated_traces"

@@ -33,7 +33,7 @@ import polars as pl
 from dagster import AssetExecutionContext, AssetKey, Config, MaterializeResult, asset
 from pydantic import Field
 
-from eagle3_assets.check_results import AssetChecks
+from eagle3_assets.glue.check_results import AssetChecks
 from eagle3_assets.core.evaluation.acceptance import load_conversations
 from eagle3_assets.core.evaluation.prompt_sets import BUILTIN_SETS, STANDARD
 from eagle3_assets.core.prompts.heldout import held_out_prompts, question_text

@@ -18,7 +18,7 @@ from dagster import AssetCheckKey, AssetKey, AssetRecordsFilter, DagsterEventTyp
 from eagle3_assets.core.planning.shard_selection import BLOCKED, GREEN, MISSING, ShardSelection, ShardVerdict, select_shards
 from eagle3_assets.core.prompts.retired import retired_shards
 from eagle3_assets.core.storage.shard_paths import ShardPaths
-from eagle3_assets.partitions import SAMPLE_SHARDS
+from eagle3_assets.glue.partitions import SAMPLE_SHARDS
 
 PAGE = 1000
 DESCRIPTION_CHARS = 240  # of a failed gate's words, per shard left out: the check itself holds the rest
@@ -56,7 +56,7 @@ def gate_outcomes(instance: DagsterInstance, asset: str, check: str, latest: dic
     """Materialisation storage id -> (passed, description) of the latest evaluation of ``check`` on it, for ``latest``'s.
 
     An evaluation names its materialisation; one reported per shard of a multi-shard run
-    (:mod:`eagle3_assets.shard_runs`) names its partition instead, in the run that materialised it.
+    (:mod:`eagle3_assets.glue.shard_runs`) names its partition instead, in the run that materialised it.
     """
     targets = {storage_id for storage_id, _ in latest.values()}
     by_run_and_shard = {(run_id, key): storage_id for key, (storage_id, run_id) in latest.items()}

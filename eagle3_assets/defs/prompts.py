@@ -9,7 +9,7 @@ bad rows still materialises; only an unreadable file fails the run.
 A backfill puts ALL the shards of ``prompts`` it targets in one run
 (``BackfillPolicy.single_run``; the UI's materialise is a range of one), each
 shard still written, checked and recorded as its own partition
-(:class:`~eagle3_assets.shard_runs.ShardReporter`). Why: ``raw_responses``
+(:class:`~eagle3_assets.glue.shard_runs.ShardReporter`). Why: ``raw_responses``
 runs over ranges of up to ``EAGLE3_SHARDS_PER_RUN`` shards, and the backfill
 daemon requests a range only from the shards whose prompts are recorded at
 its tick. With a run per prompts shard, a whole-graph backfill (``--assets
@@ -29,15 +29,15 @@ from types import SimpleNamespace
 
 from dagster import AssetExecutionContext, AssetSpec, BackfillPolicy, MetadataValue, multi_asset
 
-from eagle3_assets.check_results import AssetChecks
+from eagle3_assets.glue.check_results import AssetChecks
 from eagle3_assets.core.prompts.gates import PROMPT_GATES
 from eagle3_assets.core.storage.shard_files import quarantine_if_corrupt
 from eagle3_assets.core.storage.shard_lease import ShardLease
 from eagle3_assets.core.prompts.heldout import split_held_out
 from eagle3_assets.core.storage.shard_paths import ShardPaths
 from eagle3_assets.core.storage.files import stable_hash, write_parquet_atomic
-from eagle3_assets.partitions import sample_shards
-from eagle3_assets.shard_runs import ShardReporter
+from eagle3_assets.glue.partitions import sample_shards
+from eagle3_assets.glue.shard_runs import ShardReporter
 from resources.prompt_dataset import PromptDataset
 
 CHECKS = AssetChecks(PROMPT_GATES)  # the declared gates as this asset's checks

@@ -12,8 +12,8 @@ facts (each registered shard's prompts, validated tokens, generated tokens
 and bytes on disk, the rates the shards' materialisations measured, the free
 space of the data volume and of the GPU host) and makes the plan.
 
-The facts are read by :mod:`eagle3_assets.capacity_facts`, which
-``hidden_states`` also calls before a run (:func:`~eagle3_assets.capacity_facts.refuse_unless_run_fits`).
+The facts are read by :mod:`eagle3_assets.glue.capacity_facts`, which
+``hidden_states`` also calls before a run (:func:`~eagle3_assets.glue.capacity_facts.refuse_unless_run_fits`).
 """
 
 import os
@@ -29,15 +29,15 @@ from dagster import (
 )
 from pydantic import Field
 
-from eagle3_assets.capacity_facts import latest_metadata, measured_rates, measured_training_rate, shard_facts, volume_at
+from eagle3_assets.glue.capacity_facts import latest_metadata, measured_rates, measured_training_rate, shard_facts, volume_at
 from eagle3_assets.core.extraction.state_layout import DEFAULT_DTYPE, STORAGE_DTYPE_BYTES
 from eagle3_assets.core.planning.capacity import CapacityPlan, PlanSettings, plan_capacity
-from eagle3_assets.check_results import AssetChecks
+from eagle3_assets.glue.check_results import AssetChecks
 from eagle3_assets.core.planning.gates import CAPACITY_GATES, check_run_fits
 from eagle3_assets.core.planning.stage_rates import Rate, estimated_training_rate, first_rate
 from eagle3_assets.core.settings.environment import ACCEPT_UNKNOWN_CAPACITY
 from eagle3_assets.core.storage.shard_paths import data_dir
-from eagle3_assets.partitions import SAMPLE_SHARDS
+from eagle3_assets.glue.partitions import SAMPLE_SHARDS
 from resources.gpu_host import GPUHost
 from resources.prompt_dataset import PromptDataset
 from resources.target_model import TargetModel

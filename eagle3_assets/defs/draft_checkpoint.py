@@ -43,7 +43,7 @@ from dagster import (
     asset,
 )
 
-from eagle3_assets.check_results import AssetChecks
+from eagle3_assets.glue.check_results import AssetChecks
 from eagle3_assets.core.draft.load_check import LOAD_CHECK_CONTEXT
 from eagle3_assets.core.gpu_host.stage_requirements import StageRequirements, with_serving_need
 from eagle3_assets.core.draft.gates import DRAFT_CHECKPOINT_GATES
@@ -67,11 +67,11 @@ from eagle3_assets.core.extraction.gates import HIDDEN_STATE_GATES
 from eagle3_assets.core.extraction.backends import extraction_modules
 from eagle3_assets.core.extraction.needs import TRACES, disk_estimate
 from eagle3_assets.core.validation.gates import TRACE_GATES
-from eagle3_assets.lineage import states_lineage
+from eagle3_assets.glue.lineage import states_lineage
 from eagle3_assets.core.planning.shard_selection import ShardSelection
-from eagle3_assets.partitions import SAMPLE_SHARDS
-from eagle3_assets.shard_status import green_shards, selection_metadata
-from eagle3_assets.stage_configs import DraftTrainingConfig, HiddenStatesConfig
+from eagle3_assets.glue.partitions import SAMPLE_SHARDS
+from eagle3_assets.glue.shard_status import green_shards, selection_metadata
+from eagle3_assets.glue.stage_configs import DraftTrainingConfig, HiddenStatesConfig
 from resources.gpu_host import GPU_POOL, GPUHost, register_stage
 from resources.target_model import TargetModel
 
