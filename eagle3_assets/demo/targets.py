@@ -42,9 +42,9 @@ LONG_SERVING = {
     "profile": ServingProfile(reasoning_parser="deepseek_r1", env={CPU_KV_CACHE_ENV: "3"}),
 }
 LONG_HOLDOUT_SHARE = 0.125  # ~8 of its 64 prompts held out for draft_evaluation
-# The first 2,048 tokens of every held-out trace, all in flight at once: the untrained baseline decodes about one
-# token a step, and 8,192 steps of it would take the demo past its 30 minutes on 2 cores.
-LONG_EVALUATION = {"max_tokens": 2048, "concurrency": 8}
+# Every held-out trace whole (the user's 8,192 completion tokens), all in flight at once: the output-position buckets
+# up to 4,096-8,192 fill with verify steps (its 7 held-out questions ask for 2,640-7,500 tokens).
+LONG_EVALUATION = {"max_tokens": 8192, "concurrency": 8}
 
 
 @dataclass(frozen=True)
