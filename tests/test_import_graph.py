@@ -174,7 +174,9 @@ CORE_LAYERS: tuple[tuple[str, ...], ...] = (
     # never reads (each stage's job is its domain's job.py); the draft; the states.
     ("gpu_host", "draft", "extraction"),
     ("evaluation", "training"),  # the draft trained on the states; measured through vLLM
-    ("planning",),  # capacity and the stages' rates, over extraction and training
+    # Capacity and the stages' rates, over extraction and training; on-policy refinement, over the draft served
+    # (evaluation's per-step counts) and its states (extraction).
+    ("planning", "refinement"),
 )
 
 
