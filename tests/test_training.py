@@ -236,9 +236,9 @@ def test_a_frozen_lm_head_ends_bit_for_bit_as_it_started_and_has_no_optimizer_st
 
 def test_the_loss_setting_reaches_the_loop_and_the_run_records_it(hidden_states, tiny_target, tmp_path):
     """Each loss trains the same steps from the same start to other weights (tests/test_training_losses.py: what each is)."""
-    results = {loss: run_training(small_config(hidden_states, tiny_target, tmp_path / loss, epochs=1, loss=loss)) for loss in ("kl", "nla", "lk_hybrid")}
+    results = {loss: run_training(small_config(hidden_states, tiny_target, tmp_path / loss, epochs=1, loss=loss)) for loss in ("kl", "nla", "lk_hybrid", "opd")}
     weights = {loss: final_weights(r) for loss, r in results.items()}
-    for loss in ("nla", "lk_hybrid"):
+    for loss in ("nla", "lk_hybrid", "opd"):
         state = json.loads((Path(results[loss]["checkpoint"]) / "state.json").read_text())
         assert state["config"]["loss"] == loss and state["step"] == json.loads((Path(results["kl"]["checkpoint"]) / "state.json").read_text())["step"]
         assert not torch.allclose(weights[loss]["fc.weight"], weights["kl"]["fc.weight"]), f"loss {loss} trained the default's weights"

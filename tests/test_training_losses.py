@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from eagle3_assets.core.training.config import TrainConfig
+from eagle3_assets.core.training import losses
 from eagle3_assets.core.training.losses import LOSSES
 from eagle3_assets.core.training.loss import ChunkedHeadLoss, position_loss
 
@@ -65,7 +66,7 @@ def test_an_unknown_loss_is_refused_naming_the_known_ones():
     config = TrainConfig(hidden_state_dirs=["x"], vocab_mapping="v", target_path="t", training_dir="d", loss="tv")
     with pytest.raises(ValueError, match=r"loss 'tv': one of 'kl', 'ce', 'nla', 'lk_hybrid'"):
         config.validate()
-    assert tuple(LOSSES) == ("kl", "ce", "nla", "lk_hybrid")
+    assert tuple(LOSSES) == ("kl", "ce", "nla", "lk_hybrid", "opd")
 
 
 def test_a_loss_registered_in_losses_py_alone_is_validated_planned_and_trained(monkeypatch):
@@ -135,3 +136,43 @@ def test_a_loss_registered_in_losses_py_alone_is_validated_planned_and_trained(m
     assert scaled["loss"] == pytest.approx(2.5 * kl["loss"], rel=1e-5)
     assert scaled["grad_norm"] == pytest.approx(2.5 * kl["grad_norm"], rel=1e-4)
     assert scaled["plan"] == kl["plan"]
+
+
+def test_opd_is_forward_kl_where_the_draft_would_be_accepted_and_reverse_kl_where_rejected_with_its_gradient():
+    """Draft-OPD's loss (issue 42, item 4): per position, forward KL where the draft's top token is the target's,
+    reverse KL(q || p) where it is not; the written-out gradient is autograd's of the value and the formula's.
+
+    Fails on: the two pieces swapped (forward KL on the rejected positions), the acceptance taken from the draft's
+    top token against itself or against a token other than the target's top one, the reverse KL's gradient without its
+    ``- R`` term (q * r alone), and log p not clamped (a target probability that underflowed to 0 gives inf / nan).
+    """
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(8, 30, generator=generator, dtype=torch.float64) * 2
+    target = torch.softmax(torch.randn(8, 30, generator=generator, dtype=torch.float64) * 3, dim=-1)
+    # Rows 0-3: the target's top token made the draft's (accepted); rows 4-7 keep their own (rejected where they differ).
+    top = logits.argmax(-1)
+    target[:4] = target[:4].index_put((torch.arange(4), top[:4]), target[:4].max(-1).values + 0.5)
+    target = target / target.sum(-1, keepdim=True)
+    target[7, 0] = 0.0  # an underflowed probability: its log is clamped, not -inf
+    target[7] = target[7] / target[7].sum()
+    accepted = logits.argmax(-1) == target.argmax(-1)
+    assert accepted[:4].all() and not accepted[4:].any()
+
+    q = torch.softmax(logits, -1)
+    forward = -(target * torch.log_softmax(logits, -1)).sum(-1)
+    reverse = torch.nn.functional.kl_div(target.clamp_min(losses.PROBABILITY_FLOOR).log(), q, reduction="none").sum(-1)
+    value = LOSSES["opd"].value(logits, target)
+    torch.testing.assert_close(value[:4], forward[:4])
+    torch.testing.assert_close(value[4:], reverse[4:])
+    assert torch.isfinite(value).all() and (value[4:] > 0).all()
+    # The step decay is the loop's step_weight, as for every loss: the entry itself reads no setting.
+    assert LOSSES["opd"].parameters == ()
+
+    leaf = logits.clone().requires_grad_(True)
+    (autograd,) = torch.autograd.grad(LOSSES["opd"].value(leaf, target).sum(), leaf)
+    written = LOSSES["opd"].gradient(logits, target)
+    torch.testing.assert_close(written, autograd)
+    r = torch.log_softmax(logits, -1) - target.clamp_min(losses.PROBABILITY_FLOOR).log()
+    formula = torch.where(accepted[:, None], q - target, q * (r - (q * r).sum(-1, keepdim=True)))
+    torch.testing.assert_close(written, formula)
+    assert not torch.allclose(written[4:], q[4:] - target[4:])  # the rejected rows' gradient is not forward KL's

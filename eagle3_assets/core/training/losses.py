@@ -45,9 +45,21 @@ the draft vocabulary and q the draft's:
   differentiated: KL's gradient while the draft is far off, TV's once it
   overlaps.
 
+- ``opd``, on-policy distillation as Draft-OPD (arXiv 2605.29343) trains:
+  forward KL (reported as ``kl`` is) where the draft would be accepted,
+  reverse KL(q || p) where it would be rejected, each unrolled step decayed by
+  ``step_weight`` as every loss is. Accepted here is greedy verification at
+  the position: the draft's top token is the target's. That is what vLLM
+  decides there at temperature 0 once the chain's earlier drafts were
+  accepted, and the replay of a served draft (``core/refinement/replay.py``)
+  found vLLM's per-step counts to follow it on 458 of 459 steps
+  (docs/performance.md). Positions after a chain's first rejection are still
+  trained, teacher-forced, as the unrolled steps train them.
+
 The gradients: with q = softmax(logits) and alpha = sum min(p, q),
 d KL / d logits = q - p, and d alpha / d logits_j = q_j * (b_j - sum_v b_v q_v)
-where b_v = 1 where q_v < p_v.
+where b_v = 1 where q_v < p_v; with r = log q - log p and R = sum_v q_v r_v
+(the reverse KL), d R / d logits_j = q_j * (r_j - R).
 """
 
 from __future__ import annotations
@@ -60,6 +72,8 @@ if TYPE_CHECKING:
     from torch import Tensor
 
 ACCEPTANCE_FLOOR = 1e-5  # nla: -log alpha is clamped here (no gradient below), as speculators does
+# opd: log p is taken of p clamped to float32's smallest normal, where the target's probability underflowed to 0.
+PROBABILITY_FLOOR = 1.1754943508222875e-38
 
 
 @dataclass(frozen=True)
@@ -76,7 +90,12 @@ class TrainingLoss:
     losses also the overlap's mask and its gradient). Measured as
     tests/test_training_memory.py measures it (2,048 tokens, settings off):
     nla's peak was one such tensor a step over KL's (the estimate 1.03 of it
-    with 3; 1.09 with the 4 it had), lk_hybrid's 1.75 (1.04 with 4).
+    with 3; 1.09 with the 4 it had), lk_hybrid's 1.75 (1.04 with 4). opd's, with
+    4 (the log-softmax, the target's copy, q, the log-ratio), measured with
+    that file's helpers on 2026-12-06: the estimate 1.007 of its peak (431 MB;
+    1,024 tokens, its LOSS_DRAFT, settings off, where KL's was 333 MB and nla's
+    382 MB) and 0.993 with the settings on (1,536 tokens, LONG_DRAFT: nla's
+    peak to the byte).
     """
 
     description: str
@@ -136,6 +155,25 @@ def _lk_hybrid_grad(logits: Tensor, target: Tensor, *, lk_eta: float) -> Tensor:
     return q.sub_(target).mul_(lam).sub_(d_accept.mul_(1 - lam))
 
 
+def _greedy_accepted(logits: Tensor, target: Tensor) -> Tensor:
+    """Where the draft's top token is the target's: accepted by greedy verification ([...], bool)."""
+    return logits.argmax(-1) == target.argmax(-1)
+
+
+def _opd(logits: Tensor, target: Tensor) -> Tensor:
+    log_q = logits.log_softmax(-1)
+    forward = -(target * log_q).sum(-1)
+    reverse = (log_q.exp() * (log_q - target.clamp_min(PROBABILITY_FLOOR).log())).sum(-1)
+    return forward.where(_greedy_accepted(logits, target), reverse)
+
+
+def _opd_grad(logits: Tensor, target: Tensor) -> Tensor:
+    log_ratio = logits.log_softmax(-1).sub_(target.clamp_min(PROBABILITY_FLOOR).log())
+    q = logits.softmax(-1)
+    reverse = log_ratio.sub_((q * log_ratio).sum(-1, keepdim=True)).mul_(q)  # reuses log_ratio's memory
+    return q.sub_(target).where(_greedy_accepted(logits, target).unsqueeze(-1), reverse)
+
+
 # The registry. speculators trains with forward KL by default and offers the LK losses.
 LOSSES: dict[str, TrainingLoss] = {
     "kl": TrainingLoss("forward KL to the target's distribution", _kl, _kl_grad, kept_tensors=2, chunk_backward_tensors=3),
@@ -144,6 +182,10 @@ LOSSES: dict[str, TrainingLoss] = {
     "lk_hybrid": TrainingLoss(
         "an LK loss: KL blended into TV by lk_eta", _lk_hybrid, _lk_hybrid_grad, kept_tensors=4, chunk_backward_tensors=5,
         parameters=("lk_eta",),
+    ),  # fmt: skip
+    "opd": TrainingLoss(
+        "on-policy, Draft-OPD's: forward KL where the draft's top token is the target's, reverse KL where it is not",
+        _opd, _opd_grad, kept_tensors=4, chunk_backward_tensors=5,
     ),  # fmt: skip
 }
 
