@@ -46,9 +46,11 @@ SOURCES = [
         # streamed_extraction: a HiddenStatesConfig (its fields are ExtractionJob's); shards: chosen on the orchestrator
         {"streamed_extraction", "shards"},
         # Recipe constants and run mechanics a launchpad user has no reason to change; the CLI and tests can.
+        # supervised_dirs, supervised_share: a refinement round's mix (core/refinement/training.py), not draft_checkpoint's.
         {
             "betas", "head_from_target", "bf16_autocast", "draft_num_attention_heads", "draft_num_key_value_heads",
             "draft_head_dim", "log_every", "keep_checkpoints", "torch_threads", "gates", "bounded",
+            "supervised_dirs", "supervised_share",
         },
     ),  # fmt: skip
     (DraftEvaluationConfig, [EvaluationJob], {"eval_prompts", "max_eval_prompts"}, set()),

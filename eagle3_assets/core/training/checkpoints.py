@@ -135,7 +135,8 @@ def run_fingerprint(config: TrainConfig, index: HiddenStateIndex) -> str:
     """What the run is made of: settings, data, vocabulary map, target and starting point."""
     # Inputs count by content (or, for large weight files, by name, size and time), not by path.
     settings = {k: v for k, v in config.to_dict().items() if k not in TrainConfig._NOT_IN_FINGERPRINT}
-    for by_content in ("hidden_state_dirs", "vocab_mapping", "target_path", "init_from"):
+    # supervised_dirs count through the index too: the mixed index's fingerprint covers their sidecars and the draw.
+    for by_content in ("hidden_state_dirs", "supervised_dirs", "vocab_mapping", "target_path", "init_from"):
         settings.pop(by_content)
     return stable_hash(
         {

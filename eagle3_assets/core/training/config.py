@@ -107,6 +107,12 @@ class TrainConfig(TrainingRecipe):
     log_every: int = setting(10, "optimizer steps between progress events")
     keep_checkpoints: int = setting(2, "step checkpoints kept (the newest)")
     torch_threads: int | None = setting(None, "torch threads; default: torch's on GPU hosts, 1 on CPU")
+    # A refinement round (core/refinement/training.py): hidden_state_dirs hold the round's on-policy samples, these
+    # the supervised ones it mixes in so the draft keeps what it had. By content in the fingerprint (the index's).
+    supervised_dirs: list[str] = setting([], "supervised hidden-state shards mixed into hidden_state_dirs' samples (a refinement round)")
+    supervised_share: float = setting(
+        0.0, "share of supervised_dirs' samples mixed in, drawn with the run's seed: 0 none, 1 all of them"
+    )
 
     # Fields that do not change what is computed (memory settings: up to float rounding), so resuming across them is fine.
     _NOT_IN_FINGERPRINT: ClassVar[tuple[str, ...]] = (
@@ -136,6 +142,12 @@ class TrainConfig(TrainingRecipe):
             unknown = [name for name in LOSSES[self.loss].parameters if name not in type(self).model_fields]
             if unknown:
                 problems.append(f"loss {self.loss!r} reads {unknown}, which are no training settings (declare each in core/training/config.py)")
+        if not 0.0 <= self.supervised_share <= 1.0:
+            problems.append(f"supervised_share {self.supervised_share} outside [0, 1]: the share of supervised_dirs' samples mixed in")
+        if self.supervised_share > 0 and not self.supervised_dirs:
+            problems.append(f"supervised_share {self.supervised_share} with no supervised_dirs: no supervised samples to mix in")
+        if set(self.supervised_dirs) & set(self.hidden_state_dirs):
+            problems.append(f"supervised_dirs and hidden_state_dirs share {sorted(set(self.supervised_dirs) & set(self.hidden_state_dirs))}")
         if self.draft_form not in ("auto", "llama", "deepseek_mla"):
             problems.append(f"draft_form {self.draft_form!r}: one of 'auto', 'llama', 'deepseek_mla'")
         if problems:

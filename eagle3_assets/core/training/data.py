@@ -45,6 +45,7 @@ class HiddenStateIndex:
     target_config_hash: str
     fingerprint: str  # of every sidecar: changes when any shard is re-extracted
     dtypes: list[str] = field(default_factory=list)  # the storage precisions of the shards (8-bit ones are dequantised to float32)
+    mix: dict | None = None  # a refinement round's (mixed_index): how many on-policy and supervised samples it holds
 
 
 def index_hidden_states(shard_dirs: list[str | Path]) -> HiddenStateIndex:
@@ -88,6 +89,28 @@ def index_hidden_states(shard_dirs: list[str | Path]) -> HiddenStateIndex:
         fingerprint=stable_hash(sidecars),
         dtypes=sorted({str(m.get("dtype")) for m in sidecars}),
     )
+
+
+def mixed_index(on_policy_dirs: list[str | Path], supervised_dirs: list[str | Path], supervised_share: float, seed: int) -> HiddenStateIndex:
+    """Every sample of ``on_policy_dirs`` and ``round(supervised_share * n)`` of the ``n`` of ``supervised_dirs``,
+    drawn with ``seed``, in their stored order: a refinement round's data, on-policy with some of the supervised.
+
+    The shards must agree on how they were extracted (:func:`index_hidden_states` checks); the index's fingerprint
+    covers every sidecar and which supervised samples were drawn, so another share or draw is another run.
+    """
+    index = index_hidden_states([*on_policy_dirs, *supervised_dirs])
+    supervised_parents = {str(Path(d)) for d in supervised_dirs}
+    is_supervised = [str(Path(s.file).parent) in supervised_parents for s in index.samples]
+    supervised_positions = [i for i, flag in enumerate(is_supervised) if flag]
+    drawn = sorted(random.Random(seed).sample(supervised_positions, round(supervised_share * len(supervised_positions))))
+    keep = set(drawn)
+    index.samples = [s for i, s in enumerate(index.samples) if not is_supervised[i] or i in keep]
+    if not index.samples:
+        raise ValueError(f"hidden states: no samples in {[str(d) for d in on_policy_dirs]} and none drawn from the supervised shards")
+    index.fingerprint = stable_hash({"sidecars": index.fingerprint, "supervised_share": supervised_share, "drawn": drawn})
+    index.mix = {"on_policy_samples": len(is_supervised) - len(supervised_positions), "supervised_samples": len(drawn),
+                 "supervised_available": len(supervised_positions), "supervised_share": supervised_share}  # fmt: skip
+    return index
 
 
 @dataclass

@@ -23,7 +23,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from eagle3_assets.core.training.config import TrainConfig
-from eagle3_assets.core.training.data import Batch, HiddenStateIndex, epoch_steps, index_hidden_states, load_batch, supervised_token_count
+from eagle3_assets.core.training.data import (
+    Batch, HiddenStateIndex, epoch_steps, index_hidden_states, load_batch, mixed_index, supervised_token_count,
+)  # fmt: skip
 
 OnEvent = Callable[[dict], None]
 
@@ -123,7 +125,10 @@ class StoredShards:
         self.packed = False
 
     def describe(self, config: TrainConfig) -> tuple[HiddenStateIndex, DataSize]:
-        self.index = index_hidden_states(self.shard_dirs)
+        if config.supervised_dirs:
+            self.index = mixed_index(self.shard_dirs, config.supervised_dirs, config.supervised_share, config.seed)
+        else:
+            self.index = index_hidden_states(self.shard_dirs)
         self.max_seq_len, self.packed = config.max_seq_len, config.pack_samples
         self.lengths = [min(s.length, config.max_seq_len) for s in self.index.samples]
         size = DataSize(len(self.lengths), sum(self.lengths), supervised_token_count(self.index, config.max_seq_len), max(self.lengths))
@@ -169,7 +174,8 @@ class StoredShards:
 
     def report(self) -> dict:
         assert self.index is not None
-        return {"hidden_states_mode": self.mode, "samples": len(self.index.samples), "hidden_state_dtypes": self.index.dtypes}
+        mix = {"mix": self.index.mix} if self.index.mix else {}
+        return {"hidden_states_mode": self.mode, "samples": len(self.index.samples), "hidden_state_dtypes": self.index.dtypes, **mix}
 
     def stop(self) -> None:
         pass

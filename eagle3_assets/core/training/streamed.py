@@ -176,6 +176,8 @@ class StreamedWindow:
     # -- before training: the data's size and the plan, from the traces alone
 
     def describe(self, config: TrainConfig) -> tuple[HiddenStateIndex, DataSize]:
+        if config.supervised_dirs:
+            raise ValueError("training settings: supervised_dirs (a refinement round's supervised mix) need stored shards, hidden_states_mode offline")
         run = self.run
         self.facts = facts = TargetFacts.from_path(config.target_path)
         self.settings = ExtractionSettings(
