@@ -46,7 +46,8 @@ TRAINING_CONFIG = DraftTrainingConfig(epochs=20, learning_rate=3e-3, warmup_rati
 LONG_MAX_TOKENS = 8192
 LONG_SAMPLING = {"max_tokens": LONG_MAX_TOKENS, "temperature": 1.0, "concurrency": 128}
 # Its draft at the user's max_seq_len: every trace whole (the longest prompt and completion are under 8,192 tokens).
-# One epoch (29 steps of 8,192 tokens): ~42 s a step on this shared 2-core machine, so two would not fit 30 minutes.
+# One epoch (28 steps of 8,192 tokens, 12 min at 289 tokens/s on 2 shared cores): two would not fit 30 minutes; too few
+# for the acceptance floor (1.14 at k = 5: docs/performance.md#the-long-trace-target).
 LONG_TRAINING_CONFIG = DraftTrainingConfig(epochs=1, learning_rate=3e-3, warmup_ratio=0.05, ttt_steps=3, batch_tokens=8192, max_seq_len=8192)
 
 # The tiny targets write ~170 distinct tokens of their 640.

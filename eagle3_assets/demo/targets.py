@@ -44,8 +44,9 @@ LONG_SERVING = {
 LONG_HOLDOUT_SHARE = 0.125  # ~8 of its 64 prompts held out for draft_evaluation
 # The first 4,352 tokens of every held-out trace, all in flight at once: every output-position bucket gets verify
 # steps (4,096-8,192 its first 256 positions, from the held-out questions that ask for more than 4,096 tokens). Whole
-# traces (8,192) would not fit the demo's 30 minutes: vLLM on 2 CPU cores in eager mode takes ~0.1-0.2 s a verify
-# step whatever the batch, and the untrained baseline verifies one token a step (docs/performance.md#the-long-trace-target).
+# traces (8,192) would not fit the demo's 30 minutes: vLLM on 2 shared CPU cores, eager, took 56-100 ms a k = 5 verify
+# step (8.5 ms a plain one) whatever the batch, and the untrained baseline verifies one token a step
+# (docs/performance.md#the-long-trace-target).
 LONG_EVALUATION = {"max_tokens": 4352, "concurrency": 8}
 
 
@@ -129,7 +130,7 @@ DEMO_TARGETS = {
         "kimi", _kimi_dir, lambda: TargetModel(path=str(_kimi_dir()), trust_remote_code=True), serving=_kimi_serving(), holdout_share=0.1
     ),
     "qwen3": DemoTarget("qwen3", _qwen3_dir, lambda: TargetModel(path=str(_qwen3_dir())), serving=_qwen3_serving(), holdout_share=0.1),
-    # Long traces: the user's 8,192 completion tokens, and the 64 prompts that fit the demo's 30 minutes on 2 cores.
+    # Long traces: the user's 8,192 completion tokens over 64 prompts (the demo took 31 min on 2 shared cores, resumed).
     "long": DemoTarget(
         "long", _long_dir, lambda: TargetModel(path=str(_long_dir())), serving=LONG_SERVING, holdout_share=LONG_HOLDOUT_SHARE,
         prompts_path=_long_prompts, sampling=_long_sampling(), training=_long_training(), evaluation=LONG_EVALUATION,
