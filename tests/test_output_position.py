@@ -145,3 +145,16 @@ def test_the_report_and_the_materialisation_carry_the_buckets_and_flag_requests_
     assert "| 0-512 | 128 | 4.000 | 511 | 1.000 |" in table and "WARNING: only 1 of 2 requests' steps add up" in table
     assert position_metadata({"trained": result("trained", [])}) == {"acceptance_by_output_position": position_metadata({})["acceptance_by_output_position"]}
     assert len(OUTPUT_POSITION_BUCKETS) == 5
+
+
+def test_the_long_demo_targets_evaluation_reaches_the_last_output_position_bucket():
+    """``make demo DEMO_TARGET=long`` is where the buckets past 2,048 fill: its evaluation decodes past the last
+    bucket's start (4,096) and no further than the user's cap its traces were generated under, and trains at the
+    user's ``max_seq_len`` 8,192. Fails on the mutation ``LONG_EVALUATION["max_tokens"] = 2048`` (the value before
+    issue 39 item 3's run, which left 2,048-8,192 empty) and on a ``max_seq_len`` cut below 8,192."""
+    from eagle3_assets.demo.plugin import LONG_MAX_TOKENS
+    from eagle3_assets.demo.targets import DEMO_TARGETS
+
+    long = DEMO_TARGETS["long"]
+    assert OUTPUT_POSITION_BUCKETS[-1][0] < long.evaluation["max_tokens"] <= LONG_MAX_TOKENS
+    assert long.training.max_seq_len == 8192
