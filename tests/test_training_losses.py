@@ -66,7 +66,7 @@ def test_an_unknown_loss_is_refused_naming_the_known_ones():
     config = TrainConfig(hidden_state_dirs=["x"], vocab_mapping="v", target_path="t", training_dir="d", loss="tv")
     with pytest.raises(ValueError, match=r"loss 'tv': one of 'kl', 'ce', 'nla', 'lk_hybrid'"):
         config.validate()
-    assert tuple(LOSSES) == ("kl", "ce", "nla", "lk_hybrid", "opd")
+    assert tuple(LOSSES) == ("kl", "ce", "nla", "lk_hybrid", "opd", "opd_anchored")
 
 
 def test_a_loss_registered_in_losses_py_alone_is_validated_planned_and_trained(monkeypatch):
@@ -176,3 +176,51 @@ def test_opd_is_forward_kl_where_the_draft_would_be_accepted_and_reverse_kl_wher
     formula = torch.where(accepted[:, None], q - target, q * (r - (q * r).sum(-1, keepdim=True)))
     torch.testing.assert_close(written, formula)
     assert not torch.allclose(written[4:], q[4:] - target[4:])  # the rejected rows' gradient is not forward KL's
+
+
+def test_opd_anchored_is_reverse_kl_where_the_server_rejected_and_forward_kl_elsewhere_whatever_the_draft_prefers():
+    """The anchored variant (issue 42 item 4): the pieces are placed by the round's anchors, not by the draft's argmax;
+    its written-out gradient is autograd's. Fails on the pieces swapped, on the argmax used in place of the anchors, and
+    on a loss that runs without anchors (it would train plain forward KL under another name)."""
+    generator = torch.Generator().manual_seed(1)
+    logits = torch.randn(8, 30, generator=generator, dtype=torch.float64) * 2
+    target = torch.softmax(torch.randn(8, 30, generator=generator, dtype=torch.float64) * 3, dim=-1)
+    greedy_accepted = logits.argmax(-1) == target.argmax(-1)
+    rejected = torch.tensor([True, False] * 4)
+    assert (rejected & greedy_accepted).any() or (~rejected & ~greedy_accepted).any()  # the anchors differ from the argmax
+    q = torch.softmax(logits, -1)
+    forward = -(target * torch.log_softmax(logits, -1)).sum(-1)
+    reverse = torch.nn.functional.kl_div(target.clamp_min(losses.PROBABILITY_FLOOR).log(), q, reduction="none").sum(-1)
+    value = position_loss(logits, target, "opd_anchored", rejected=rejected)
+    torch.testing.assert_close(value, torch.where(rejected, reverse, forward))
+    leaf = logits.clone().requires_grad_(True)
+    (autograd,) = torch.autograd.grad(LOSSES["opd_anchored"].value(leaf, target, rejected=rejected).sum(), leaf)
+    torch.testing.assert_close(LOSSES["opd_anchored"].gradient(logits, target, rejected=rejected), autograd)
+    with pytest.raises(ValueError, match="needs a refinement round's anchors"):
+        position_loss(logits, target, "opd_anchored")
+
+
+def test_the_unrolled_loss_reads_step_js_anchors_at_step_j():
+    """TrainingTimeTest: with no rejection anchored (or no anchors: a batch of supervised samples), opd_anchored is kl
+    step for step; rejections anchored in column 1 alone change step 1's loss alone (fails on the column read off by
+    one, or on every step reading column 0)."""
+    from eagle3_assets.core.training.loss import REJECTED, TrainingTimeTest
+    from tests.test_training_memory import random_batch, small_draft
+
+    torch.set_num_threads(1)
+    draft, head, mapping = small_draft()
+    aux, final, ids, mask = random_batch(draft.config, rows=2, length=16)
+    target_logits, target_top = head.draft_logits(final, "post_norm", mapping.draft_to_target, chunk=32)
+
+    def step_losses(loss: str, anchors=None) -> torch.Tensor:
+        with torch.no_grad():
+            return TrainingTimeTest(draft, 3, 0.8, loss=loss)(aux, ids, mask, target_logits, target_top, None, anchors)[1][0]
+
+    none = torch.zeros(2, 16, 3, dtype=torch.int8)
+    torch.testing.assert_close(step_losses("opd_anchored", none), step_losses("kl"))
+    column_1 = none.clone()
+    column_1[..., 1] = REJECTED
+    anchored, kl = step_losses("opd_anchored", column_1), step_losses("kl")
+    torch.testing.assert_close(anchored[[0, 2]], kl[[0, 2]])
+    assert not torch.isclose(anchored[1], kl[1])
+    torch.testing.assert_close(step_losses("opd_anchored"), kl)

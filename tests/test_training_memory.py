@@ -82,13 +82,20 @@ def random_batch(config: DraftConfig, rows: int, length: int, seed=1):
     return aux, final, ids, mask
 
 
+def random_anchors(rows: int, length: int, k: int = 3, seed=3) -> torch.Tensor:
+    """A refinement round's anchors (core/refinement/anchors.py) at random: a third of the positions rejected."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 3, (rows, length, k), generator=generator).to(torch.int8)
+
+
 def gradients(draft, head, mapping, batch, *, ttt=3, checkpoint_steps=False, loss_chunk_tokens=0, target_chunk=0, loss="kl", documents=None):
     aux, final, ids, mask = batch
+    anchors = random_anchors(*ids.shape) if LOSSES[loss].anchored else None
     draft.zero_grad(set_to_none=True)
     chunk = target_chunk or final.shape[0] * final.shape[1]
     target_logits, target_top = head.draft_logits(final, "post_norm", mapping.draft_to_target, chunk=chunk)
     ttt_module = TrainingTimeTest(draft, ttt, 0.8, checkpoint_steps=checkpoint_steps, loss_chunk_tokens=loss_chunk_tokens, loss=loss)
-    total, stats = ttt_module(aux, ids, mask, target_logits, target_top, documents)
+    total, stats = ttt_module(aux, ids, mask, target_logits, target_top, documents, anchors)
     total.backward()
     return total.detach(), stats, {n: p.grad.clone() for n, p in draft.named_parameters() if p.requires_grad}
 

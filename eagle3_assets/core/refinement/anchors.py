@@ -31,13 +31,20 @@ Dagster-free, torch only.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+import os
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 from eagle3_assets.core.refinement.replay import ReplayedStep
+from eagle3_assets.core.training.data import ANCHORS_FILE
+from eagle3_assets.core.training.loss import ACCEPTED, REJECTED, UNSERVED  # what the unrolled loss reads
 
-UNSERVED, ACCEPTED, REJECTED = 0, 1, 2
+__all__ = ["ACCEPTED", "ANCHORS_FILE", "REJECTED", "UNSERVED", "anchor_counts", "anchor_mask", "write_anchors"]
 
 
 def anchor_mask(steps: Sequence[ReplayedStep], prompt_tokens: int, total_tokens: int, k: int) -> torch.Tensor:
@@ -68,3 +75,29 @@ def anchor_counts(mask: torch.Tensor) -> dict[str, int]:
         "rejected": int((mask == REJECTED).sum()),
         "chains": int((mask != UNSERVED).any(-1).sum()),
     }
+
+
+def write_anchors(shard_dir: str | Path, masks: Mapping[str, torch.Tensor]) -> Path:
+    """``masks`` (sample id -> :func:`anchor_mask`) written beside the on-policy shard's parts as :data:`ANCHORS_FILE`,
+    atomically; training reads it (``core/training/data.py``) and the run's fingerprint covers it.
+
+    Refused when a sample id is not the shard's or a mask's length is not its sample's token count. Samples left out
+    are trained without anchors (forward KL under ``opd_anchored``).
+    """
+    shard_dir = Path(shard_dir)
+    meta = json.loads((shard_dir / "metadata.json").read_text())
+    tokens = dict(zip(map(str, meta["sample_ids"]), meta["num_tokens"]))
+    for sample_id, mask in masks.items():
+        if sample_id not in tokens:
+            raise ValueError(f"anchors for sample {sample_id!r}, which shard {shard_dir} does not hold")
+        if mask.dim() != 2 or mask.shape[0] != tokens[sample_id]:
+            raise ValueError(f"anchors of sample {sample_id!r}: shape {tuple(mask.shape)}, its sample has {tokens[sample_id]} tokens")
+    fd, staging = tempfile.mkstemp(prefix=f".{ANCHORS_FILE}.", dir=shard_dir)
+    os.close(fd)
+    try:
+        save_file({sample_id: mask.to(torch.int8).contiguous() for sample_id, mask in masks.items()}, staging)
+        os.replace(staging, shard_dir / ANCHORS_FILE)
+    finally:
+        if os.path.exists(staging):
+            os.unlink(staging)
+    return shard_dir / ANCHORS_FILE

@@ -18,8 +18,13 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from eagle3_assets.core.extraction.part_files import PartStates, open_part, verify_part
-from eagle3_assets.core.storage.files import stable_hash
+from eagle3_assets.core.storage.files import file_hash, stable_hash
 from eagle3_assets.core.training.config import TrainConfig
+
+
+# A refinement round's anchors beside an on-policy shard's parts (core/refinement/anchors.py writes it): one int8
+# tensor [tokens, k] per sample id, where the server accepted or first rejected each chain's proposals.
+ANCHORS_FILE = "anchors.safetensors"
 
 
 @dataclass(frozen=True)
@@ -28,6 +33,7 @@ class Sample:
     start: int  # token offsets inside the file
     end: int
     sample_id: str
+    anchors_file: str | None = None  # its shard's ANCHORS_FILE, where it has one
 
     @property
     def length(self) -> int:
@@ -52,6 +58,7 @@ def index_hidden_states(shard_dirs: list[str | Path]) -> HiddenStateIndex:
     """Every sample of every shard, from the sidecars; shards must agree on how they were extracted."""
     samples: list[Sample] = []
     sidecars = []
+    anchors = {}  # shard -> its anchors file's hash: in the fingerprint (a round re-anchored is another run)
     for shard in map(Path, shard_dirs):
         meta_path = shard / "metadata.json"
         if not meta_path.is_file():
@@ -62,6 +69,9 @@ def index_hidden_states(shard_dirs: list[str | Path]) -> HiddenStateIndex:
         if meta.get("final_state") not in ("post_norm", "pre_norm"):
             raise ValueError(f"hidden states {meta_path}: final_state {meta.get('final_state')!r}, expected post_norm or pre_norm")
         sidecars.append(meta)
+        anchors_file = shard / ANCHORS_FILE
+        if anchors_file.is_file():
+            anchors[str(shard)] = file_hash(anchors_file)
         for entry in meta["files"]:
             path = shard / entry["name"]
             verify_part(path, entry.get("sha256"))  # once, here: a damaged part fails naming the file, not mid-epoch
@@ -70,7 +80,8 @@ def index_hidden_states(shard_dirs: list[str | Path]) -> HiddenStateIndex:
             if len(offsets) != entry["num_samples"] + 1:
                 raise ValueError(f"hidden states {path}: {len(offsets) - 1} samples in sample_offsets, sidecar says {entry['num_samples']}")
             ids = meta["sample_ids"][entry["first_sample"] : entry["first_sample"] + entry["num_samples"]]
-            samples += [Sample(str(path), offsets[i], offsets[i + 1], str(ids[i])) for i in range(entry["num_samples"])]
+            anchored = str(anchors_file) if str(shard) in anchors else None
+            samples += [Sample(str(path), offsets[i], offsets[i + 1], str(ids[i]), anchored) for i in range(entry["num_samples"])]
     first = sidecars[0]
     for key in ("aux_layer_ids", "hidden_size", "num_layers", "vocab_size", "final_state", "target_config_hash"):
         values = {json.dumps(m.get(key)) for m in sidecars}
@@ -86,7 +97,7 @@ def index_hidden_states(shard_dirs: list[str | Path]) -> HiddenStateIndex:
         vocab_size=int(first["vocab_size"]),
         final_state=first["final_state"],
         target_config_hash=str(first.get("target_config_hash")),
-        fingerprint=stable_hash(sidecars),
+        fingerprint=stable_hash({"sidecars": sidecars, "anchors": anchors}) if anchors else stable_hash(sidecars),
         dtypes=sorted({str(m.get("dtype")) for m in sidecars}),
     )
 
@@ -121,10 +132,31 @@ class Batch:
     loss_mask: torch.Tensor  # [B, T] bool, False after a sample's end
     num_tokens: int
     documents: torch.Tensor | None = None  # packed ([1, T]): each token's sample, counted from 0; None: one sample a row
+    anchors: torch.Tensor | None = None  # [B, T, k] int8, a refinement round's (0 where a sample has none); None: no sample has
 
     def to(self, device: torch.device) -> Batch:
         documents = self.documents.to(device) if self.documents is not None else None
-        return Batch(self.aux.to(device), self.final.to(device), self.input_ids.to(device), self.loss_mask.to(device), self.num_tokens, documents)
+        anchors = self.anchors.to(device) if self.anchors is not None else None
+        return Batch(
+            self.aux.to(device), self.final.to(device), self.input_ids.to(device), self.loss_mask.to(device), self.num_tokens, documents, anchors
+        )
+
+
+def load_anchors(samples: list[Sample], lengths: list[int]) -> list[torch.Tensor] | None:
+    """Each sample's anchors [length, k] (zeros for one without: its shard has none, or none for it); None when no
+    sample's shard has any."""
+    if not any(s.anchors_file for s in samples):
+        return None
+    read: dict[int, torch.Tensor] = {}
+    k = 0
+    for path in {s.anchors_file for s in samples if s.anchors_file}:
+        with safe_open(path, framework="pt") as fh:
+            held = set(fh.keys())
+            k = max([k, *(fh.get_slice(key).get_shape()[1] for key in held)])
+            for i, s in enumerate(samples):
+                if s.anchors_file == path and s.sample_id in held:
+                    read[i] = fh.get_slice(s.sample_id)[: lengths[i]]
+    return [F.pad(read[i], (0, k - read[i].shape[1])) if i in read else torch.zeros(n, k, dtype=torch.int8) for i, n in enumerate(lengths)]
 
 
 def load_batch(samples: list[Sample], max_seq_len: int, packed: bool = False) -> Batch:
@@ -144,11 +176,13 @@ def load_batch(samples: list[Sample], max_seq_len: int, packed: bool = False) ->
             for i in members:
                 a, b = samples[i].start, samples[i].start + lengths[i]
                 loaded[i] = (states.aux(a, b), states.final(a, b), ids[a:b], mask[a:b])
+    anchors = load_anchors(samples, lengths)
     if packed:
         columns = [torch.cat([loaded[i][n] for i in range(len(samples))]) for n in range(4)]
         documents = torch.cat([torch.full((n,), i, dtype=torch.long) for i, n in enumerate(lengths)])
         aux, final, ids, mask = columns
-        return Batch(aux.float()[None], final.float()[None], ids.long()[None], (mask.long() == 1)[None], sum(lengths), documents[None])
+        packed_anchors = torch.cat(anchors)[None] if anchors is not None else None
+        return Batch(aux.float()[None], final.float()[None], ids.long()[None], (mask.long() == 1)[None], sum(lengths), documents[None], packed_anchors)
     for i in range(len(samples)):
         aux, final, ids, mask = loaded[i]
         pad = width - lengths[i]
@@ -156,8 +190,9 @@ def load_batch(samples: list[Sample], max_seq_len: int, packed: bool = False) ->
         rows["final"].append(F.pad(final.float(), (0, 0, 0, pad)))
         rows["ids"].append(F.pad(ids.long(), (0, pad)))
         rows["mask"].append(F.pad(mask.long(), (0, pad)) == 1)
+    padded_anchors = torch.stack([F.pad(a, (0, 0, 0, width - a.shape[0])) for a in anchors]) if anchors is not None else None
     return Batch(
-        torch.stack(rows["aux"]), torch.stack(rows["final"]), torch.stack(rows["ids"]), torch.stack(rows["mask"]), sum(lengths)
+        torch.stack(rows["aux"]), torch.stack(rows["final"]), torch.stack(rows["ids"]), torch.stack(rows["mask"]), sum(lengths), None, padded_anchors
     )
 
 

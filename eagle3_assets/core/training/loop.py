@@ -47,9 +47,10 @@ from eagle3_assets.core.training.checkpoints import (
     save_checkpoint,
 )
 from eagle3_assets.core.training.config import TrainConfig
-from eagle3_assets.core.training.data import Batch, HiddenStateIndex
+from eagle3_assets.core.training.data import ANCHORS_FILE, Batch, HiddenStateIndex
 from eagle3_assets.core.training.initial_weights import initial_draft
 from eagle3_assets.core.training.loss import TrainingTimeTest
+from eagle3_assets.core.training.losses import training_loss
 from eagle3_assets.core.training.memory import free_memory_bytes, plan_micro_batch
 from eagle3_assets.core.training.sources import BatchSource, DataSize, PlannedStep, StoredShards
 from eagle3_assets.core.training.tensorboard_log import open_curves
@@ -118,7 +119,7 @@ class Trainer:
             sync = self.model.no_sync() if self.distributed and i < count - 1 else nullcontext()
             with sync:
                 with self.autocast:
-                    loss, stats = self.model(batch.aux, batch.input_ids, batch.loss_mask, target_logits, target_top, batch.documents)
+                    loss, stats = self.model(batch.aux, batch.input_ids, batch.loss_mask, target_logits, target_top, batch.documents, batch.anchors)
                 (loss / count).backward()
             loss_sum += loss.detach()
             totals += stats
@@ -212,6 +213,11 @@ def _train(config: TrainConfig, source: BatchSource, emit: OnEvent, device: torc
 
     # -- the data's facts and the schedule, before anything is loaded
     config, schedule, index, size = resolve_schedule(config, source, world)
+    if training_loss(config.loss).anchored and not any(s.anchors_file for s in index.samples):
+        raise ValueError(
+            f"loss {config.loss!r} reads where the server rejected the draft, and no hidden-state shard has anchors "
+            f"({ANCHORS_FILE}: a refinement round writes them beside its on-policy shards)"
+        )
     emit({"event": "schedule", "description": schedule.describe(), "warnings": schedule.warnings, **asdict(schedule)})
 
     # -- the target's head and the draft

@@ -39,6 +39,10 @@ from eagle3_assets.core.draft.model import Eagle3Draft
 from eagle3_assets.core.training.config import TrainingRecipe
 from eagle3_assets.core.training.losses import training_loss
 
+# A refinement round's anchors ([T, k] per sample, :func:`~eagle3_assets.core.refinement.anchors.anchor_mask`): for
+# chain t at unrolled step j, whether the server accepted that proposal, rejected it first, or never decided it.
+UNSERVED, ACCEPTED, REJECTED = 0, 1, 2
+
 
 def shift_left(x: torch.Tensor, by: int, fill=0) -> torch.Tensor:
     """``out[:, t] = x[:, t + by]``, ``fill`` past the end."""
@@ -62,16 +66,30 @@ def resolved_parameters(loss: str, given: Mapping[str, float] | None = None) -> 
     return dict(given) if given is not None else TrainingRecipe(loss=loss).loss_parameters()
 
 
-def position_loss(logits: torch.Tensor, target: torch.Tensor, loss: str, parameters: Mapping[str, float] | None = None) -> torch.Tensor:
+def _rejections(loss: str, rejected: torch.Tensor | None) -> dict:
+    """The ``rejected`` keyword an anchored loss takes (refused without it); nothing for the others."""
+    if not training_loss(loss).anchored:
+        return {}
+    if rejected is None:
+        raise ValueError(f"loss {loss!r} reads where the server rejected the draft: it needs a refinement round's anchors")
+    return {"rejected": rejected}
+
+
+def position_loss(
+    logits: torch.Tensor, target: torch.Tensor, loss: str, parameters: Mapping[str, float] | None = None, rejected: torch.Tensor | None = None
+) -> torch.Tensor:
     """Each position's loss (last dimension: the draft vocabulary) for float32 ``logits`` and the target's
     distribution ``target``: loss ``loss``'s registered value; differentiable by autograd, and
-    :func:`position_loss_grad` is its gradient. ``parameters``: the settings it reads (unset: their defaults)."""
-    return training_loss(loss).value(logits, target, **resolved_parameters(loss, parameters))
+    :func:`position_loss_grad` is its gradient. ``parameters``: the settings it reads (unset: their defaults);
+    ``rejected``: per position, where the server rejected the draft (what an anchored loss reads)."""
+    return training_loss(loss).value(logits, target, **resolved_parameters(loss, parameters), **_rejections(loss, rejected))
 
 
-def position_loss_grad(logits: torch.Tensor, target: torch.Tensor, loss: str, parameters: Mapping[str, float] | None = None) -> torch.Tensor:
+def position_loss_grad(
+    logits: torch.Tensor, target: torch.Tensor, loss: str, parameters: Mapping[str, float] | None = None, rejected: torch.Tensor | None = None
+) -> torch.Tensor:
     """d :func:`position_loss` / d ``logits``: the registered gradient, written out so that the chunked loss keeps no graph."""
-    return training_loss(loss).gradient(logits, target, **resolved_parameters(loss, parameters))
+    return training_loss(loss).gradient(logits, target, **resolved_parameters(loss, parameters), **_rejections(loss, rejected))
 
 
 class ChunkedHeadLoss(torch.autograd.Function):
@@ -86,7 +104,10 @@ class ChunkedHeadLoss(torch.autograd.Function):
 
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
-    def forward(ctx, hidden, weight, target_logits, rows, token_weight, chunk: int, loss_name: str = "kl", parameters: Mapping | None = None):
+    def forward(
+        ctx, hidden, weight, target_logits, rows, token_weight, chunk: int, loss_name: str = "kl", parameters: Mapping | None = None,
+        rejected: torch.Tensor | None = None,
+    ):  # fmt: skip
         parameters = resolved_parameters(loss_name, parameters)  # once, not per chunk
         loss = torch.zeros((), device=hidden.device, dtype=torch.float32)
         argmax = torch.empty(hidden.shape[0], dtype=torch.long, device=hidden.device)
@@ -94,10 +115,11 @@ class ChunkedHeadLoss(torch.autograd.Function):
             end = min(start + chunk, hidden.shape[0])
             logits = (hidden[start:end] @ weight.to(hidden.dtype).T).float()
             target = torch.softmax(target_logits[rows[start:end]].float(), dim=-1)
-            loss += (position_loss(logits, target, loss_name, parameters) * token_weight[start:end]).sum()
+            part = rejected[start:end] if rejected is not None else None
+            loss += (position_loss(logits, target, loss_name, parameters, part) * token_weight[start:end]).sum()
             argmax[start:end] = logits.argmax(-1)
         ctx.save_for_backward(hidden, weight, target_logits, rows, token_weight)
-        ctx.chunk, ctx.loss_name, ctx.parameters = chunk, loss_name, parameters
+        ctx.chunk, ctx.loss_name, ctx.parameters, ctx.rejected = chunk, loss_name, parameters, rejected
         ctx.mark_non_differentiable(argmax)
         return loss, argmax
 
@@ -113,12 +135,13 @@ class ChunkedHeadLoss(torch.autograd.Function):
             h = hidden[start:end]
             logits = (h @ w.T).float()
             target = torch.softmax(target_logits[rows[start:end]].float(), dim=-1)
-            grad_logits = position_loss_grad(logits, target, ctx.loss_name, ctx.parameters).mul_((token_weight[start:end] * grad_loss)[:, None])
+            part = ctx.rejected[start:end] if ctx.rejected is not None else None
+            grad_logits = position_loss_grad(logits, target, ctx.loss_name, ctx.parameters, part).mul_((token_weight[start:end] * grad_loss)[:, None])
             if grad_hidden is not None:
                 grad_hidden[start:end] = (grad_logits.to(hidden.dtype) @ w).to(hidden.dtype)
             if grad_weight is not None:
                 grad_weight += grad_logits.T @ h.float()
-        return grad_hidden, grad_weight.to(weight.dtype) if grad_weight is not None else None, None, None, None, None, None, None
+        return grad_hidden, grad_weight.to(weight.dtype) if grad_weight is not None else None, None, None, None, None, None, None, None
 
 
 class TrainingTimeTest(nn.Module):
@@ -132,6 +155,12 @@ class TrainingTimeTest(nn.Module):
 
     ``checkpoint_steps`` and ``loss_chunk_tokens`` (0: the whole micro-batch
     at once) change the memory, not the result.
+
+    ``anchors`` ([B, T, k] int8, a refinement round's: :data:`REJECTED` where
+    the server's verification first rejected chain t's proposal at step j):
+    what an anchored loss (``opd_anchored``) reads; steps past ``k`` read
+    :data:`UNSERVED`, and so does a batch without anchors (supervised samples
+    only: the loop refuses an anchored loss on data with no anchors at all).
     """
 
     def __init__(
@@ -146,12 +175,13 @@ class TrainingTimeTest(nn.Module):
 
     def forward(
         self, aux: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor, target_logits: torch.Tensor, target_top: torch.Tensor,
-        documents: torch.Tensor | None = None,
+        documents: torch.Tensor | None = None, anchors: torch.Tensor | None = None,
     ):  # fmt: skip
         """``documents`` (a packed row's sample per token, :func:`~eagle3_assets.core.training.data.load_batch`): each
         sample then counts its positions from 0, attends only within itself, and no chain runs past its end."""
         draft = self.draft
         batch, length = input_ids.shape
+        anchored = training_loss(self.loss).anchored
         positions = torch.arange(length, device=input_ids.device).expand_as(input_ids)
         if documents is not None:
             positions = positions - sample_starts(documents)
@@ -170,8 +200,12 @@ class TrainingTimeTest(nn.Module):
                 mask = mask & (shift_left(documents, 2 + k, -1) == documents)
             count = mask.sum()
             ids_k = shift_left(input_ids, 1 + k)
+            rejected = None
+            if anchored:
+                in_anchors = anchors is not None and k < anchors.shape[-1]
+                rejected = anchors[..., k] == REJECTED if in_anchors else torch.zeros_like(loss_mask, dtype=torch.bool)
 
-            def one_step(hidden: torch.Tensor, *cache_flat: torch.Tensor, k=k, ids_k=ids_k, mask=mask, count=count):
+            def one_step(hidden: torch.Tensor, *cache_flat: torch.Tensor, k=k, ids_k=ids_k, mask=mask, count=count, rejected=rejected):
                 """Step k from the draft's state and the cache: (weighted loss, next state, this step's key, value, argmax)."""
                 cache = [(cache_flat[i], cache_flat[i + 1]) for i in range(0, len(cache_flat), 2)]
                 normed, next_hidden = draft.step_states(ids_k, hidden, positions + k, cache, documents)
@@ -183,11 +217,12 @@ class TrainingTimeTest(nn.Module):
                     step_loss, argmax = ChunkedHeadLoss.apply(
                         normed.reshape(batch * length, -1), draft.lm_head.weight, flat_targets, rows, token_weight,
                         self.loss_chunk_tokens, self.loss, self.loss_parameters,
+                        rejected.reshape(-1) if rejected is not None else None,
                     )  # fmt: skip
                     argmax = argmax.view(batch, length)
                 else:
                     logits = draft.lm_head(normed)
-                    token_loss = position_loss(logits.float(), shift_left(target_probs, 1 + k), self.loss, self.loss_parameters)
+                    token_loss = position_loss(logits.float(), shift_left(target_probs, 1 + k), self.loss, self.loss_parameters, rejected)
                     step_loss = (token_loss * mask).sum() / count.clamp(min=1)
                     argmax = logits.detach().argmax(-1)
                 return step_loss, next_hidden, cache[-1][0], cache[-1][1], argmax

@@ -22,7 +22,11 @@ loss, so that nothing else names one:
 - ``parameters``: the training settings it reads (each declared once, in
   :class:`~eagle3_assets.core.training.config.TrainingRecipe`), passed to
   ``value`` and ``gradient`` as keywords;
-- ``description``: what the ``loss`` setting's description says of it.
+- ``description``: what the ``loss`` setting's description says of it;
+- ``anchored``: it reads where the server rejected the draft (a refinement
+  round's anchors, :func:`~eagle3_assets.core.refinement.anchors.anchor_mask`):
+  ``value`` and ``gradient`` then take ``rejected``, a bool per position, and
+  the unrolled loss refuses a batch without anchors.
 
 The ``loss`` setting is validated against this table (its error names the
 registered losses), and the setting's description lists them from it.
@@ -55,6 +59,11 @@ the draft vocabulary and q the draft's:
   found vLLM's per-step counts to follow it on 458 of 459 steps
   (docs/performance.md). Positions after a chain's first rejection are still
   trained, teacher-forced, as the unrolled steps train them.
+- ``opd_anchored``: the same two terms placed by the server instead: reverse
+  KL where vLLM's verification really rejected the draft's proposal (the
+  round's anchors: each verify step's first rejection, found by the replay),
+  forward KL everywhere else (the accepted runs, positions no step decided,
+  and the supervised samples mixed in, which carry no anchors).
 
 The gradients: with q = softmax(logits) and alpha = sum min(p, q),
 d KL / d logits = q - p, and d alpha / d logits_j = q_j * (b_j - sum_v b_v q_v)
@@ -104,6 +113,7 @@ class TrainingLoss:
     kept_tensors: int
     chunk_backward_tensors: int
     parameters: tuple[str, ...] = ()  # TrainingRecipe settings, passed by name
+    anchored: bool = False  # value and gradient take ``rejected`` (bool per position): the server's rejections
 
 
 def _kl(logits: Tensor, target: Tensor) -> Tensor:
@@ -160,18 +170,35 @@ def _greedy_accepted(logits: Tensor, target: Tensor) -> Tensor:
     return logits.argmax(-1) == target.argmax(-1)
 
 
-def _opd(logits: Tensor, target: Tensor) -> Tensor:
+def _forward_or_reverse(logits: Tensor, target: Tensor, forward_where: Tensor) -> Tensor:
+    """Forward KL (as ``kl`` reports it) where ``forward_where``, reverse KL(q || p) elsewhere."""
     log_q = logits.log_softmax(-1)
     forward = -(target * log_q).sum(-1)
     reverse = (log_q.exp() * (log_q - target.clamp_min(PROBABILITY_FLOOR).log())).sum(-1)
-    return forward.where(_greedy_accepted(logits, target), reverse)
+    return forward.where(forward_where, reverse)
 
 
-def _opd_grad(logits: Tensor, target: Tensor) -> Tensor:
+def _forward_or_reverse_grad(logits: Tensor, target: Tensor, forward_where: Tensor) -> Tensor:
     log_ratio = logits.log_softmax(-1).sub_(target.clamp_min(PROBABILITY_FLOOR).log())
     q = logits.softmax(-1)
     reverse = log_ratio.sub_((q * log_ratio).sum(-1, keepdim=True)).mul_(q)  # reuses log_ratio's memory
-    return q.sub_(target).where(_greedy_accepted(logits, target).unsqueeze(-1), reverse)
+    return q.sub_(target).where(forward_where.unsqueeze(-1), reverse)
+
+
+def _opd(logits: Tensor, target: Tensor) -> Tensor:
+    return _forward_or_reverse(logits, target, _greedy_accepted(logits, target))
+
+
+def _opd_grad(logits: Tensor, target: Tensor) -> Tensor:
+    return _forward_or_reverse_grad(logits, target, _greedy_accepted(logits, target))
+
+
+def _opd_anchored(logits: Tensor, target: Tensor, *, rejected: Tensor) -> Tensor:
+    return _forward_or_reverse(logits, target, rejected.logical_not())
+
+
+def _opd_anchored_grad(logits: Tensor, target: Tensor, *, rejected: Tensor) -> Tensor:
+    return _forward_or_reverse_grad(logits, target, rejected.logical_not())
 
 
 # The registry. speculators trains with forward KL by default and offers the LK losses.
@@ -186,6 +213,11 @@ LOSSES: dict[str, TrainingLoss] = {
     "opd": TrainingLoss(
         "on-policy, Draft-OPD's: forward KL where the draft's top token is the target's, reverse KL where it is not",
         _opd, _opd_grad, kept_tensors=4, chunk_backward_tensors=5,
+    ),  # fmt: skip
+    "opd_anchored": TrainingLoss(
+        "on-policy, at the server's rejections: reverse KL where vLLM rejected the draft's proposal (a refinement round's "
+        "anchors), forward KL elsewhere",
+        _opd_anchored, _opd_anchored_grad, kept_tensors=4, chunk_backward_tensors=5, anchored=True,
     ),  # fmt: skip
 }
 
