@@ -14,11 +14,17 @@ this CPU affords for the reference at 8,192 tokens (2 heads of 64: each of its
 
     nice -n 10 .venv/bin/python bench/chain_attention.py                 # the table in docs/performance.md
     .venv/bin/python bench/chain_attention.py --lengths 2048 --repeats 1
+    nice -n 10 .venv/bin/python bench/chain_attention.py --window 256   # a sliding window against full attention
+
+With ``--window W`` the two compared are ``chain_attention`` with the draft's
+sliding window of W (``draft_sliding_window``: each block reads only the keys
+its window reaches) and without it (full causal attention, in blocks).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 from pathlib import Path
@@ -53,14 +59,19 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--steps", type=int, default=3, help="unrolled steps: the attention of the last (steps - 1 chain keys)")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--window", type=int, default=None, help="compare a sliding window of this many positions with full attention")
     args = parser.parse_args()
     torch.set_num_threads(1)
     one_pass(chain_attention, 2 * ATTENTION_BLOCK, 1, 8, 2)  # the first checkpoint imports torch._dynamo: not timed
-    impls = {"blocked": chain_attention, "reference": reference_chain_attention}
+    if args.window:
+        impls = {f"window {args.window}": functools.partial(chain_attention, window=args.window), "full": chain_attention}
+    else:
+        impls = {"blocked": chain_attention, "reference": reference_chain_attention}
+    first, second = impls
     print(f"Measured (CPU, float32, 1 thread, forward + backward of one sample), {args.heads} heads of {args.head_dim}, "
           f"step {args.steps - 1}, ATTENTION_BLOCK {ATTENTION_BLOCK}, best of {args.repeats}:")  # fmt: skip
-    print(f"  {'tokens':>6} {'blocked MB':>10} {'reference MB':>12} {'memory ratio':>12} {'blocked us/token':>16} "
-          f"{'reference us/token':>18} {'time ratio':>10}")  # fmt: skip
+    print(f"  {'tokens':>6} {first + ' MB':>14} {second + ' MB':>12} {'memory ratio':>12} {first + ' us/token':>20} "
+          f"{second + ' us/token':>18} {'time ratio':>10}")  # fmt: skip
     for length in args.lengths:
         peak = {name: allocated_peak_during(lambda f=f: one_pass(f, length, args.heads, args.head_dim, args.steps)) for name, f in impls.items()}
         seconds = {name: [] for name in impls}
@@ -68,8 +79,8 @@ def main() -> None:
             for name in impls if repeat % 2 == 0 else reversed(impls):  # alternating, so that the load falls on both
                 seconds[name].append(one_pass(impls[name], length, args.heads, args.head_dim, args.steps))
         per_token = {name: min(each) / length * 1e6 for name, each in seconds.items()}
-        print(f"  {length:>6} {peak['blocked'] / 1e6:10.1f} {peak['reference'] / 1e6:12.1f} {peak['blocked'] / peak['reference']:12.3f} "
-              f"{per_token['blocked']:16.1f} {per_token['reference']:18.1f} {per_token['blocked'] / per_token['reference']:10.3f}", flush=True)  # fmt: skip
+        print(f"  {length:>6} {peak[first] / 1e6:14.1f} {peak[second] / 1e6:12.1f} {peak[first] / peak[second]:12.3f} "
+              f"{per_token[first]:20.1f} {per_token[second]:18.1f} {per_token[first] / per_token[second]:10.3f}", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

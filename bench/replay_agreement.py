@@ -21,6 +21,7 @@ host's load.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 import tempfile
@@ -107,6 +108,10 @@ def main() -> None:
         "later steps fed the target's states": (draft, target_states_later),
         "another draft (the untrained twin)": (twin, original),
     }
+    if getattr(draft.config, "sliding_window", None):  # a windowed draft: does vLLM apply the window as we do?
+        unwindowed = copy.deepcopy(draft)
+        unwindowed.midlayer.self_attn.window = None
+        variants[f"the same draft without its window of {draft.config.sliding_window} (full attention)"] = (unwindowed, original)
     for dtype in args.dtypes:
         settings = ExtractionSettings(target_path=str(target), target_config_hash=config_hash(target), aux_layer_ids=tuple(layer_ids), dtype=dtype)
         backend = TransformersBackend(target, layer_ids)

@@ -63,7 +63,8 @@ def output_and_gradients(attention, q, keys, values, documents=None):
     # A weight per output element, so that every row's and every head's gradient differs.
     weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(9))
     (out * weight).sum().backward()
-    return out.detach(), [t.grad.clone() for t in (q, *keys, *values)]
+    # A key no query may see (a window narrower than the chain) takes no gradient: zeros, as the reference's.
+    return out.detach(), [t.grad.clone() if t.grad is not None else torch.zeros_like(t) for t in (q, *keys, *values)]
 
 
 # 3 blocks and a remainder of 401 rows. Packed: samples of 1,500 (crosses 1,024), 1,900 (starts at 1,500, crosses
@@ -133,3 +134,60 @@ def test_the_blocked_attentions_memory_is_one_blocks_not_the_samples_square():
     print(f"peak {peak / 1e6:.1f} MB, one block's scores {block_scores / 1e6:.1f} MB, [T, T] {length * length * 4 / 1e6:.1f} MB")
     assert peak < 5 * block_scores, f"{peak} B allocated at once: more than 5 blocks of scores ({block_scores} B each)"
     assert q.grad.abs().max() > 0
+
+
+def windowed_reference(q, keys, values, scale, window, documents=None):
+    """The one-matrix reference with a sliding ``window`` as vLLM's Llama draft applies it: the query of row t at step
+    s stands at position t + s and sees the step-0 keys of positions t + s - window + 1 .. t and the chain's own keys
+    (positions t + 1 .. t + s) within ``window`` of it. Written from the positions, apart from ``attention_rows``."""
+    length, step = q.shape[2], len(keys) - 1
+    t = torch.arange(length)[:, None]
+    c = torch.arange(length)[None, :]
+    allowed = (c <= t) & (c >= t + step - window + 1)
+    if documents is not None:
+        allowed &= documents[0][:, None] == documents[0][None, :]
+    scores = [(q @ keys[0].transpose(-1, -2) * scale).masked_fill(~allowed, float("-inf"))]
+    for j, key in enumerate(keys[1:], start=1):
+        own = (q * key).sum(-1, keepdim=True) * scale
+        scores.append(own if step - j <= window - 1 else torch.full_like(own, float("-inf")))
+    probs = torch.softmax(torch.cat(scores, dim=-1), dim=-1)
+    out = probs[..., :length] @ values[0]
+    for j, value in enumerate(values[1:]):
+        out = out + probs[..., length + j : length + j + 1] * value
+    return out
+
+
+@pytest.mark.parametrize(("window", "steps", "packed"), [(40, 3, False), (40, 3, True), (2, 4, False), (1, 2, False)])
+def test_a_sliding_window_sees_the_last_positions_of_each_steps_query_in_blocks(monkeypatch, window, steps, packed):
+    """``draft_sliding_window``: output and gradients against the windowed reference, over blocks (64 rows here, so
+    that a 300-token row crosses several and each block reads only the keys its window reaches), at each step's
+    position, with windows wider and narrower than the chain (w = 2 at depth 4: the chain's own first keys fall out).
+
+    Mutations, each run by hand: the window counted from the row, not from the step's position (``row + step -
+    window`` -> ``row - window`` in ``attention_rows``): fails at every window here; a block's keys sliced from one
+    position later (``start + step - window + 2``): fails at w = 40; the chain's own keys never masked: fails
+    at w = 2."""
+    torch.set_num_threads(1)
+    monkeypatch.setattr("eagle3_assets.core.draft.model.ATTENTION_BLOCK", 64)
+    length = 300
+    q, keys, values = inputs(1 if packed else 2, length, steps=steps, seed=window)
+    documents = torch.cat([torch.full((n,), i) for i, n in enumerate([130, 150, 20])])[None] if packed else None
+
+    def windowed(q, keys, values, scale, documents=None):
+        return chain_attention(q, keys, values, scale, documents, window=window)
+
+    def reference(q, keys, values, scale, documents=None):
+        if documents is None:
+            return windowed_reference(q, keys, values, scale, window)
+        sizes = torch.unique_consecutive(documents[0], return_counts=True)[1].tolist()
+        parts = zip(q.split(sizes, 2), zip(*(k.split(sizes, 2) for k in keys)), zip(*(v.split(sizes, 2) for v in values)))
+        return torch.cat([windowed_reference(qs, list(ks), list(vs), scale, window) for qs, ks, vs in parts], dim=2)
+
+    out, grads = output_and_gradients(windowed, q, keys, values, documents)
+    ref_out, ref_grads = output_and_gradients(reference, q, keys, values, documents)
+    torch.testing.assert_close(out, ref_out, rtol=RTOL, atol=ATOL_OF_LARGEST * float(ref_out.abs().max()))
+    for grad, ref in zip(grads, ref_grads):
+        torch.testing.assert_close(grad, ref, rtol=RTOL, atol=ATOL_OF_LARGEST * float(ref.abs().max()))
+    # The window is not the full attention: the same inputs without it give another output.
+    full, _ = output_and_gradients(chain_attention, q, keys, values, documents)
+    assert not torch.allclose(full, out, atol=1e-3)

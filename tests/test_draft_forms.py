@@ -91,6 +91,11 @@ def test_each_forms_shape_settings_apply_to_it_alone(tiny_target, tmp_path):
         draft_shape(train.model_copy(update={"draft_kv_lora_rank": 256}), LLAMA)
     with pytest.raises(ValueError, match="\\['draft_head_dim'\\] do not apply to a 'deepseek_mla'-form draft"):
         draft_shape(train.model_copy(update={"draft_head_dim": 32}), DEEPSEEK_MLA)
+    # A sliding window: the Llama form's (vLLM's MLA draft class reads none), and it reaches the draft's config.
+    windowed = train.model_copy(update={"draft_sliding_window": 128})
+    assert draft_config_for_target(LLAMA, json.loads((tiny_target / "config.json").read_text()), 256, [2, 3, 4], **draft_shape(windowed, LLAMA)).sliding_window == 128
+    with pytest.raises(ValueError, match="\\['draft_sliding_window'\\] do not apply to a 'deepseek_mla'-form draft"):
+        draft_shape(windowed, DEEPSEEK_MLA)
     # The norm flags likewise: vLLM's MLA class reads all but norm_before_fc.
     assert draft_shape(train.model_copy(update={"fc_norm": True, "norm_output": True}), DEEPSEEK_MLA)["fc_norm"]
     assert draft_shape(train.model_copy(update={"norm_before_fc": True}), LLAMA)["norm_before_fc"]

@@ -157,6 +157,27 @@ def test_norm_flags_are_written_where_vllm_reads_them_and_checked(tiny_target, k
         random_draft(kimi_target, draft_vocab_size=256, seed=1, form=DEEPSEEK_MLA, norm_before_fc=True)
 
 
+def test_a_sliding_window_is_written_where_vllms_llama_draft_reads_it_and_read_back(tiny_target, kimi_target, tmp_path):
+    """``draft_sliding_window``: the Llama form's config.json says ``layer_types: ["sliding_attention"]`` and the
+    window (vLLM windows the draft's layer only then), a full-attention draft's file has neither, the window is read
+    back from the file (fine-tuning, the replay), and the MLA form, whose vLLM class reads no window, refuses it.
+    That vLLM then applies it as training does was measured (bench/replay_agreement.py, docs/performance.md).
+    Mutations: the window written without ``layer_types`` (vLLM would serve full attention): fails; read back
+    from ``sliding_window`` alone (a file vLLM serves unwindowed read as windowed): fails on the last assertion of
+    the round trip."""
+    windowed = random_draft(tiny_target, draft_vocab_size=300, seed=3, sliding_window=8)
+    config = json.loads((export_draft(windowed, tmp_path / "windowed", dtype="float32") / "config.json").read_text())
+    assert config["sliding_window"] == 8 and config["layer_types"] == ["sliding_attention"]
+    assert draft_config_from_hf(config, "windowed")[0].sliding_window == 8
+    full = json.loads((export_draft(random_draft(tiny_target, 300, seed=3), tmp_path / "full", dtype="float32") / "config.json").read_text())
+    assert "sliding_window" not in full and "layer_types" not in full
+    assert draft_config_from_hf(full, "full")[0].sliding_window is None
+    assert draft_config_from_hf({**full, "sliding_window": 8}, "window without layer_types")[0].sliding_window is None
+    mla = json.loads((export_draft(random_draft(kimi_target, 256, seed=0, form=DEEPSEEK_MLA), tmp_path / "mla", dtype="float32") / "config.json").read_text())
+    with pytest.raises(ValueError, match="sliding window on an MLA-form draft"):
+        draft_config_from_hf({**mla, "sliding_window": 8, "layer_types": ["sliding_attention"]}, "mla")
+
+
 def test_export_keeps_the_embedding_only_when_it_is_not_the_targets(tiny_target, tmp_path):
     draft = random_draft(tiny_target, draft_vocab_size=256, seed=0)
     target_embedding = load_head_weights(tiny_target)["embed"]

@@ -97,12 +97,16 @@ def draft_hf_config(config: AnyDraftConfig, dtype: str) -> dict:
         **norm_flags_of(config),
     }
     if form == LLAMA:
+        # vLLM's Llama draft windows a layer that layer_types marks sliding (its index counted from the draft's own
+        # first layer): written only for a windowed draft, so a full-attention draft's file is as before.
+        window = {"sliding_window": config.sliding_window, "layer_types": ["sliding_attention"]} if config.sliding_window else {}
         return {
             **common,
             "num_key_value_heads": config.num_key_value_heads,
             "head_dim": config.head_dim,
             "attention_bias": False,
             "mlp_bias": False,
+            **window,
         }
     return {
         **common,
@@ -152,13 +156,17 @@ def draft_config_from_hf(hf: dict, source: str) -> tuple[AnyDraftConfig, list[in
         max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
         **hf_norm_flags(hf, form),
     )
+    sliding = (hf.get("layer_types") or [None])[0] == "sliding_attention"  # where vLLM's Llama draft reads it
     if form == DEEPSEEK_MLA:
+        if sliding:
+            raise ValueError(f"draft config {source}: a sliding window on an MLA-form draft (only the Llama form's is read by vLLM)")
         config: AnyDraftConfig = MLADraftConfig(**shared, **{f: int(hf[f]) for f in FORM_FIELDS[DEEPSEEK_MLA]})
     else:
         config = DraftConfig(
             **shared,
             num_key_value_heads=int(hf.get("num_key_value_heads") or heads),
             head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
+            sliding_window=int(hf["sliding_window"]) if sliding else None,
         )
     return config, ([int(i) for i in layer_ids] if layer_ids else None)
 

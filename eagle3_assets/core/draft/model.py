@@ -65,6 +65,9 @@ class DraftConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     max_position_embeddings: int = 4096
+    # Each query attends to the last ``sliding_window`` positions only (its own included), as vLLM's Llama-form draft
+    # does where its config.json says ``layer_types: ["sliding_attention"]``: None, full causal attention.
+    sliding_window: int | None = None
     # The norm flags vLLM's LlamaForCausalLMEagle3 reads (see the module's docstring); all off: plain EAGLE-3.
     fc_norm: bool = False
     norm_before_fc: bool = False
@@ -82,6 +85,8 @@ class DraftConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim {self.head_dim} must be even (rotary embedding)")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window {self.sliding_window} must be at least 1 (or None: full attention)")
 
     @classmethod
     def for_target(
@@ -94,6 +99,7 @@ class DraftConfig:
         num_attention_heads: int | None = None,
         num_key_value_heads: int | None = None,
         head_dim: int | None = None,
+        sliding_window: int | None = None,
         **norm_flags: bool,
     ) -> DraftConfig:
         """A one-layer draft as wide as the target, shaped like one of its (dense) layers unless told otherwise."""
@@ -113,6 +119,7 @@ class DraftConfig:
             rms_norm_eps=rms_norm_eps(text),
             rope_theta=rope_theta_of(text),
             max_position_embeddings=int(text.get("max_position_embeddings", 4096)),
+            sliding_window=sliding_window,
             **norm_flags,
         )
 
@@ -175,7 +182,8 @@ ATTENTION_BLOCK = 1024
 
 
 def chain_attention(
-    q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], scale: float, documents: torch.Tensor | None = None
+    q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], scale: float, documents: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Training-time-test attention of step ``len(keys) - 1``: ``q`` [B, heads, T, d], one key/value per head and step.
 
@@ -185,43 +193,60 @@ def chain_attention(
     :data:`ATTENTION_BLOCK` is attended in blocks of that many query rows, each over the keys up to its last row,
     and under autograd each block is recomputed in backward (``torch.utils.checkpoint``): no [T, T] tensor is
     built or kept, the attention's memory is one block's, O(block x T) a head.
+
+    With a sliding ``window`` w, the query of row t at step s stands at position t + s (the step's position, as
+    vLLM drafts it) and sees the keys of the last w positions: step 0's from t + s - w + 1 to t, and the chain's
+    own (positions t + 1 .. t + s) within w. A block then reads only the step-0 keys its rows can see: the
+    attention's cost and memory are O(T x (block + w)), not O(T^2).
     """
+    step = len(keys) - 1
     if documents is not None:
         if documents.shape[0] != 1:
             raise ValueError(f"packed attention takes one row of samples, got {documents.shape[0]}")
         sizes = torch.unique_consecutive(documents[0], return_counts=True)[1].tolist()
         by_sample = zip(q.split(sizes, dim=2), zip(*(k.split(sizes, dim=2) for k in keys)), zip(*(v.split(sizes, dim=2) for v in values)))
-        return torch.cat([chain_attention(qs, list(ks), list(vs), scale) for qs, ks, vs in by_sample], dim=2)
+        return torch.cat([chain_attention(qs, list(ks), list(vs), scale, window=window) for qs, ks, vs in by_sample], dim=2)
     length = q.shape[2]
     if length <= ATTENTION_BLOCK:
-        return attention_rows(q, keys[0], values[0], keys[1:], values[1:], scale=scale, first_row=0)
+        return attention_rows(q, keys[0], values[0], keys[1:], values[1:], scale=scale, first_row=0, window=window)
     blocks = []
     for start in range(0, length, ATTENTION_BLOCK):
         end = min(start + ATTENTION_BLOCK, length)
-        # The block's queries, the step-0 keys and values its causal mask can reach, and the chain's own of its rows.
-        args = (q[:, :, start:end], keys[0][:, :, :end], values[0][:, :, :end],
+        # The block's queries, the step-0 keys and values its mask can reach, and the chain's own of its rows.
+        low = 0 if window is None else max(0, start + step - window + 1)
+        args = (q[:, :, start:end], keys[0][:, :, low:end], values[0][:, :, low:end],
                 [k[:, :, start:end] for k in keys[1:]], [v[:, :, start:end] for v in values[1:]])  # fmt: skip
+        kwargs = {"scale": scale, "first_row": start, "first_key": low, "window": window}
         if torch.is_grad_enabled():
             # Nothing random inside: no RNG state to keep. Nested in the step's own checkpoint (activation_checkpointing)
             # too: non-reentrant checkpoints nest.
-            out = checkpoint(attention_rows, *args, scale=scale, first_row=start, use_reentrant=False, preserve_rng_state=False)
+            out = checkpoint(attention_rows, *args, **kwargs, use_reentrant=False, preserve_rng_state=False)
         else:
-            out = attention_rows(*args, scale=scale, first_row=start)
+            out = attention_rows(*args, **kwargs)
         blocks.append(out)
     return torch.cat(blocks, dim=2)
 
 
 def attention_rows(
     q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, chain_keys: list[torch.Tensor], chain_values: list[torch.Tensor],
-    *, scale: float, first_row: int,
+    *, scale: float, first_row: int, first_key: int = 0, window: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Chain attention of the query rows ``first_row`` onwards of a sample: ``q`` [B, heads, rows, d] over the step-0
-    ``key``/``value`` of its first ``first_row + rows`` tokens (causally: row i sees keys up to ``first_row + i``) and
-    the chain's own keys/values of the same rows (``chain_keys``: steps 1..k, each [B, heads, rows, d])."""
-    rows, width = q.shape[2], key.shape[2]
-    causal = torch.ones(rows, width, dtype=torch.bool, device=q.device).tril(diagonal=first_row)
-    scores = [(q @ key.transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))]
-    scores += [(q * chain_key).sum(-1, keepdim=True) * scale for chain_key in chain_keys]
+    ``key``/``value`` of its tokens ``first_key`` to ``first_row + rows`` (causally: row i sees keys up to
+    ``first_row + i``; with a ``window``, only the last ``window`` positions of its step's) and the chain's own
+    keys/values of the same rows (``chain_keys``: steps 1..k, each [B, heads, rows, d])."""
+    rows, width, step = q.shape[2], key.shape[2], len(chain_keys)
+    row = torch.arange(first_row, first_row + rows, device=q.device)[:, None]
+    column = torch.arange(first_key, first_key + width, device=q.device)[None, :]
+    allowed = column <= row
+    if window is not None:
+        allowed &= column > row + step - window  # the query stands at row + step
+    scores = [(q @ key.transpose(-1, -2) * scale).masked_fill(~allowed, float("-inf"))]
+    # Step j's own key stands at row + j: outside the window when step - j >= window (only for windows under k).
+    scores += [
+        (q * chain_key).sum(-1, keepdim=True) * scale if window is None or step - j < window else torch.full_like(q[..., :1], float("-inf"))
+        for j, chain_key in enumerate(chain_keys, start=1)
+    ]
     probs = torch.softmax(torch.cat(scores, dim=-1).float(), dim=-1).to(q.dtype)
     out = probs[..., :width] @ value
     for j, chain_value in enumerate(chain_values):
@@ -234,6 +259,7 @@ class Attention(nn.Module):
         super().__init__()
         c = config
         self.heads, self.kv_heads, self.head_dim, self.theta = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rope_theta
+        self.window = c.sliding_window
         self.q_proj = nn.Linear(2 * c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
         self.k_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
         self.v_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
@@ -253,7 +279,7 @@ class Attention(nn.Module):
         groups = self.heads // self.kv_heads
         keys = [kv[0].repeat_interleave(groups, dim=1) for kv in cache]
         values = [kv[1].repeat_interleave(groups, dim=1) for kv in cache]
-        out = chain_attention(q, keys, values, self.head_dim**-0.5, documents)
+        out = chain_attention(q, keys, values, self.head_dim**-0.5, documents, window=self.window)
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, self.heads * self.head_dim))
 
 

@@ -60,6 +60,10 @@ class TrainingRecipe(JobSchema):
         "the target: Llama unless its attention cannot share the target's KV blocks, as for an MLA target on a CPU)",
     )
     draft_intermediate_size: int | None = setting(None, "MLP width of the draft layer (default: the target's)")
+    draft_sliding_window: int | None = setting(
+        None, "llama form: each position attends to the last this many only, in training and as vLLM serves the draft "
+        "(config.json's sliding_window); None: full attention. Attention then costs O(T x window), not O(T^2)", ge=1,
+    )
     draft_q_lora_rank: int | None = setting(None, "deepseek_mla form: the query's latent rank (default: the target's, else 1536 or the width)")
     draft_kv_lora_rank: int | None = setting(
         None, "deepseek_mla form: the KV latent rank (default: the target's, else 512; on a CPU it must be 576 - qk_rope_head_dim)"

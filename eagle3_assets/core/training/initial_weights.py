@@ -67,6 +67,7 @@ def draft_shape(config: TrainConfig, form: str) -> dict[str, int | bool | None]:
     llama = {
         "num_key_value_heads": config.draft_num_key_value_heads,
         "head_dim": config.draft_head_dim,
+        "sliding_window": config.draft_sliding_window,
     }
     mla = {"q_lora_rank": config.draft_q_lora_rank, "kv_lora_rank": config.draft_kv_lora_rank}
     own, other = (mla, llama) if form == DEEPSEEK_MLA else (llama, mla)
@@ -101,15 +102,20 @@ def _fine_tune_start(
         report.notes.append(f"config named no layer ids; vLLM's default {default} equals the hidden states'")
     elif list(layer_ids) != index.aux_layer_ids:
         problems.append(f"it was trained on layers {layer_ids}, the hidden states are from {index.aux_layer_ids}")
+    if config.draft_sliding_window is not None and not hasattr(old, "sliding_window"):
+        problems.append(f"draft_sliding_window applies to a 'llama'-form draft only, it is a {form_of(old)!r}-form one")
     if "embed_tokens.weight" not in tensors and old.hidden_size != index.hidden_size:
         problems.append("it has no embed_tokens and its width differs from the target's, so it cannot share the target's")
     if problems:
         raise ValueError(f"cannot fine-tune {path}: " + "; ".join(problems))
 
     try:
+        # A window set here replaces the starting draft's (the weights do not depend on it); unset, it keeps its own.
+        window = {"sliding_window": config.draft_sliding_window} if config.draft_sliding_window is not None else {}
         new_config = replace(
-            old, draft_vocab_size=mapping.draft_vocab_size, aux_layer_ids=tuple(index.aux_layer_ids), **dict.fromkeys(report.norms_added, True)
-        )
+            old, draft_vocab_size=mapping.draft_vocab_size, aux_layer_ids=tuple(index.aux_layer_ids),
+            **dict.fromkeys(report.norms_added, True), **window,
+        )  # fmt: skip
     except ValueError as exc:  # e.g. fc_norm set for a draft trained with norm_before_fc
         raise ValueError(f"cannot fine-tune {path} with these norm settings: {exc}") from None
     draft = new_draft(new_config)  # of the old draft's form; new lm_head rows keep this random init, new norms weights 1
