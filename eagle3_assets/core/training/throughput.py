@@ -73,11 +73,12 @@ def shape_of_target(path: str, draft_vocab: int = 32000, seq_len: int = 2048, ba
     )  # fmt: skip
 
 
-def step_flops(p: dict, ttt: int) -> float:
-    """Model FLOPs of one token's optimizer step (see the module's docstring)."""
+def step_flops(p: dict, ttt: int, window: int | None = None) -> float:
+    """Model FLOPs of one token's optimizer step (see the module's docstring); ``window``: the draft's sliding window."""
     h, q, kv, inter = p["hidden"], p["heads"] * p["head_dim"], p["kv_heads"] * p["head_dim"], p["intermediate"]
     layer = 2 * (2 * h) * (q + 2 * kv) + 2 * q * h + 2 * 3 * h * inter  # q/k/v over [embedding ; state], o, MLP
-    attention = 2 * 2 * q * (p["seq_len"] / 2)  # scores and weighted values over the causal half, on average
+    # Scores and weighted values over the keys a query sees: the causal half on average, or at most the window.
+    attention = 2 * 2 * q * min(p["seq_len"] / 2, window or p["seq_len"])
     per_step = 3 * (layer + attention + 2 * h * p["draft_vocab"])  # forward and backward, lm_head included
     return 2 * h * p["vocab"] + 2 * (2 * 3 * h * h) + ttt * per_step
 
@@ -100,13 +101,14 @@ NORM_VARIANTS = {
 }
 
 
-def draft_config_of(p: dict, **norm_flags: bool):
+def draft_config_of(p: dict, sliding_window: int | None = None, **norm_flags: bool):
     from eagle3_assets.core.draft.model import DraftConfig
 
     return DraftConfig(
         hidden_size=p["hidden"], intermediate_size=p["intermediate"], num_attention_heads=p["heads"],
         num_key_value_heads=p["kv_heads"], head_dim=p["head_dim"], vocab_size=p["vocab"],
-        draft_vocab_size=p["draft_vocab"], target_hidden_size=p["hidden"], aux_layer_ids=(2, 3, 4), **norm_flags,
+        draft_vocab_size=p["draft_vocab"], target_hidden_size=p["hidden"], aux_layer_ids=(2, 3, 4),
+        sliding_window=sliding_window, **norm_flags,
     )  # fmt: skip
 
 
@@ -141,7 +143,7 @@ def child(spec: dict) -> dict:
     torch.manual_seed(0)
     p, memory = spec["shape"], spec["memory"]
     mapping = build_vocab_mapping(torch.randint(0, 1000, (p["vocab"],)), p["draft_vocab"])
-    draft = Eagle3Draft(draft_config_of(p, **NORM_VARIANTS[spec["norms"]]))
+    draft = Eagle3Draft(draft_config_of(p, spec.get("window") or None, **NORM_VARIANTS[spec["norms"]]))
     draft.set_vocab_mapping(mapping.d2t, mapping.t2d)
     draft.embed_tokens.weight.requires_grad_(False)
     draft.to(device)
@@ -196,10 +198,10 @@ def child(spec: dict) -> dict:
     return {"tokens_per_s": batch * length * spec["steps"] / elapsed, "step_s": elapsed / spec["steps"], "peak_bytes": peak, "capacity_bytes": capacity, "batch": batch, "seq_len": length}
 
 
-def run_depth(shape: dict, args, depth: int, memory: dict, norms: str = "plain", loss: str = "kl") -> dict:
+def run_depth(shape: dict, args, depth: int, memory: dict, norms: str = "plain", loss: str = "kl", window: int = 0) -> dict:
     spec = {
         "shape": shape, "device": args.device, "ttt": depth, "steps": args.steps, "warmup": args.warmup, "threads": args.threads,
-        "memory": memory, "norms": norms, "loss": loss,
+        "memory": memory, "norms": norms, "loss": loss, "window": window,
     }  # fmt: skip
     # The child imports this package from where the parent did (a checkout run by bench/training.py, or an install).
     root = str(Path(__file__).resolve().parents[3])
@@ -218,6 +220,9 @@ def run(args) -> list[dict]:
     from eagle3_assets.core.training.memory import StepShape, estimate_step_bytes, plan_micro_batch
 
     shape = dict(shape_of_target(args.target) if args.target else PRESETS[args.preset])
+    if args.seq_len:
+        shape["seq_len"] = args.seq_len
+        shape["batch_tokens"] = max(shape["batch_tokens"], args.seq_len)
     if args.batch_tokens:
         shape["batch_tokens"] = args.batch_tokens
     defaults = TrainConfig(hidden_state_dirs=["-"], vocab_mapping="-", target_path="-", training_dir="-")
@@ -238,28 +243,28 @@ def run(args) -> list[dict]:
         f"memory settings {memory}, {args.steps} steps per configuration, median of {args.rounds} round(s)"
     )
     print(f"  reference: one {'bf16' if bf16 else 'float32'} {args.matmul_size}x{args.matmul_size} matrix product: {rate / 1e12:.3f} TFLOP/s")
-    grid = [(n, loss, d) for n in args.norms for loss in args.losses for d in args.ttt]
+    grid = [(n, loss, d, w) for w in args.windows for n in args.norms for loss in args.losses for d in args.ttt]
     # Rounds, each in the other order (drift of a shared machine's load cancels); each configuration's median round.
-    runs: dict[tuple[str, str, int], list[dict]] = {key: [] for key in grid}
+    runs: dict[tuple[str, str, int, int], list[dict]] = {key: [] for key in grid}
     for round_index in range(args.rounds):
         for key in grid if round_index % 2 == 0 else grid[::-1]:
-            runs[key].append(run_depth(shape, args, key[2], memory, key[0], key[1]))
+            runs[key].append(run_depth(shape, args, key[2], memory, key[0], key[1], key[3]))
     rows = []
-    for norms, loss, depth in grid:
-        r = sorted(runs[(norms, loss, depth)], key=lambda each: each["step_s"])[len(runs[(norms, loss, depth)]) // 2]
-        flops = step_flops(shape, depth)
+    for norms, loss, depth, window in grid:
+        r = sorted(runs[(norms, loss, depth, window)], key=lambda each: each["step_s"])[len(runs[(norms, loss, depth, window)]) // 2]
+        flops = step_flops(shape, depth, window)
         estimate = estimate_step_bytes(
-            StepShape.of(draft_config_of(shape), r["batch"] * r["seq_len"], r["seq_len"], depth, bf16=bf16,
+            StepShape.of(draft_config_of(shape, window or None), r["batch"] * r["seq_len"], r["seq_len"], depth, bf16=bf16,
                          activation_checkpointing=memory["activation_checkpointing"], loss_chunk_tokens=memory["loss_chunk_tokens"],
                          target_head_chunk_tokens=memory["target_head_chunk_tokens"], loss=loss)
         )["total"]  # fmt: skip
         achieved = flops * r["tokens_per_s"]
-        row = {**r, "ttt": depth, "norms": norms, "loss": loss, "gflop_per_token": flops / 1e9, "tflops": achieved / 1e12, "share": achieved / rate, "estimate_bytes": estimate,
+        row = {**r, "ttt": depth, "norms": norms, "loss": loss, "window": window, "gflop_per_token": flops / 1e9, "tflops": achieved / 1e12, "share": achieved / rate, "estimate_bytes": estimate,
                "reference_tflops": rate / 1e12}  # fmt: skip
         rows.append(row)
         capacity = f" of {r['capacity_bytes'] / 2**30:.0f} GiB" if r["capacity_bytes"] else " (RSS, torch included)"
         print(
-            f"  norms {norms:>20}, loss {loss:>9}, ttt_steps={depth}: {r['step_s'] * 1e3:9.1f} ms/step, {r['tokens_per_s']:10.0f} tokens/s, {flops / 1e9:8.3f} GFLOP/token (counted), {achieved / 1e12:8.4f} TFLOP/s (derived: "
+            f"  norms {norms:>20}, loss {loss:>9}, window {window or 'none':>4}, ttt_steps={depth}: {r['step_s'] * 1e3:9.1f} ms/step, {r['tokens_per_s']:10.0f} tokens/s, {flops / 1e9:8.3f} GFLOP/token (counted), {achieved / 1e12:8.4f} TFLOP/s (derived: "
             f"counted FLOPs x measured tokens/s), share of the matrix product {achieved / rate:.3f}, peak memory {r['peak_bytes'] / 2**30:.2f} GiB{capacity} "
             f"(the planner's estimate {estimate / 2**30:.2f} GiB; batch {r['batch']} x {r['seq_len']})"
         )
@@ -274,7 +279,8 @@ def run(args) -> list[dict]:
     for row in rows[len(args.ttt) :]:
         ref = reference[row["ttt"]]
         print(
-            f"  ratio norms {row['norms']}, loss {row['loss']} / norms {ref['norms']}, loss {ref['loss']}, ttt_steps={row['ttt']}: time per step {row['step_s'] / ref['step_s']:.3f}, "
+            f"  ratio norms {row['norms']}, loss {row['loss']}, window {row['window'] or 'none'} / norms {ref['norms']}, loss {ref['loss']}, "
+            f"window {ref['window'] or 'none'}, ttt_steps={row['ttt']}: time per step {row['step_s'] / ref['step_s']:.3f}, "
             f"peak memory {row['peak_bytes'] / ref['peak_bytes']:.2f}"
         )
     return rows
@@ -296,6 +302,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=1, help="torch threads on CPU (training uses 1)")
     p.add_argument("--batch-tokens", type=int, help="tokens per micro-batch (default: the preset's)")
+    p.add_argument("--seq-len", type=int, help="tokens per sample (default: the preset's; the micro-batch holds at least one)")
+    p.add_argument(
+        "--windows", type=int, nargs="+", default=[0],
+        help="the draft's sliding windows to compare (draft_sliding_window; 0: full attention); ratios against the first",
+    )  # fmt: skip
     p.add_argument("--plan", action="store_true", help="the micro-batch the memory planner chooses on this device")
     p.add_argument("--no-memory-settings", action="store_true", help="activation checkpointing and the chunked heads off")
     p.add_argument("--matmul-size", type=int, default=None, help="the reference matrix product's size (default: 8192 on CUDA, 1024 on CPU)")
