@@ -46,9 +46,12 @@ TRAINING_CONFIG = DraftTrainingConfig(epochs=20, learning_rate=3e-3, warmup_rati
 LONG_MAX_TOKENS = 8192
 LONG_SAMPLING = {"max_tokens": LONG_MAX_TOKENS, "temperature": 1.0, "concurrency": 128}
 # Its draft at the user's max_seq_len: every trace whole (the longest prompt and completion are under 8,192 tokens).
-# One epoch (28 steps of 8,192 tokens, 12 min at 289 tokens/s on 2 shared cores): two would not fit 30 minutes; too few
-# for the acceptance floor (1.14 at k = 5: docs/performance.md#the-long-trace-target).
-LONG_TRAINING_CONFIG = DraftTrainingConfig(epochs=1, learning_rate=3e-3, warmup_ratio=0.05, ttt_steps=3, batch_tokens=8192, max_seq_len=8192)
+# The draft attends to the last 128 positions, as the target itself does (long_target.py): full attention ran at
+# 306 tokens/s at 8,192 tokens, the window at 1,893 (bench/training.py --windows, one thread), so six epochs (168 steps)
+# take about what one took (one epoch reached only 1.14 at k = 5: docs/performance.md#the-long-trace-target).
+LONG_TRAINING_CONFIG = DraftTrainingConfig(
+    epochs=6, learning_rate=3e-3, warmup_ratio=0.05, ttt_steps=3, batch_tokens=8192, max_seq_len=8192, draft_sliding_window=128
+)
 
 # The tiny targets write ~170 distinct tokens of their 640.
 VOCAB_MAPPING_CONFIG = VocabMappingConfig(draft_vocab_size=256)
