@@ -7,7 +7,7 @@ through the environment the resources read (``EAGLE3_VLLM_URLS``,
 user does: filter the asset graph to the generation and validation groups,
 open **Materialize**, pick a shard in the partition picker, give the server's
 settings in the dialog's config editor, launch, follow the run to success,
-read the checks on the asset page; then launch a backfill of two shards from
+read the checks on the asset page; then launch a backfill of three shards from
 the same dialog. What the instance records on that home is the ground truth.
 
 Screenshots go to ``$EAGLE3_TEST_ARTIFACTS/ui`` (default ``test-artifacts/ui``,
@@ -44,7 +44,7 @@ CHROMIUM_ARGS = [
 
 SHARD_SIZE = 64  # the demo's: 320 prompts, 5 shards
 SHARD = "shard-00000"
-BACKFILL_SHARDS = ["shard-00001", "shard-00002"]  # two: a range picked in the dialog (three cost ~40 s more)
+BACKFILL_SHARDS = ["shard-00001", "shard-00002", "shard-00003"]
 UI_ASSETS = ["prompts", "raw_responses", "validated_traces"]
 SELECTION = "group:generation or group:validation"  # exactly UI_ASSETS
 ALL_ASSETS = [*UI_ASSETS, "hidden_states", "vocab_mapping", "draft_checkpoint", "draft_evaluation"]
@@ -56,7 +56,7 @@ BLOCKING_VALIDATION_CHECKS = 5
 GROUPS = ["generation", "validation", "extraction", "training", "evaluation"]
 
 RUN_TIMEOUT_S = 900  # one shard: a run worker loads the code, generates 64 answers on a CPU, validates
-BACKFILL_TIMEOUT_S = 1800  # two shards, one generating at a time (the vllm_generation pool)
+BACKFILL_TIMEOUT_S = 1800  # three shards, one generating at a time (the vllm_generation pool)
 UI_TIMEOUT_MS = 60_000  # a loaded 2-core machine renders slowly
 
 ARTIFACTS = Path(os.environ.get("EAGLE3_TEST_ARTIFACTS") or REPO / "test-artifacts") / "ui"
@@ -243,7 +243,7 @@ def test_materialise_one_shard_from_the_asset_graph_and_read_its_checks(stack, p
         assert latest_check_passed(instance, "validated_traces", check), check
 
 
-def test_backfill_two_shards_from_the_partitions_dialog(stack, page):
+def test_backfill_three_shards_from_the_partitions_dialog(stack, page):
     instance = stack.instance()
     before = {b.backfill_id for b in instance.get_backfills()}
     with evidence(page, stack, "launch-backfill"):
