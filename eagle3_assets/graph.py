@@ -18,6 +18,7 @@ from eagle3_assets.defs.gpu_host_ready import gpu_host_ready_job
 from eagle3_assets.defs.hidden_states import hidden_states
 from eagle3_assets.defs.prompts import prompts
 from eagle3_assets.defs.raw_responses import raw_responses
+from eagle3_assets.defs.refinement_round import refinement_round
 from eagle3_assets.defs.retire_shards import retire_shards_job
 from eagle3_assets.defs.validated_traces import validated_traces
 from eagle3_assets.defs.vocab_mapping import vocab_mapping
@@ -67,8 +68,9 @@ def build_definitions(resources: dict) -> Definitions:
     """
     return Definitions(
         # deployed_draft is observed (sensor deployed_draft_watch), never materialised here; capacity_plan
-        # reads the run's state (job plan_capacity), it is no step of the run.
-        assets=[*ASSETS, capacity_plan, deployed_draft],
+        # reads the run's state (job plan_capacity), it is no step of the run; refinement_round is materialised
+        # by hand, once per round, after draft_checkpoint (no whole-dataset run starts one).
+        assets=[*ASSETS, capacity_plan, deployed_draft, refinement_round],
         resources=resources,
         sensors=ALL_SENSORS,
         jobs=[gpu_host_ready_job, plan_capacity_job, retire_shards_job],

@@ -30,6 +30,7 @@ CHECKS = {
     ("draft_checkpoint", "loads_in_vllm"),
     ("draft_checkpoint", "loss_decreased"),
     ("draft_evaluation", "acceptance_above_floor"),
+    ("refinement_round", "refined_not_worse"),
 }
 WHOLE_DATASET = {"vocab_mapping", "draft_checkpoint", "draft_evaluation"}
 
@@ -173,6 +174,21 @@ def test_evaluation_runs_on_the_gpu_host_after_the_draft_and_gates_on_acceptance
     assert "evaluate_draft" in STAGE_REQUIREMENTS
     (spec,) = assets_def.check_specs
     assert spec.name == "acceptance_above_floor" and not spec.blocking  # nothing is downstream; the UI and alerts show it
+
+
+def test_a_refinement_round_runs_on_the_gpu_host_after_the_draft_and_blocks_a_worse_draft():
+    from eagle3_assets.graph import WHOLE_DATASET_ASSETS
+    from resources.gpu_host import GPU_POOL, STAGE_REQUIREMENTS
+
+    graph = defs.resolve_asset_graph()
+    assert graph.get(AssetKey("refinement_round")).parent_keys == {AssetKey("draft_checkpoint")}
+    assert graph.get(AssetKey("refinement_round")).group_name == "training"
+    assets_def = defs.resolve_assets_def(AssetKey("refinement_round"))
+    assert assets_def.op.pool == GPU_POOL and STAGE_REQUIREMENTS["refine_draft"].serves_target
+    (spec,) = assets_def.check_specs
+    assert spec.name == "refined_not_worse" and spec.blocking
+    # Materialised once per round by hand, never by a whole-dataset run (the demo's included).
+    assert AssetKey("refinement_round") not in {k for a in WHOLE_DATASET_ASSETS for k in a.keys}
 
 
 PARTIAL_OVERRIDE = """

@@ -31,6 +31,8 @@ from eagle3_assets.core.training.config import TrainConfig, TrainingRecipe
 from eagle3_assets.defs.draft_checkpoint import DraftTrainingConfig
 from eagle3_assets.defs.draft_evaluation import DraftEvaluationConfig
 from eagle3_assets.defs.hidden_states import HiddenStatesConfig
+from eagle3_assets.core.refinement.job import RefinementJob, RefinementRecipe
+from eagle3_assets.defs.refinement_round import RefinementRoundConfig
 from resources.gpu_host import GPUHost
 from resources.vllm_server import VLLMServerResource
 
@@ -54,6 +56,7 @@ SOURCES = [
         },
     ),  # fmt: skip
     (DraftEvaluationConfig, [EvaluationJob], {"eval_prompts", "max_eval_prompts"}, set()),
+    (RefinementRoundConfig, [RefinementJob], set(), set()),
     (
         VLLMServerResource,
         # The resource's own bases; GenerationConfig takes max_tokens resolved (unset here: what the target's context leaves).
@@ -96,6 +99,7 @@ def test_config_fields_are_the_settings_with_their_defaults_and_descriptions(con
         (HiddenStatesConfig, [ExtractionRecipe, ShardRerun]),
         (DraftTrainingConfig, [TrainingRecipe, TrainingStageRecipe, HiddenStatesSource, BoundedWindow]),
         (DraftEvaluationConfig, [EvaluationRecipe]),
+        (RefinementRoundConfig, [RefinementRecipe]),
         (VLLMServerResource, [GenerationSettings, Sampling]),
     ],
     ids=lambda x: getattr(x, "__name__", ""),
