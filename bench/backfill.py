@@ -129,7 +129,7 @@ def p6(root: Path, runs: int) -> None:
 
     dataset = PromptDataset(source="demo", shard_size=SHARD_SIZE)
     env = {"EAGLE3_DATA_DIR": os.environ["EAGLE3_DATA_DIR"], "EAGLE3_PROMPTS": "demo", "EAGLE3_SHARD_SIZE": str(SHARD_SIZE)}
-    with DagsterDev(root / "p6_home", env, root / "p6-dagster-dev.log") as dev:
+    with DagsterDev(root / "p6_home", env, root / "p6-dagster-dev.log", daemon_tick_s=None) as dev:  # Dagster as it runs
         instance = DagsterInstance.from_config(str(dev.home))
         register_shards(instance, dataset.shard_keys())
         body = body_time_s(instance, dataset, runs=5)

@@ -43,6 +43,7 @@ from dagster._core.execution.backfill import BulkActionStatus, PartitionBackfill
 from dagster._core.utils import make_new_backfill_id
 
 from eagle3_assets.core.serving.vllm_launcher import read_log_tail, stop_process_group
+from tests.dagster_dev import with_daemon_tick
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED_INSTANCE_YAML = REPO / "deploy" / "dagster.yaml"
@@ -315,7 +316,7 @@ def test_backfill_through_the_production_instance(postgres, vllm_server, data_di
         storage = instance.event_log_storage
         storage.set_concurrency_slots(GENERATION_POOL, 0)
 
-        daemon = DagsterDaemon(dict(os.environ), tmp_path / "daemon.log").start()
+        daemon = DagsterDaemon(with_daemon_tick(dict(os.environ)), tmp_path / "daemon.log").start()
         try:
             # The asset backfill the UI launches for "prompts + raw_responses, these 4 shards", with
             # short generations (the session server's max_model_len is below the 8192 default).
