@@ -282,7 +282,7 @@ def test_a_real_round_killed_in_training_resumes_and_blocks_a_worse_refined_draf
     gate blocks it and the round keeps the draft it started from.
 
     Fails on these mutations of the product (each run): the serve phase's record ignored on a rerun (serve_rows called
-    again); anchors not written; the kept draft the refined one after a failed gate; the lineage (started_from) lost.
+    again); anchors not written; the kept draft the refined one after a failed gate; the round's lease not taken.
     """
     import threading
 
@@ -331,7 +331,9 @@ def test_a_real_round_killed_in_training_resumes_and_blocks_a_worse_refined_draf
     assert event is not None, "the rerun recorded no round"
     meta = {key: value.value for key, value in event.asset_materialization.metadata.items()}
     print(json.dumps({k: meta[k] for k in ("acceptance_before", "acceptance_after", "replay_agreement", "replay_steps", "rejections", "verify_steps", "kept_traces", "round_wall_s")}))
-    # Resumed: nothing served again, one start of the target (the refined draft's, for the gate).
+    # Resumed: the dead run's lease taken over, nothing served again, one start of the target (the refined draft's, for the gate).
+    logs = [entry.user_message for entry in instance.all_logs(rerun.run_id) if entry.user_message]
+    assert any("took over the lease" in line for line in logs), logs[-20:]
     assert meta["serve_resumed"] is True and calls.calls("eagle3_assets.core.refinement.round:serve_rows") == []
     assert len(calls.calls("eagle3_assets.core.serving.vllm_launcher:VLLMServer.start")) == 1
     # The round's lineage names the draft it started from; the replay agreed with the server; the anchors mark rejections.
@@ -340,6 +342,7 @@ def test_a_real_round_killed_in_training_resumes_and_blocks_a_worse_refined_draf
     assert meta["training"]["init"]["source"] == start and meta["kept_traces"] > 0
     assert meta["replay_agreement"] >= 0.95 and meta["rejections"] > 0 and meta["anchors"]["rejected"] > 0
     assert sum(meta["rejections_by_position"]) == meta["rejections"] and f"of {TRAINED_DRAFT_K}" in meta["rejections_where"]
+    assert "starting steps" in meta["acceptance_by_output_position"] and "refined steps" in meta["acceptance_by_output_position"]
     # The worse draft is blocked (ERROR) and the round keeps the one it started from; the refined one stays on disk.
     (check,) = rerun.get_asset_check_evaluations()
     assert not check.passed and check.severity.value == "ERROR" and not meta["gate_passed"]

@@ -217,15 +217,26 @@ def gate(job: RefinementJob, paths, log) -> dict:
 
 
 def run_round(job: RefinementJob, log) -> dict:
-    """Every phase in order; the figures the materialisation reports."""
+    """Every phase in order, holding the round's lease; the figures the materialisation reports."""
+    from eagle3_assets.core.refinement.round import ASSET as ROUNDS
+    from eagle3_assets.core.refinement.round import RoundPaths
+    from eagle3_assets.core.storage.shard_lease import ShardLease
+
+    paths = RoundPaths(Path(job.round_dir))
+    # One writer per round: a killed run's lease names a dead pid, so the rerun takes it over and removes that run's
+    # partial files (logged), and the GPU host's pre-flight reads them as a dead writer's, not as a reason to refuse.
+    with ShardLease(paths.root.parent, paths.root.name, asset=ROUNDS, log=log):
+        return _run_round(job, paths, log)
+
+
+def _run_round(job: RefinementJob, paths, log) -> dict:
     import polars as pl
 
     from eagle3_assets.core.draft.export import draft_config_from_hf, read_draft_dir
-    from eagle3_assets.core.refinement.round import RoundPaths, rejections, request_steps
+    from eagle3_assets.core.refinement.round import rejections, request_steps
     from eagle3_assets.core.serving.deployment import draft_weights_hash
     from eagle3_assets.core.storage.files import write_json_atomic
 
-    paths = RoundPaths(Path(job.round_dir))
     paths.root.mkdir(parents=True, exist_ok=True)
     draft_config, layer_ids = draft_config_from_hf(read_draft_dir(Path(job.start_draft))[0], job.start_draft)
     started = time.monotonic()
@@ -265,6 +276,7 @@ def run_round(job: RefinementJob, log) -> dict:
 def main() -> None:
     from dagster_pipes import open_dagster_pipes
 
+    from eagle3_assets.core.evaluation.output_position import render_position_table
     from eagle3_assets.core.refinement.round import render_rejections
 
     with open_dagster_pipes() as pipes:
@@ -289,6 +301,10 @@ def main() -> None:
                 "rejections_by_position": json_value(report["rejections"]["by_position"]),
                 "rejections_by_output_position": json_value(report["rejections"]["by_output_position"]),
                 "anchors": json_value(replayed["anchors"]),
+                "acceptance_by_output_position": {
+                    "raw_value": render_position_table({"starting": report["before"]["by_output_position"], "refined": report["after"]["by_output_position"]}),
+                    "type": "md",
+                },
                 "acceptance_per_position": json_value(
                     {"before": report["before"]["acceptance_rate_per_position"], "after": report["after"]["acceptance_rate_per_position"]}
                 ),
