@@ -21,13 +21,13 @@ import urllib.request
 from pathlib import Path
 
 from eagle3_assets.core.serving.vllm_launcher import free_port, read_log_tail, start_logged
+from tests.hold_point import SITE  # the tests' one sitecustomize (Python loads only the first on the path)
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 # How often the backfill daemon of a test's Dagster wakes (Dagster's own: 30 s, with no setting; see
-# tests/daemon_tick/sitecustomize.py). A backfill of three asset levels waits one wake-up per level.
+# tests/hold_point_site/sitecustomize.py). A backfill of three asset levels waits one wake-up per level.
 TEST_DAEMON_TICK_S = 5.0
-DAEMON_TICK_DIR = Path(__file__).resolve().parent / "daemon_tick"
 
 _LOCATIONS = """{ workspaceOrError { __typename ... on Workspace { locationEntries {
   name loadStatus locationOrLoadError { __typename ... on PythonError { message } } } } } }"""
@@ -43,7 +43,7 @@ def write_instance_yaml(home: Path) -> Path:
 
 def with_daemon_tick(env: dict[str, str], tick_s: float = TEST_DAEMON_TICK_S) -> dict[str, str]:
     """``env`` for Dagster processes whose backfill daemon wakes every ``tick_s`` seconds instead of 30."""
-    path = os.pathsep.join(p for p in (str(DAEMON_TICK_DIR), env.get("PYTHONPATH", "")) if p)
+    path = os.pathsep.join(p for p in (str(SITE), env.get("PYTHONPATH", "")) if p)
     return {**env, "PYTHONPATH": path, "EAGLE3_TEST_DAEMON_TICK_S": str(tick_s)}
 
 

@@ -22,17 +22,48 @@ before it runs, one JSON line (``at``, ``pid``) appended to that file, and
 nothing else changes. This is how a test counts calls of the product (an engine
 built, say) from evidence the product does not write itself
 (tests/hold_point.py: :class:`CallRecord`).
+
+``EAGLE3_TEST_DAEMON_TICK_S=5``: Dagster's backfill daemon wakes every that many
+seconds instead of 30, a constant with no setting
+(``dagster._daemon.controller.DEFAULT_DAEMON_INTERVAL_SECONDS``), set as that
+module is first imported. A backfill of ``prompts -> raw_responses ->
+validated_traces`` is submitted one asset level per wake-up (their backfill
+policies differ): the UI test's three-shard backfill spent about 90 of its 127
+seconds waiting on that clock (tests/dagster_dev.py: ``with_daemon_tick``).
 """
 
 import os
 
-if os.environ.get("EAGLE3_TEST_HOLD_AT"):
-    import functools
+
+def _after_import(names, patch) -> None:
+    """``patch(module)`` right after Python first runs each module named in ``names``, wherever it is imported from."""
     import importlib.abc
     import importlib.machinery
+    import sys
+
+    class _PatchOnImport(importlib.abc.MetaPathFinder):
+        def find_spec(self, fullname, path, target=None):
+            if fullname not in names:
+                return None
+            spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+            if spec is None or spec.loader is None:
+                return spec
+            load = spec.loader.exec_module
+
+            def exec_module(module):
+                load(module)
+                patch(module)
+
+            spec.loader.exec_module = exec_module
+            return spec
+
+    sys.meta_path.insert(0, _PatchOnImport())
+
+
+if os.environ.get("EAGLE3_TEST_HOLD_AT"):
+    import functools
     import json
     import socket
-    import sys
     import threading
 
     _MODULE, _NAME = os.environ["EAGLE3_TEST_HOLD_AT"].split(":", 1)
@@ -78,31 +109,12 @@ if os.environ.get("EAGLE3_TEST_HOLD_AT"):
             owner = getattr(owner, name)
         setattr(owner, attribute, _wrap(getattr(owner, attribute)))  # an AttributeError names a hold point that is gone
 
-    class _PatchOnImport(importlib.abc.MetaPathFinder):
-        def find_spec(self, fullname, path, target=None):
-            if fullname != _MODULE:
-                return None
-            spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-            if spec is None or spec.loader is None:
-                return spec
-            load = spec.loader.exec_module
-
-            def exec_module(module):
-                load(module)
-                _patch(module)
-
-            spec.loader.exec_module = exec_module
-            return spec
-
-    sys.meta_path.insert(0, _PatchOnImport())
+    _after_import({_MODULE}, _patch)
 
 
 if os.environ.get("EAGLE3_TEST_RECORD_AT"):
     import functools
-    import importlib.abc
-    import importlib.machinery
     import json
-    import sys
 
     _RECORD_FILE = os.environ["EAGLE3_TEST_RECORD_FILE"]
     _RECORDED: dict[str, list[str]] = {}  # module -> the qualified names recorded in it
@@ -131,20 +143,12 @@ if os.environ.get("EAGLE3_TEST_RECORD_AT"):
                 owner = getattr(owner, part)
             setattr(owner, attribute, _recording(getattr(owner, attribute), f"{module.__name__}:{name}"))
 
-    class _RecordOnImport(importlib.abc.MetaPathFinder):
-        def find_spec(self, fullname, path, target=None):
-            if fullname not in _RECORDED:
-                return None
-            spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-            if spec is None or spec.loader is None:
-                return spec
-            load = spec.loader.exec_module
+    _after_import(set(_RECORDED), _record_calls)
 
-            def exec_module(module):
-                load(module)
-                _record_calls(module)
 
-            spec.loader.exec_module = exec_module
-            return spec
+if os.environ.get("EAGLE3_TEST_DAEMON_TICK_S"):
 
-    sys.meta_path.insert(0, _RecordOnImport())
+    def _set_daemon_tick(module) -> None:
+        module.DEFAULT_DAEMON_INTERVAL_SECONDS = float(os.environ["EAGLE3_TEST_DAEMON_TICK_S"])
+
+    _after_import({"dagster._daemon.controller"}, _set_daemon_tick)
