@@ -160,7 +160,7 @@ def test_gpu_host_ready_checks_what_each_stage_that_starts_the_target_needs(nvid
     from resources.gpu_host import STAGE_REQUIREMENTS
 
     serving = sorted(stage for stage, requirements in STAGE_REQUIREMENTS.items() if requirements.serves_target)
-    assert serving == ["evaluate_draft", "extract_hidden_states", "train_draft"]
+    assert serving == ["evaluate_draft", "extract_hidden_states", "refine_draft", "train_draft"]  # refine_draft: a round serves it
     checked = ["extract_hidden_states", "train_draft"]
     target_model = TargetModel(path=str(KIMI_K25), **TP8.model_dump())
     result = gpu_host_ready_job.execute_in_process(
