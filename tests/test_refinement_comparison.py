@@ -1,0 +1,44 @@
+"""The refinement bench's verdict (bench/refinement_comparison.py, issue 42 item 5): refined over supervised-continued
+against the goal of 1.05, read against the seeds' spread (the larger of the two variants' ranges). Pure: no vLLM, no
+training."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import refinement_comparison  # noqa: E402
+from peer_acceptance import summary  # noqa: E402
+
+
+def over_seeds(*lengths: float) -> dict:
+    """A variant's figures as the bench summarises them: mean acceptance length over seeds 0, 1, ..."""
+    return {"acceptance_length": summary(list(lengths)), "by_seed": {str(seed): value for seed, value in enumerate(lengths)}}
+
+
+SUPERVISED = over_seeds(2.00, 2.02, 1.98)  # mean 2.00, range 0.04
+
+
+def test_the_goal_is_met_only_above_1_05_and_beyond_the_larger_of_the_two_ranges():
+    """Fails when the goal ignores the spread, when the spread is one variant's range alone (either one), when the
+    ratio is taken the other way round, and when a loss beyond the spread reads as within it."""
+    met = refinement_comparison.verdict(over_seeds(2.20, 2.21, 2.19), SUPERVISED)
+    assert met["goal_met"] and met["beyond_spread"] and met["ratio"] == pytest.approx(1.10) and "goal is met" in met["reading"]
+    assert met["against"].startswith("1.100 (above, beyond the spread; seed by seed above in 3, below in 0 of 3)")
+
+    small = refinement_comparison.verdict(over_seeds(2.06, 2.07, 2.05), SUPERVISED)  # beyond 0.04, but 1.03
+    assert small["beyond_spread"] and not small["goal_met"] and "below the goal of 1.05" in small["reading"]
+
+    # 1.13 over, but the refined seeds range over 0.70: not resolved (the supervised range alone would say beyond).
+    wide_refined = refinement_comparison.verdict(over_seeds(2.60, 1.90, 2.30), SUPERVISED)
+    assert wide_refined["ratio"] > 1.05 and not wide_refined["goal_met"] and wide_refined["spread"] == pytest.approx(0.70)
+    assert "within the seeds' spread" in wide_refined["reading"] and "default stays supervised" in wide_refined["reading"]
+    # 1.10 over, but the supervised seeds range over 0.80 (the refined range alone would say beyond).
+    wide_supervised = refinement_comparison.verdict(over_seeds(2.20, 2.21, 2.19), over_seeds(1.60, 2.40, 2.00))
+    assert not wide_supervised["goal_met"] and not wide_supervised["beyond_spread"]
+
+    below = refinement_comparison.verdict(over_seeds(1.80, 1.81, 1.79), SUPERVISED)
+    assert below["beyond_spread"] and not below["goal_met"] and "below, beyond the seeds' spread" in below["reading"]
