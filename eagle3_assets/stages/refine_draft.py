@@ -38,6 +38,8 @@ from pathlib import Path
 from eagle3_assets.core.refinement.job import RefinementJob
 
 STAGE = "refine_draft"
+# What the report keeps of the starting and the refined draft's held-out passes.
+PASS_FIGURES = ("mean_acceptance_length", "acceptance_rate_per_position", "prompts", "failed", "by_output_position")
 
 
 def _fingerprint(*parts) -> str:
@@ -264,8 +266,8 @@ def _run_round(job: RefinementJob, paths, log) -> dict:
         "training": {key: result.get(key) for key in ("fingerprint", "init", "resumed_from", "schedule", "source", "tokens_per_s")},
         "acceptance_before": before["mean_acceptance_length"],
         "acceptance_after": after["mean_acceptance_length"],
-        "before": {key: before.get(key) for key in ("mean_acceptance_length", "acceptance_rate_per_position", "prompts", "failed", "by_output_position")},
-        "after": {key: after.get(key) for key in ("mean_acceptance_length", "acceptance_rate_per_position", "prompts", "failed", "by_output_position")},
+        "before": {key: before.get(key) for key in PASS_FIGURES},
+        "after": {key: after.get(key) for key in PASS_FIGURES},
         "serve_resumed": bool(served_record.get("resumed")),
         "wall_s": round(time.monotonic() - started, 1),
     }
