@@ -22,7 +22,7 @@ install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml $(LOCK)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q -c $(LOCK) torch==2.13.0
-	$(PY) -m pip install -q -c $(LOCK) -e '.[cpu,test,postgres]'
+	$(PY) -m pip install -q -c $(LOCK) -e '.[cpu,test,postgres,ray]'
 	$(PY) -m pip freeze --all --exclude-editable > $(VENV)/resolved.txt
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $@

@@ -1,8 +1,10 @@
 """The GPU host: where GPU stages run, as separate processes speaking Dagster Pipes.
 
 A stage is a module under ``eagle3_assets.stages`` run with the host's Python.
-The host is this machine (``mode="local"``) or another one reached over SSH
-(``mode="ssh"``). Before every stage the pre-flight
+The host is this machine (``mode="local"``), another one reached over SSH
+(``mode="ssh"``), or a Ray cluster (``mode="ray"``): there each stage is a Ray
+job whose engines or trainers spread over the nodes that fit
+(:mod:`resources.ray_jobs`, :mod:`eagle3_assets.core.gpu_host.ray_cluster`). Before every stage the pre-flight
 (:mod:`eagle3_assets.core.gpu_host.preflight`) runs on the host; a failure stops the
 step with one line per problem, and what was checked becomes metadata of the
 materialisation. The stage is started by the stage runner (``python -m
@@ -50,17 +52,19 @@ from dagster._core.errors import DagsterPipesExecutionError
 from pydantic import Field
 
 from eagle3_assets.core.gpu_host import preflight as preflight_module
+from eagle3_assets.core.cluster.placement import PLACEMENT_ENV
 from eagle3_assets.core.gpu_host.preflight import STAGE_PACKAGE
 from eagle3_assets.core.gpu_host.stage_requirements import StageRequirements, build_spec, validate_stage_name
 from eagle3_assets.core.gpu_host.remote import HostConnection, HostError, SSHTarget, StageProcess
 from eagle3_assets.core.settings import environment as env_vars
 from eagle3_assets.core.storage.shard_paths import LOCKS_DIR, PARTIAL_SUFFIX, data_dir
 from resources.pools import ensure_pool_limit
+from resources.ray_jobs import RayClusterError, RayStageJobs
 
 # The pool every GPU stage's asset joins: ``@asset(pool=GPU_POOL)``. One pool per GPU host;
 # a deployment with two hosts gives the second one its own pool name (EAGLE3_GPU_POOL).
 GPU_POOL = env_vars.GPU_POOL.get()
-MODES = ("local", "ssh")
+MODES = ("local", "ssh", "ray")
 DATA_DIR_ENV = env_vars.DATA_DIR.name
 HF_TOKEN_ENV = env_vars.HF_TOKEN.name  # what huggingface_hub reads; a gated target on the hub needs it on the GPU host
 
@@ -108,7 +112,7 @@ class _RunnerStdoutMessageReader(PipesMessageReader):
 class GPUHost(ConfigurableResource):
     """Runs GPU stages out of process: on this machine, or on a GPU host over SSH, after a pre-flight."""
 
-    mode: str = Field(default="local", description="'local' (this machine) or 'ssh'")
+    mode: str = Field(default="local", description="'local' (this machine), 'ssh' or 'ray' (a Ray cluster)")
     ssh_host: str = Field(default="", description="GPU host name or address (mode 'ssh')")
     ssh_port: int = Field(default=22, description="SSH port")
     ssh_user: str = Field(default="", description="SSH user; empty: ssh's default")
@@ -118,9 +122,22 @@ class GPUHost(ConfigurableResource):
     )
     ssh_known_hosts_file: str = Field(default="", description="known_hosts file; empty: ssh's default")
     ssh_connect_timeout_s: int = Field(default=15, description="SSH connection timeout")
+    ray_address: str = Field(default="", description="mode 'ray': the cluster's dashboard address (http://<head>:8265); empty: $RAY_ADDRESS, else http://127.0.0.1:8265")
+    ray_engines: int = Field(
+        default=0, ge=0, description="mode 'ray': engines (one per node) an extraction run spreads its shards over; 0: every node that fits"
+    )
+    ray_runtime_env: str = Field(
+        default="",
+        description="mode 'ray': a JSON Ray runtime_env for every stage job (env_vars, py_executable, ...), under the stage's own "
+        "variables; nothing secret (Ray's dashboard shows it)",
+    )
     python: str = Field(default=sys.executable, description="the Python interpreter on the host that has torch (and vllm)")
     working_dir: str = Field(default=".", description="working directory of stage processes on the host")
-    data_dir: str = Field(default="", description=f"data directory on the host; empty: ${DATA_DIR_ENV} of this process (local mode only)")
+    data_dir: str = Field(
+        default="",
+        description=f"data directory on the host; empty: ${DATA_DIR_ENV} of this process (local and ray modes: every node "
+        "of a Ray cluster must see it at that path, a shared volume)",
+    )
     lock_dir: str = Field(
         default="",
         description=f"where stage locks and shard-lease guards live on the host (a local disk); empty: <data_dir>/{LOCKS_DIR}. "
@@ -152,7 +169,7 @@ class GPUHost(ConfigurableResource):
     def ssh_target(self) -> SSHTarget | None:
         if self.mode not in MODES:
             raise ValueError(f"gpu_host.mode {self.mode!r}: one of {MODES}")
-        if self.mode == "local":
+        if self.mode in ("local", "ray"):
             return None
         if not self.ssh_host:
             raise ValueError("gpu_host.ssh_host is empty: mode 'ssh' needs the GPU host's name or address")
@@ -169,6 +186,20 @@ class GPUHost(ConfigurableResource):
     def connection(self) -> HostConnection:
         return HostConnection(self.ssh_target(), self.working_dir)
 
+    def ray_jobs(self) -> RayStageJobs:
+        """Mode 'ray': where the stage jobs go."""
+        try:
+            runtime_env = json.loads(self.ray_runtime_env) if self.ray_runtime_env.strip() else {}
+        except ValueError as exc:
+            raise ValueError(f"gpu_host.ray_runtime_env: not JSON ({exc})") from None
+        if not isinstance(runtime_env, dict):
+            raise ValueError("gpu_host.ray_runtime_env: a JSON object (Ray's runtime_env), not a list or a value")
+        address = self.ray_address or os.environ.get("RAY_ADDRESS", "")
+        return RayStageJobs(address, runtime_env, python=self.python)
+
+    def label(self) -> str:
+        return self.ray_jobs().label if self.mode == "ray" else self.connection().label
+
     def host_data_dir(self) -> str:
         if self.data_dir:
             return self.data_dir
@@ -180,8 +211,9 @@ class GPUHost(ConfigurableResource):
         return self.lock_dir or os.path.join(self.host_data_dir(), LOCKS_DIR)
 
     def stage_secrets(self) -> dict[str, str]:
-        """The secrets every stage gets in its environment: those set."""
-        return {HF_TOKEN_ENV: self.hf_token} if self.hf_token else {}
+        """The secrets every stage gets in its environment: those set. None on a Ray cluster, whose dashboard shows a
+        job's environment: its nodes have their own (docs/production.md, "Ray cluster")."""
+        return {HF_TOKEN_ENV: self.hf_token} if self.hf_token and self.mode != "ray" else {}
 
     def requirements_for(self, stage: str, requirements: StageRequirements | None = None) -> StageRequirements:
         return requirements or STAGE_REQUIREMENTS.get(stage) or StageRequirements()
@@ -208,6 +240,8 @@ class GPUHost(ConfigurableResource):
         )
         if self.check_code_version:  # the host compares its own code with this one's
             spec["code_version"] = preflight_module.code_version(str(Path(preflight_module.__file__).parents[2]))
+        if self.mode == "ray":
+            return self._ray_preflight(stage, spec)
         connection = self.connection()
         base = {"stage": stage, "host": connection.label, "python": self.python, "lock": {"path": spec["lock_path"]}}
         source = Path(preflight_module.__file__).read_text(encoding="utf-8")
@@ -225,6 +259,26 @@ class GPUHost(ConfigurableResource):
             return {**base, "ok": False, "failures": [f"host python {self.python} on {connection.label}: pre-flight did not run (exit {done.returncode}): {detail}"]}
         report["host"] = f"{report.get('host')} ({connection.label})"
         return report
+
+    def _ray_preflight(self, stage: str, spec: dict) -> dict:
+        """The pre-flight as a job on the cluster: the driver's node as on any host, then each node (ray_cluster.py)."""
+        jobs = self.ray_jobs()
+        base = {"stage": stage, "host": jobs.label, "python": self.python, "lock": {"path": spec["lock_path"]}}
+        spec = {**spec, "ray_engines": self.ray_engines}
+        try:
+            report = jobs.preflight(spec, self._stage_env(spec["cpu_allowed"]), timeout_s=self.preflight_timeout_s)
+        except RayClusterError as exc:
+            return {**base, "ok": False, "failures": [str(exc)]}
+        report["host"] = f"{report.get('host')} ({jobs.label})"
+        return report
+
+    def _stage_env(self, cpu_allowed: bool, env: Mapping[str, str] | None = None) -> dict[str, str]:
+        return {
+            **self.stage_secrets(), **(env or {}),
+            DATA_DIR_ENV: self.host_data_dir(),
+            env_vars.LOCK_DIR.name: self.host_lock_dir(),  # the stage's shard leases and its stage lock: one directory
+            env_vars.ALLOW_CPU.name: "1" if cpu_allowed else "0",
+        }  # fmt: skip
 
     # -- stages
 
@@ -255,45 +309,49 @@ class GPUHost(ConfigurableResource):
         requirements = self.requirements_for(stage, requirements)
         report = self.preflight(stage, requirements)
         metadata = preflight_metadata(report)
-        label = self.connection().label
+        label = self.label()
         if not report["ok"]:
             lines = "\n".join(f"- {failure}" for failure in report["failures"])
             raise Failure(description=f"GPU host {label} is not ready for stage {stage}:\n{lines}", metadata=metadata, allow_retries=False)
         context.log.info(f"GPU host {label}: pre-flight for {stage} passed ({preflight_summary(report)})")
 
-        cpu_allowed = requirements.cpu_allowed or self.allow_cpu
-        stage_env = {
-            **self.stage_secrets(), **(env or {}),
-            DATA_DIR_ENV: self.host_data_dir(),
-            env_vars.LOCK_DIR.name: self.host_lock_dir(),  # the stage's shard leases and its stage lock: one directory
-            env_vars.ALLOW_CPU.name: "1" if cpu_allowed else "0",
-        }  # fmt: skip
-        runner = [
-            self.python, "-m", STAGE_PACKAGE, stage,
-            "--lock", report["lock"]["path"],
-            "--grace-s", str(self.termination_grace_s),
-        ]  # fmt: skip
+        stage_env = self._stage_env(requirements.cpu_allowed or self.allow_cpu, env)
+        runner_args = [STAGE_PACKAGE, stage, "--lock", report["lock"]["path"], "--grace-s", str(self.termination_grace_s)]
+        callback_errors: list[BaseException] = []
+
+        def on_message(message: dict) -> None:
+            if on_custom_message is not None and message.get("method") == "report_custom_message":
+                try:
+                    on_custom_message((message.get("params") or {}).get("payload"), metadata)
+                except Exception as exc:  # noqa: BLE001 - raised on the run's thread once the stage is done
+                    callback_errors.append(exc)
+
+        if self.mode == "ray":
+            if self.hf_token:
+                context.log.info("gpu_host.hf_token is not sent to a Ray cluster (its dashboard shows a job's environment): its nodes need their own $HF_TOKEN")
+            stage_env[PLACEMENT_ENV] = json.dumps(report["ray"]["placement"])
+            context.log.info(f"stage {stage}: submitting to {label} (placement: {report['ray']['placement']})")
+            completed = self.ray_jobs().run_stage(context, stage, runner_args, stage_env, extras, on_message, metadata)
+            if callback_errors:
+                raise callback_errors[0]
+            return completed
+        runner = [self.python, "-m", *runner_args]
         with open_pipes_session(
             context=context,
             context_injector=PipesEnvContextInjector(),
             message_reader=_RunnerStdoutMessageReader(),
             extras=dict(extras),
         ) as session:
-            callback_errors: list[BaseException] = []
 
-            def on_message(message: dict) -> None:
+            def handle(message: dict) -> None:
                 session.message_handler.handle_message(message)
-                if on_custom_message is not None and message.get("method") == "report_custom_message":
-                    try:
-                        on_custom_message((message.get("params") or {}).get("payload"), metadata)
-                    except Exception as exc:  # noqa: BLE001 - raised on the run's thread once the stage is done
-                        callback_errors.append(exc)
+                on_message(message)
 
             process = StageProcess(
                 self.connection(),
                 runner,
                 env={**stage_env, **session.get_bootstrap_env_vars()},
-                on_message=on_message,
+                on_message=handle,
                 on_output=_forward_to_stderr,
             )
             try:
@@ -366,6 +424,15 @@ def preflight_metadata(report: Mapping[str, Any]) -> dict[str, Any]:
     lock = report.get("lock") or {}
     if lock.get("path"):
         metadata["gpu_host/lock"] = MetadataValue.path(lock["path"])
+    if report.get("ray"):
+        rows = ["| node | host | GPUs (Ray) | fits | why not |", "| --- | --- | --- | --- | --- |"]
+        rows += [
+            f"| {n.get('ip')} ({str(n.get('node_id'))[:12]}){' driver' if n.get('driver') else ''} | {n.get('host', '?')} | "
+            f"{n.get('ray_gpus', 0)} | {'yes' if n.get('fits') else 'no'} | {'; '.join(n.get('failures', []) + n.get('unfit', []))} |"
+            for n in report["ray"]["nodes"]
+        ]
+        metadata["gpu_host/ray_nodes"] = MetadataValue.md("\n".join(rows))
+        metadata["gpu_host/ray_engines"] = len(report["ray"]["placement"]["nodes"])
     if report.get("systemd"):
         metadata["gpu_host/systemd_units"] = MetadataValue.json(report["systemd"])
     if report.get("disk"):
@@ -380,14 +447,17 @@ def preflight_metadata(report: Mapping[str, Any]) -> dict[str, Any]:
 def gpu_host_from_env() -> GPUHost:
     """The deployment's GPU host from the environment (:mod:`eagle3_assets.core.settings.environment`); every field stays editable per run.
 
-    ``EAGLE3_GPU_HOST`` is ``local`` (default) or ``ssh://[user@]host[:port]``.
+    ``EAGLE3_GPU_HOST`` is ``local`` (default), ``ssh://[user@]host[:port]`` or ``ray`` (``EAGLE3_RAY_ADDRESS``).
     """
     where = env_vars.GPU_HOST.get()
     fields: dict[str, Any] = {}
-    if where != "local":
+    if where == "ray":
+        fields["mode"] = "ray"
+        fields["python"] = env_vars.GPU_HOST_PYTHON.get() or "python"  # the cluster's, found on its PATH
+    elif where != "local":
         url = urlsplit(where)
         if url.scheme != "ssh" or not url.hostname:
-            raise ValueError(f"EAGLE3_GPU_HOST={where!r}: expected 'local' or 'ssh://[user@]host[:port]'")
+            raise ValueError(f"EAGLE3_GPU_HOST={where!r}: expected 'local', 'ssh://[user@]host[:port]' or 'ray'")
         fields.update(mode="ssh", ssh_host=url.hostname, ssh_port=url.port or 22, ssh_user=url.username or "")
         fields["python"] = env_vars.GPU_HOST_PYTHON.get() or "python3"
     elif env_vars.GPU_HOST_PYTHON.is_set():
@@ -395,6 +465,7 @@ def gpu_host_from_env() -> GPUHost:
     for variable in (
         env_vars.GPU_HOST_WORKDIR, env_vars.GPU_HOST_DATA_DIR, env_vars.SSH_IDENTITY_FILE, env_vars.SSH_KNOWN_HOSTS,
         env_vars.SSH_KNOWN_HOSTS_FILE, env_vars.GPU_HOST_ALLOW_CPU, env_vars.SERVING_UNIT,
+        env_vars.RAY_ADDRESS, env_vars.RAY_ENGINES, env_vars.RAY_RUNTIME_ENV,
     ):  # fmt: skip
         if variable.is_set():
             (field_name,) = [g.split(".", 1)[1] for g in variable.gives]

@@ -224,3 +224,15 @@ def tiny_trained_draft_server(tiny_target, tiny_trained_draft, tmp_path_factory)
     with server:
         yield server
 
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A real local Ray cluster (tests/ray_cluster.py): a head and a worker node, started once per session."""
+    from tests.ray_cluster import LocalRayCluster
+
+    cluster = LocalRayCluster()
+    try:
+        yield cluster.start()
+    finally:
+        cluster.stop()

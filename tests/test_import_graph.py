@@ -169,7 +169,7 @@ CORE_LAYERS: tuple[tuple[str, ...], ...] = (
     ("prompts", "generation"),  # the prompt set; the OpenAI-API client and its responses
     ("validation", "orchestration"),  # the traces' rules; the backfill client
     ("target",),  # the target model: description, identity, tokenizer, head
-    ("serving",),  # vLLM: its profile, launcher, metrics, deployment
+    ("serving", "cluster"),  # vLLM: its profile, launcher, metrics, deployment; a stage's placement on a Ray cluster
     # The transport of a stage's job, beside extraction so that neither imports the other: gpu_host carries a job it
     # never reads (each stage's job is its domain's job.py); the draft; the states.
     ("gpu_host", "draft", "extraction"),

@@ -90,9 +90,9 @@ TRAIN_DRAFT_REQUIREMENTS = register_stage(
 CHECKS = AssetChecks(DRAFT_CHECKPOINT_GATES)  # the declared gates as this asset's checks
 
 
-def check_mode(mode: str, window_shards: int, checkpoint_every_steps: int = 1, nproc: int = 1) -> None:
+def check_mode(mode: str, window_shards: int, checkpoint_every_steps: int = 1, nproc: int = 1, nnodes: int = 1) -> None:
     """Refuse bad launchpad values before anything runs, naming each setting."""
-    problems = mode_problems(mode, window_shards, checkpoint_every_steps, nproc)
+    problems = mode_problems(mode, window_shards, checkpoint_every_steps, nproc, nnodes)
     if problems:
         raise BoundedModeError("draft_checkpoint config: " + "; ".join(problems))
 
@@ -199,7 +199,7 @@ def draft_checkpoint(
     context: AssetExecutionContext, config: DraftTrainingConfig, target_model: TargetModel, gpu_host: GPUHost
 ) -> MaterializeResult:
     """The trained EAGLE-3 draft as a vLLM-native directory (config.json + model.safetensors with d2t)."""
-    check_mode(config.hidden_states_mode, config.window_shards, config.checkpoint_every_steps, config.nproc_per_node)
+    check_mode(config.hidden_states_mode, config.window_shards, config.checkpoint_every_steps, config.nproc_per_node, config.nnodes)
     selection = training_shards(context, config)
     keys = selection.used
     identity = target_model.identity()

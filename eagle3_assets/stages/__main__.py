@@ -18,6 +18,10 @@ connection) and the stage process ``python -m eagle3_assets.stages.<stage>``:
   when stdin ends (the orchestrator stopped, died, or lost the connection) or
   when this process is told to stop (SIGTERM, SIGINT, SIGHUP).
 
+As a Ray job's entrypoint (``--ray-job``, a GPU host on a Ray cluster) the
+environment comes with the job, stdin is not watched, and stdout is the job's
+log, which the orchestrator tails for the same JSON lines.
+
 Standard library and ``dagster_pipes`` only: the host needs no Dagster.
 """
 
@@ -133,14 +137,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("stage", help="module under eagle3_assets.stages")
     parser.add_argument("--lock", required=True, help="the stage lock file on this host")
     parser.add_argument("--grace-s", type=float, default=20.0, help="time the stage gets to stop before SIGKILL")
+    parser.add_argument(
+        "--ray-job",
+        action="store_true",
+        help="run as a Ray job's entrypoint: the environment is the job's (its runtime_env), there is no stdin to read "
+        "or watch, and Ray stops the job by signalling this process",
+    )
     args = parser.parse_args(argv)
     stage = validate_stage_name(args.stage)
 
-    first = _read_first_line(0)
-    if not first:
-        emit_record(error="no environment line on stdin: the orchestrator went away before the stage started")
-        return 2
-    env_additions = json.loads(first).get("env", {})
+    if args.ray_job:
+        env_additions = {}
+    else:
+        first = _read_first_line(0)
+        if not first:
+            emit_record(error="no environment line on stdin: the orchestrator went away before the stage started")
+            return 2
+        env_additions = json.loads(first).get("env", {})
     env = {**os.environ, **{str(k): str(v) for k, v in env_additions.items()}}
 
     module = f"{STAGE_PACKAGE}.{stage}"
@@ -202,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
 
     forwarder = threading.Thread(target=forward_messages, name="pipes-forwarder", daemon=True)
     forwarder.start()
-    threading.Thread(target=watch_stdin, name="stdin-watchdog", daemon=True).start()
+    if not args.ray_job:  # a Ray job's stdin is not the orchestrator's: Ray's stop_job signals this process instead
+        threading.Thread(target=watch_stdin, name="stdin-watchdog", daemon=True).start()
 
     returncode = process.wait()
     stopped = group.stopping.is_set()

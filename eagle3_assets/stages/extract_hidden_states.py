@@ -29,6 +29,7 @@ and the others go on.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import resource
 import shutil
@@ -38,6 +39,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from eagle3_assets.core.settings.environment import ALLOW_CPU
@@ -129,7 +131,7 @@ class ShardResult:
 @dataclass
 class _Pending:
     spec: ExtractionShard
-    traces: list
+    traces: list | None  # None: read from the shard's file where it is extracted (a Ray engine on another node)
     shard_dir: Path
     target_check: Any
     key: str
@@ -148,8 +150,6 @@ def run(job: ExtractionJob, log=print, run_id: str | None = None, on_shard: Call
 
     if not torch.cuda.is_available() and not ALLOW_CPU.get():
         raise RuntimeError(f"{STAGE}: no CUDA device on this host and EAGLE3_ALLOW_CPU is not 1: refusing to run on CPU")
-    if job.cpu_threads > 0:
-        torch.set_num_threads(job.cpu_threads)
     results: list[ShardResult] = []
 
     def done(result: ShardResult) -> None:
@@ -201,51 +201,90 @@ def run(job: ExtractionJob, log=print, run_id: str | None = None, on_shard: Call
 
 
 def _extract_pending(job: ExtractionJob, pending: list[_Pending], facts, log, run_id: str | None, done: Callable[[ShardResult], None]) -> None:
-    """Build the engine once, then extract, gate, record and report each pending shard in turn."""
-    import torch
+    """Build the engine once (once per node on a Ray cluster), then extract, gate, record and report each pending shard."""
+    from eagle3_assets.core.cluster.placement import on_ray_cluster
 
-    from eagle3_assets.core.extraction.traces import ExtractionInputError
-    from eagle3_assets.core.extraction.shard_record import record_engine_build
-    from eagle3_assets.core.storage.shard_lease import ShardBusyError, ShardLease
-
-    target = job.target
-    started = time.monotonic()
     # vLLM's context is sized from the longest trace of every shard it will see.
-    backend = make_backend(job, target, [trace for each in pending for trace in each.traces])
-    build = {
-        "id": uuid.uuid4().hex[:12],
-        "backend": backend.name,
-        "load_s": round(time.monotonic() - started, 1),
-        "host": socket.gethostname(),
-        "pid": os.getpid(),
-        "run_id": run_id,
-        "shards": [each.spec.shard for each in pending],
-    }
-    asset_dir = pending[0].shard_dir.parent
-    record_engine_build(asset_dir, build)
-    log(
-        f"{STAGE}: {backend.name} backend ready in {build['load_s']:.0f}s ({'cuda' if torch.cuda.is_available() else 'cpu'}), "
-        f"engine {build['id']} for {len(pending)} shard(s)"
-    )
-    opened = [backend]
+    longest = max(trace.num_tokens for each in pending for trace in each.traces)
+    if on_ray_cluster():
+        from eagle3_assets.core.extraction.ray_engines import extract_on_cluster
+
+        # The engines read each shard's traces from the shared data directory: only names travel.
+        light = [dataclasses.replace(each, traces=None) for each in pending]
+        extract_on_cluster(Engine, job, light, longest, log, run_id, done, stopped=_stopped)
+        return
+    engine = Engine(job, longest, [each.spec.shard for each in pending], run_id, log)
     try:
-        reference_states, extra = aux_reference(job, target, backend)
-        opened += extra
-        engine = {"engine_build": {k: build[k] for k in ("id", "backend", "load_s", "host")}, "model_load_s": build["load_s"]}
         for position, each in enumerate(pending, 1):
             log(f"{STAGE}: shard {position}/{len(pending)}: {each.spec.shard}")
-            # One writer per shard, taken here on the host (so a remote host works too), beside the shard's directory.
-            # A killed run's lease names a dead pid: it is taken over and its `.partial` files are removed, each logged.
-            try:
-                with ShardLease(each.shard_dir.parent, each.shard_dir.name, asset="hidden_states", run_id=run_id, log=log):
-                    metadata, outcomes = _extract_and_check(job, each, backend, reference_states, facts, log, engine)
-            except (ExtractionInputError, ShardBusyError) as exc:
-                log(f"{STAGE}: {each.spec.shard}: {exc}")
-                done(ShardResult(each.spec.shard, each.spec.data_version, {}, [], stopped=str(exc)))
-                continue
-            done(ShardResult(each.spec.shard, each.spec.data_version, {**metadata, "reused": False}, outcomes))
+            done(engine.extract(each))
     finally:
-        for each in opened:
+        engine.close()
+
+
+def _stopped(each: _Pending, why: str) -> ShardResult:
+    return ShardResult(each.spec.shard, each.spec.data_version, {}, [], stopped=why)
+
+
+class Engine:
+    """The run's engine on one host: built once (a line in ``engine_builds.jsonl``), then extracting shard after shard.
+
+    In this process, or as a Ray actor on each node of a Ray cluster GPU host
+    (:mod:`eagle3_assets.core.extraction.ray_engines`).
+    """
+
+    def __init__(self, job: ExtractionJob, longest: int, shards: list[str], run_id: str | None, log=print):
+        import torch
+
+        from eagle3_assets.core.extraction.shard_record import record_engine_build
+        from eagle3_assets.core.extraction.traces import TargetFacts
+
+        self.job, self.run_id, self.log = job, run_id, log
+        self.facts = TargetFacts.from_path(job.target.path)
+        if job.cpu_threads > 0:
+            torch.set_num_threads(job.cpu_threads)
+        started = time.monotonic()
+        # What sizing reads of the run's traces is their length (a Ray engine gets the longest, not the traces).
+        self.backend = make_backend(job, job.target, [SimpleNamespace(num_tokens=longest)])
+        self.build = {
+            "id": uuid.uuid4().hex[:12],
+            "backend": self.backend.name,
+            "load_s": round(time.monotonic() - started, 1),
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "run_id": run_id,
+            "shards": shards,
+        }
+        self.opened = [self.backend]
+        record_engine_build(_resolve(job.shards[0].output).parent, self.build)
+        log(
+            f"{STAGE}: {self.backend.name} backend ready in {self.build['load_s']:.0f}s ({'cuda' if torch.cuda.is_available() else 'cpu'}), "
+            f"engine {self.build['id']} for {len(shards)} shard(s)"
+        )
+        self.reference_states, extra = aux_reference(job, job.target, self.backend)
+        self.opened += extra
+        self.engine = {"engine_build": {k: self.build[k] for k in ("id", "backend", "load_s", "host")}, "model_load_s": self.build["load_s"]}
+
+    def extract(self, each: _Pending) -> ShardResult:
+        """One shard under its lease; done (metadata, gate outcomes) or stopped (why)."""
+        from eagle3_assets.core.extraction.traces import ExtractionInputError, read_traces
+        from eagle3_assets.core.storage.shard_lease import ShardBusyError, ShardLease
+
+        log, spec = self.log, each.spec
+        # One writer per shard, taken here on the host (so a remote host works too), beside the shard's directory.
+        # A killed run's lease names a dead pid: it is taken over and its `.partial` files are removed, each logged.
+        try:
+            if each.traces is None:
+                each = dataclasses.replace(each, traces=read_traces(_resolve(spec.traces), self.facts.vocab_size))
+            with ShardLease(each.shard_dir.parent, each.shard_dir.name, asset="hidden_states", run_id=self.run_id, log=log):
+                metadata, outcomes = _extract_and_check(self.job, each, self.backend, self.reference_states, self.facts, log, self.engine)
+        except (ExtractionInputError, ShardBusyError) as exc:
+            log(f"{STAGE}: {spec.shard}: {exc}")
+            return _stopped(each, str(exc))
+        return ShardResult(spec.shard, spec.data_version, {**metadata, "reused": False}, outcomes)
+
+    def close(self) -> None:
+        for each in self.opened:
             each.close()
 
 

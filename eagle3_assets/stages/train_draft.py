@@ -85,10 +85,16 @@ def describe(event: dict) -> str | None:
 
 def train(job: TrainingJob, on_event) -> dict:
     """Train on the job's batch source: the stored shards (``nproc_per_node`` processes), or a streamed window."""
+    from eagle3_assets.core.cluster.placement import on_ray_cluster
     from eagle3_assets.core.training.launch import run_training
+    from eagle3_assets.core.training.ray_launch import run_training_on_cluster
 
     if job.bounded is None:
-        return run_training(job.train, nproc=job.nproc_per_node, on_event=on_event)
+        if job.nnodes == 1:
+            return run_training(job.train, nproc=job.nproc_per_node, on_event=on_event)
+        if not on_ray_cluster():
+            raise ValueError(f"{STAGE}: nnodes {job.nnodes}: training across nodes needs a GPU host on a Ray cluster (gpu_host.mode 'ray')")
+        return run_training_on_cluster(job.train, nproc=job.nproc_per_node, nnodes=job.nnodes, on_event=on_event)
     return _train_streamed(job, on_event)
 
 
@@ -107,7 +113,7 @@ def _train_streamed(job: TrainingJob, on_event) -> dict:
 
     run = job.bounded
     assert run is not None
-    problems = mode_problems("bounded", run.window_shards, run.checkpoint_every_steps, job.nproc_per_node)
+    problems = mode_problems("bounded", run.window_shards, run.checkpoint_every_steps, job.nproc_per_node, job.nnodes)
     if problems:
         raise ValueError(f"{STAGE}: " + "; ".join(problems))
     run.validate()
@@ -179,6 +185,7 @@ def export_and_gate(job: TrainingJob, result: dict, log) -> dict:
         **{key: _metadata_value(value) for key, value in (result.get("source") or {}).items()},
         "memory_plan": {"raw_value": result.get("memory"), "type": "json"},
         "nproc_per_node": job.nproc_per_node,
+        "nnodes": job.nnodes,
         "schedule": {"raw_value": result.get("schedule"), "type": "json"},
         "world_size": int(result.get("world_size", 1)),
         "checkpoint": {"raw_value": result["checkpoint"], "type": "path"},

@@ -18,7 +18,8 @@ the test means, however fast or slow the machine.
 
 ``EAGLE3_TEST_RECORD_AT=module:Qualified.name[,module:Qualified.name...]`` with
 ``EAGLE3_TEST_RECORD_FILE=path``: every call of each named function is recorded
-before it runs, one JSON line (``at``, ``pid``) appended to that file, and
+before it runs, one JSON line (``at``, ``pid``, ``sid``: the session, which tells
+the nodes of a local Ray cluster apart) appended to that file, and
 nothing else changes. This is how a test counts calls of the product (an engine
 built, say) from evidence the product does not write itself
 (tests/hold_point.py: :class:`CallRecord`).
@@ -125,7 +126,7 @@ if os.environ.get("EAGLE3_TEST_RECORD_AT"):
     def _recording(original, target: str):
         @functools.wraps(original)
         def recorded(*args, **kwargs):
-            line = json.dumps({"at": target, "pid": os.getpid()}).encode() + b"\n"
+            line = json.dumps({"at": target, "pid": os.getpid(), "sid": os.getsid(0)}).encode() + b"\n"
             fd = os.open(_RECORD_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             try:
                 os.write(fd, line)  # one write of one short line with O_APPEND: lines of several processes do not mix

@@ -224,7 +224,7 @@ VLLM_ENV = Variable(
 
 # -- the GPU host
 GPU_HOST = Variable(
-    "EAGLE3_GPU_HOST", "str", "local", "`local` or `ssh://[user@]host[:port]`",
+    "EAGLE3_GPU_HOST", "str", "local", "`local`, `ssh://[user@]host[:port]`, or `ray` (a Ray cluster at `EAGLE3_RAY_ADDRESS`)",
     gives=("gpu_host.mode", "gpu_host.ssh_host", "gpu_host.ssh_port", "gpu_host.ssh_user"),
 )  # fmt: skip
 GPU_HOST_PYTHON = Variable("EAGLE3_GPU_HOST_PYTHON", "str", None, "the host's Python", unset="this Python (local), `python3` (ssh)", gives=("gpu_host.python",))
@@ -247,6 +247,22 @@ SERVING_UNIT = Variable(
     "EAGLE3_SERVING_UNIT", "str", None, "the systemd unit of the generation server on the GPU host (e.g. `vllm-kimi.service`): "
     "the GPU pre-flight names it as what to stop when its processes hold the memory a stage needs",
     gives=("gpu_host.serving_unit",),
+)  # fmt: skip
+RAY_ADDRESS = Variable(
+    "EAGLE3_RAY_ADDRESS", "str", None, "with `EAGLE3_GPU_HOST=ray`: the Ray cluster's dashboard address, where stage jobs are submitted",
+    unset="`$RAY_ADDRESS`, else `http://127.0.0.1:8265`", gives=("gpu_host.ray_address",),
+)  # fmt: skip
+RAY_ENGINES = Variable(
+    "EAGLE3_RAY_ENGINES", "int", None, "on a Ray cluster: the engines (one per node) an extraction run spreads its shards over",
+    unset="`0`: every node that has the GPUs the stage needs", gives=("gpu_host.ray_engines",),
+)  # fmt: skip
+RAY_RUNTIME_ENV = Variable(
+    "EAGLE3_RAY_RUNTIME_ENV", "str", None, "on a Ray cluster: a JSON Ray `runtime_env` for every stage job (`env_vars`, "
+    "`py_executable`, ...); nothing secret: Ray's dashboard shows it", unset="none", gives=("gpu_host.ray_runtime_env",),
+)  # fmt: skip
+RAY_PLACEMENT = Variable(
+    "EAGLE3_RAY_PLACEMENT", "json", None, "set by the GPU host for each stage job on a Ray cluster (the nodes its pre-flight "
+    "found fit, the GPUs each engine takes); not set by hand",
 )  # fmt: skip
 GPU_POOL = Variable("EAGLE3_GPU_POOL", "str", "gpu_host", "the Dagster pool of the GPU stages (one per GPU host)")
 GPU_POOL_LIMIT = Variable("EAGLE3_GPU_POOL_LIMIT", "int", 1, "limit given to the GPU pool when it has none")

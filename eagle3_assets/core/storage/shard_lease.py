@@ -117,6 +117,30 @@ def describe(record: Mapping[str, Any]) -> str:
     )
 
 
+def lapse(asset_dir: Path | str, key: str, *, run_id: str | None, why: str, log: Callable[[str], None] = print) -> bool:
+    """End the lease of ``key`` that run ``run_id`` holds through a writer known to be gone; whether one was ended.
+
+    For a coordinator that handed the shard to a writer on another node and was
+    told by the cluster that the writer died (a Ray node lost): the lease would
+    otherwise read as a remote, fresh holder until its heartbeat went stale
+    (``$EAGLE3_LEASE_STALE_AFTER_S``), and the rerun that should finish the
+    shard would be refused. Only this run's lease of that shard is ended: the
+    run handed the shard to that one writer alone. Its partial files stay for
+    the next holder to remove, each logged.
+    """
+    if not run_id:
+        return False
+    asset_dir = Path(asset_dir)
+    path = lease_path(asset_dir, key)
+    with _guard_of(asset_dir):
+        record = read_lease(path)
+        if not record or record.get("run_id") != run_id:
+            return False
+        path.unlink(missing_ok=True)
+    log(f"{key}: lease of {describe(record)} ended: {why}")
+    return True
+
+
 class ShardLease:
     """``with ShardLease(asset_dir, key, asset=..., run_id=..., log=...):`` the shard's files are yours to write."""
 
@@ -232,10 +256,14 @@ class ShardLease:
         os.replace(tmp, self.path)
 
     def _guard(self):
-        # Beside the stage locks (the one lock directory), not among the shard's files: an asset's directory holds its outputs.
-        locks = lock_dir(self.asset_dir.parent)
-        locks.mkdir(parents=True, exist_ok=True)
-        return _Guard(locks / f"{self.asset_dir.name}{GUARD_SUFFIX}")
+        return _guard_of(self.asset_dir)
+
+
+def _guard_of(asset_dir: Path) -> _Guard:
+    # Beside the stage locks (the one lock directory), not among the shard's files: an asset's directory holds its outputs.
+    locks = lock_dir(asset_dir.parent)
+    locks.mkdir(parents=True, exist_ok=True)
+    return _Guard(locks / f"{asset_dir.name}{GUARD_SUFFIX}")
 
 
 class _Guard:

@@ -83,7 +83,7 @@ class BoundedRun(BoundedWindow):
             raise BoundedModeError("bounded-disk training: " + "; ".join(problems))
 
 
-def mode_problems(mode: str, window_shards: int, checkpoint_every_steps: int = 1, nproc: int = 1) -> list[str]:
+def mode_problems(mode: str, window_shards: int, checkpoint_every_steps: int = 1, nproc: int = 1, nnodes: int = 1) -> list[str]:
     """What is wrong with the launchpad's hidden-state mode settings (empty when nothing is)."""
     problems = []
     if mode not in HIDDEN_STATES_MODES:
@@ -94,13 +94,21 @@ def mode_problems(mode: str, window_shards: int, checkpoint_every_steps: int = 1
         problems.append(f"checkpoint_every_steps {checkpoint_every_steps!r}: must be at least 1")
     if mode == "bounded" and nproc != 1:
         problems.append(f"nproc_per_node {nproc}: bounded mode trains in one process (use offline mode for DDP)")
+    if mode == "bounded" and nnodes != 1:
+        problems.append(f"nnodes {nnodes}: bounded mode trains in one process (use offline mode to train across nodes)")
     return problems
 
 
 class TrainingStageRecipe(JobSchema):
     """``train_draft``'s own settings (``draft_checkpoint``'s launchpad shows them): processes, export precision, the vLLM check."""
 
-    nproc_per_node: int = setting(1, "training processes (GPUs); above 1 runs under torchrun with DDP")
+    nproc_per_node: int = setting(1, "training processes (GPUs) per node; above 1 runs under torchrun with DDP")
+    nnodes: int = setting(
+        1,
+        "nodes to train across, on a GPU host that is a Ray cluster: DDP over nnodes x nproc_per_node ranks, torchrun on "
+        "each node with the first one's address as the rendezvous (the same loop, checkpoints and resume as one host)",
+        ge=1,
+    )
     export_dtype: str | None = setting(None, "float32, bfloat16 or float16; default: the target's dtype")
     vllm_check_num_speculative_tokens: int = setting(
         3, "num_speculative_tokens of the loads_in_vllm check, and the first one the serving notes name"
