@@ -17,6 +17,7 @@ The facts are read by :mod:`eagle3_assets.glue.capacity_facts`, which
 """
 
 import os
+from dataclasses import replace
 from typing import Optional
 
 from dagster import (
@@ -31,11 +32,11 @@ from pydantic import Field
 
 from eagle3_assets.glue.capacity_facts import latest_metadata, measured_rates, measured_training_rate, shard_facts, volume_at
 from eagle3_assets.core.extraction.state_layout import DEFAULT_DTYPE, STORAGE_DTYPE_BYTES
-from eagle3_assets.core.planning.capacity import CapacityPlan, PlanSettings, plan_capacity
+from eagle3_assets.core.planning.capacity import CapacityPlan, PlanSettings, plan_capacity, plan_nodes
 from eagle3_assets.glue.check_results import AssetChecks
 from eagle3_assets.core.planning.gates import CAPACITY_GATES, check_run_fits
 from eagle3_assets.core.planning.stage_rates import Rate, estimated_training_rate, first_rate
-from eagle3_assets.core.settings.environment import ACCEPT_UNKNOWN_CAPACITY
+from eagle3_assets.core.settings.environment import ACCEPT_UNKNOWN_CAPACITY, EXTRACTION_SHARDS_PER_RUN
 from eagle3_assets.core.storage.shard_paths import data_dir
 from eagle3_assets.glue.partitions import SAMPLE_SHARDS
 from resources.gpu_host import GPUHost
@@ -78,7 +79,22 @@ class CapacityPlanConfig(Config):
     )
     generation_gpus: int = Field(default=8, gt=0, description="GPUs the vLLM server holds while it generates (the story's: 8, tensor-parallel)")
     extraction_gpus: int = Field(default=1, gt=0, description="GPUs extracting at once")
-    training_gpus: int = Field(default=1, gt=0, description="GPUs training (nproc_per_node)")
+    training_gpus: int = Field(default=1, gt=0, description="GPUs training per node (nproc_per_node)")
+    nodes: Optional[int] = Field(
+        default=None,
+        gt=0,
+        description="nodes of a Ray cluster GPU host: extraction's engines (one per node) and, unless training_nodes is set, the "
+        "training's nodes; unset: gpu_host.ray_engines when the host is a Ray cluster and it is set, else 1 (the plan does not ask the cluster)",
+    )
+    training_nodes: Optional[int] = Field(
+        default=None, gt=0, description="nodes training (draft_checkpoint's nnodes; DDP scaling across them assumed); unset: nodes"
+    )
+    target_load_s: Optional[float] = Field(
+        default=None,
+        ge=0,
+        description="seconds one extraction engine takes to load the target, paid per engine per run of $EAGLE3_EXTRACTION_SHARDS_PER_RUN "
+        "shards (each build's load_s is in <data>/hidden_states/engine_builds.jsonl); unset: not counted",
+    )
     accept_unknown_capacity: bool = Field(
         default=ACCEPT_UNKNOWN_CAPACITY.get(),
         description="a volume whose free bytes cannot be read passes run_fits, the risk stated in the check, instead of failing it "
@@ -123,6 +139,7 @@ def make_plan(
             missing="unknown",
         ),
     }  # fmt: skip
+    nodes, nodes_note = plan_nodes(config.nodes, gpu_host.mode, gpu_host.ray_engines)
     settings = PlanSettings(
         hidden_size=target_model.hidden_size(),
         dtype=config.dtype,
@@ -135,11 +152,16 @@ def make_plan(
         generation_gpus=config.generation_gpus,
         extraction_gpus=config.extraction_gpus,
         training_gpus=config.training_gpus,
+        nodes=nodes,
+        training_nodes=config.training_nodes,
+        target_load_s=config.target_load_s,
+        shards_per_run=EXTRACTION_SHARDS_PER_RUN.get(),
         accept_unknown_capacity=config.accept_unknown_capacity,
     )
     gpu_volume = volume_at("GPU host", os.path.join(gpu_host.host_data_dir(), "hidden_states"), gpu_host)
     data_volume = volume_at("data volume", str(data_dir()))
-    return plan_capacity(facts, settings, gpu_volume, data_volume, rates)
+    plan = plan_capacity(facts, settings, gpu_volume, data_volume, rates)
+    return replace(plan, assumed=[nodes_note, *plan.assumed]) if nodes_note else plan
 
 
 @asset(

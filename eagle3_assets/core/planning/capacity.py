@@ -31,6 +31,17 @@ training (every token x the epochs, at the training tokens/s at the target's
 width: measured by a previous training of this target, configured, or
 estimated from the step's FLOPs and a device rate: :mod:`.stage_rates`), as hours and GPU-hours,
 and an ETA for what remains if the stages run one after another.
+
+Nodes (a GPU host that is a Ray cluster, docs/production.md#ray-cluster):
+extraction's wall time divides over its engines, one per node, and each run
+of ``shards_per_run`` shards builds an engine on each node it uses (a target
+load apiece, in parallel: ``target_load_s`` of wall time per run, and of GPU
+time per engine); training's divides over ``training_nodes`` x its GPUs, as
+DDP scaling is assumed (not measured), and the schedule fits its epochs to
+that world size; generation is the vLLM servers', unchanged. The plan does not
+ask the cluster how many nodes it has: :func:`plan_nodes` takes the count from
+the configuration, else from the GPU host's ``ray_engines``, else one.
+
 Dagster-free: the asset ``capacity_plan`` gathers the facts.
 """
 
@@ -89,7 +100,11 @@ class PlanSettings:
     window_shards: int = 2  # bounded-disk mode's window, for the way-out figure
     generation_gpus: int = 1
     extraction_gpus: int = 1
-    training_gpus: int = 1
+    training_gpus: int = 1  # per node
+    nodes: int = 1  # extraction engines, one per node of a Ray cluster (plan_nodes)
+    training_nodes: int | None = None  # nodes training (draft_checkpoint's nnodes); None: ``nodes``
+    target_load_s: float | None = None  # one engine build (a target load), per engine per run; None: not counted
+    shards_per_run: int = 20  # shards of one extraction run ($EAGLE3_EXTRACTION_SHARDS_PER_RUN): each run loads the target anew
     # A volume whose free bytes are unknown passes (the risk stated in the plan) instead of refusing the run.
     accept_unknown_capacity: bool = False
 
@@ -154,6 +169,7 @@ class CapacityPlan:
     gpu_hours: dict[str, float | None]
     epochs: int = 0  # the training's, as set or fitted
     unknown: list[str] = field(default_factory=list)  # what the plan could not estimate, and what would tell it
+    assumed: list[str] = field(default_factory=list)  # what its figures take for granted without a measurement
     made_at: float = field(default_factory=time.time)
 
     @property
@@ -186,6 +202,10 @@ class CapacityPlan:
         if not self.settings.accept_unknown_capacity:
             return []
         return [f"accepted risk (accept_unknown_capacity): {n.unknown_free()}; not checked" for n in self.unjudged()]
+
+    @property
+    def training_nodes(self) -> int:
+        return self.settings.training_nodes or self.settings.nodes
 
     @property
     def projected(self) -> bool:
@@ -250,10 +270,12 @@ class CapacityPlan:
             "hours": {stage: h and round(h, 2) for stage, h in self.hours.items()},
             "training_epochs": self.epochs,
             "gpu_hours": {stage: h and round(h, 2) for stage, h in self.gpu_hours.items()},
+            "nodes": {"extraction": self.settings.nodes, "training": self.training_nodes},
             "eta": self.eta(),
             "fits": self.fits,
             "accepted_risks": self.accepted_risks(),
             "unknown": self.unknown,
+            "assumed": self.assumed,
         }
 
     def markdown(self) -> str:
@@ -275,16 +297,21 @@ class CapacityPlan:
             unknown = "unknown: risk accepted" if s.accept_unknown_capacity else "**unknown: refused**"
             verdict = {True: "yes", False: "**NO**", None: unknown}[need.fits]
             rows.append(f"| {need.volume.name} `{need.volume.path}` | {human(need.bytes)} | {free} | {verdict} |")
-        rows += ["", f"| stage | tokens/s | source | hours left | GPU-hours left (training: {self.epochs} epochs) |", "| --- | --- | --- | --- | --- |"]
+        rows += [
+            "",
+            f"| stage | tokens/s | source | nodes | hours left | GPU-hours left (training: {self.epochs} epochs) |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
+        nodes = {"generation": "its servers", "extraction": str(s.nodes), "training": str(self.training_nodes)}
         for stage, rate in self.rates.items():
             tps = f"{rate.tokens_per_s:,.0f}" if rate.tokens_per_s else "unknown"
             hours, gpu = self.hours[stage], self.gpu_hours[stage]
-            rows.append(f"| {stage} | {tps} | {rate.source} | {_h(hours)} | {_h(gpu)} |")
+            rows.append(f"| {stage} | {tps} | {rate.source} | {nodes.get(stage, '')} | {_h(hours)} | {_h(gpu)} |")
         head = (
             f"{self.shards} registered shard(s): {self.generated} generated, {self.validated} validated, {self.extracted} extracted; "
             f"{self.tokens:,} tokens projected ({_tokens_line(self)}). ETA of the rest: {self.eta()}."
         )
-        notes = [f"- {line}" for line in self.accepted_risks() + self.unknown]
+        notes = [f"- {line}" for line in self.accepted_risks() + self.unknown + self.assumed]
         return "\n".join([head, "", *rows, *([""] + notes if notes else [])])
 
 
@@ -378,25 +405,28 @@ def plan_capacity(
     else:
         needs = [Need(gpu_host, gpu_items), Need(data_volume, data_items)]
 
-    epochs = settings.epochs or training_epochs(tokens, settings.hidden_size, settings.training_gpus)
+    training_world = settings.training_gpus * (settings.training_nodes or settings.nodes)
+    epochs = settings.epochs or training_epochs(tokens, settings.hidden_size, training_world)
     hours = {
         "generation": rates["generation"].hours(completion_to_generate),
         "extraction": rates["extraction"].hours(tokens_to_extract),
         "training": rates["training"].hours(tokens * epochs),
     }
-    gpus = {"generation": settings.generation_gpus, "extraction": settings.extraction_gpus, "training": settings.training_gpus}
     # Rates are per GPU for extraction and training (a run on n GPUs is n times as fast);
     # generation's is the whole server's, which holds all of its GPUs for the time it runs.
     gpu_hours = {
-        "generation": hours["generation"] * gpus["generation"] if hours["generation"] is not None else None,
+        "generation": hours["generation"] * settings.generation_gpus if hours["generation"] is not None else None,
         "extraction": hours["extraction"],
         "training": hours["training"],
     }
-    hours["extraction"] = hours["extraction"] / gpus["extraction"] if hours["extraction"] is not None else None
-    hours["training"] = hours["training"] / gpus["training"] if hours["training"] is not None else None
+    if hours["extraction"] is not None:
+        hours["extraction"], load_gpu_hours = extraction_wall_hours([shard_tokens(s) for s in to_extract], rates["extraction"], settings)
+        gpu_hours["extraction"] += load_gpu_hours
+    hours["training"] = hours["training"] / training_world if hours["training"] is not None else None
     for stage, rate in rates.items():
         if not rate.tokens_per_s:
             unknown.append(f"{stage} rate: {rate.source}")
+    assumed = node_assumptions(settings, bool(to_extract))
     return CapacityPlan(
         settings=settings,
         shards=len(shards),
@@ -424,4 +454,68 @@ def plan_capacity(
         gpu_hours=gpu_hours,
         epochs=epochs,
         unknown=unknown,
+        assumed=assumed,
     )
+
+
+def extraction_wall_hours(shard_tokens: Sequence[int], rate: Rate, settings: PlanSettings) -> tuple[float, float]:
+    """Extraction's wall hours for shards of ``shard_tokens`` (in backfill order), and the GPU-hours of its target loads.
+
+    The backfill cuts them into runs of ``shards_per_run``; a run builds one engine per node it uses (never more
+    than its shards) and hands the shards out as engines free up, so its tokens divide over those engines (ideally:
+    a shard is not split, so the last ones may leave engines idle). Each run pays one target load of wall time, the
+    engines loading at once, and each engine's load of its GPUs' time.
+    """
+    assert rate.tokens_per_s
+    per_run = max(1, settings.shards_per_run)
+    load_s = settings.target_load_s or 0.0
+    wall_s = load_gpu_s = 0.0
+    for start in range(0, len(shard_tokens), per_run):
+        run = shard_tokens[start : start + per_run]
+        engines = min(max(1, settings.nodes), len(run))
+        wall_s += load_s + sum(run) / rate.tokens_per_s / (settings.extraction_gpus * engines)
+        load_gpu_s += load_s * engines * settings.extraction_gpus
+    return wall_s / 3600, load_gpu_s / 3600
+
+
+def node_assumptions(settings: PlanSettings, extracting: bool) -> list[str]:
+    """What the hours take for granted about nodes and target loads, said in the plan."""
+    lines = []
+    training_nodes = settings.training_nodes or settings.nodes
+    if training_nodes > 1:
+        lines.append(
+            f"training over {training_nodes} nodes x {settings.training_gpus} GPU(s): DDP assumed to scale linearly "
+            "(the per-GPU rate of one host; across nodes not measured); set draft_checkpoint's nnodes to match"
+        )
+    if settings.nodes > 1:
+        lines.append(
+            f"extraction over {settings.nodes} engines, one per node: the tokens of each run of {settings.shards_per_run} "
+            "shards divide over its engines (whole shards: the last ones may leave engines idle)"
+        )
+    if extracting and settings.target_load_s is None:
+        lines.append(
+            f"target loads not counted: one per engine per run of {settings.shards_per_run} shards; set target_load_s "
+            "(each build's load_s is in <data>/hidden_states/engine_builds.jsonl)"
+        )
+    return lines
+
+
+def plan_nodes(configured: int | None, host_mode: str, ray_engines: int) -> tuple[int, str | None]:
+    """The nodes the plan spreads extraction (and, unless set apart, training) over, and what to say of the count.
+
+    The plan does not ask the cluster: the count is the configured one, else the GPU host's ``ray_engines`` on a
+    Ray cluster, else one. A Ray cluster of every node that fits (``ray_engines`` 0) is counted as one node and said
+    so; a count above one on a host that is not a Ray cluster is planned as asked, said as a what-if.
+    """
+    if configured is not None:
+        if configured > 1 and host_mode != "ray":
+            return configured, f"nodes {configured} on a GPU host in mode {host_mode!r}: a what-if (this deployment's stages run on one host)"
+        return configured, None
+    if host_mode == "ray" and ray_engines > 0:
+        return ray_engines, None
+    if host_mode == "ray":
+        return 1, (
+            "nodes: the GPU host is a Ray cluster of every node that fits (gpu_host.ray_engines 0), which the plan does not "
+            "ask; planned as 1: set capacity_plan's nodes to its GPU nodes"
+        )
+    return 1, None
