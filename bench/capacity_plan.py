@@ -25,6 +25,17 @@ In one run:
 
     .venv/bin/python bench/capacity_plan.py [--samples 128] [--volume-tb 3] [--extraction-tokens-per-s 20000]
 
+4. with ``--scale-only`` (no measurement: arithmetic only), the plan of a run
+   on N nodes of a Ray cluster of 8 GPUs each (issue 43 item 6): 100,000
+   prompts of the story's ~4,000 tokens, extraction at the assumed and the
+   FLOP-derived per-GPU rates (8 GPUs an engine, one engine a node, a target
+   load of ``--target-load-s`` per engine per run), training at the measured
+   H200 rate over nodes x 8 GPUs (DDP scaling assumed), generation at the
+   story's 2,222 output tokens/s per 8-GPU server, one server per node
+   (assumed to add up), and the volume each way of storing the states needs::
+
+    .venv/bin/python bench/capacity_plan.py --scale-only [--scale-prompts 100000] [--nodes 1 2 4 8] [--target-load-s 600]
+
 Rates not measured here (the story's generation and extraction on its GPU
 host) are command-line assumptions, printed as such. What is measured in a
 run is the bytes per token on disk at H = 64 and the demo traces' lengths;
@@ -53,6 +64,11 @@ STORY_SHARD = 128
 STORY_CAP = 8192
 STORY_HIDDEN = 7168
 H200_KIMI_DEPTH7_TOKENS_PER_S = 5636.0  # bench/training.py --device cuda --preset kimi-k2 (training-at-scale issue)
+# The story's server: 10,000 prompts of ~4,000 tokens in ~5 h on one 8-GPU vLLM server (docs/generation.md): derived, not measured here.
+STORY_SERVER_TOKENS_PER_S = 2222.0
+# Extraction per GPU at Kimi width, derived: 64 GFLOP per token (2 x 32 B active, assumed) at the training step's measured
+# 0.34 share of an H200's 790 TFLOP/s (assumed to hold for a prefill); docs/performance.md, one refinement round.
+KIMI_EXTRACTION_PER_GPU_DERIVED = 4200.0
 LAYER_IDS = (2, 3, 4)
 
 
@@ -116,6 +132,46 @@ def story_plan(prompts: int, sample_tokens: float, volume_bytes: int, training: 
     )
 
 
+def scale_plans(prompts: int, nodes: list[int], per_run: list[int], load_s: float, trace_tokens: float, parameters: int) -> None:
+    """The run at ``prompts`` on each count of nodes (8 GPUs each): hours, GPU-hours and the volume each way of storing the states needs."""
+    shards = [ShardFacts(f"shard-{i:05d}", min(STORY_SHARD, prompts - i * STORY_SHARD)) for i in range(-(-prompts // STORY_SHARD))]
+    measured = Rate(H200_KIMI_DEPTH7_TOKENS_PER_S, "measured on one H200 (training-at-scale issue)")
+    volume = Volume("shared volume", "/data", None, device="story")
+
+    def plan(n: int, extraction: float, runs_of: int):
+        settings = PlanSettings(
+            hidden_size=STORY_HIDDEN, sample_tokens=trace_tokens, draft_parameters=parameters, generation_gpus=8 * n, extraction_gpus=8,
+            training_gpus=8, nodes=n, target_load_s=load_s, shards_per_run=runs_of, accept_unknown_capacity=True,
+        )  # fmt: skip
+        # One vLLM server per node, each at the story's rate: assumed to add up (requests go to the least busy).
+        rates = {"generation": Rate(STORY_SERVER_TOKENS_PER_S * n, "derived"), "extraction": Rate(extraction, "assumed"), "training": measured}
+        return plan_capacity(shards, settings, volume, volume, rates)
+
+    first = plan(1, KIMI_EXTRACTION_PER_GPU_DERIVED, per_run[0])
+    print(f"## {prompts:,} prompts of {trace_tokens:,.0f} tokens (assumed) on N nodes of 8 GPUs: arithmetic (core/planning/capacity.py)\n")
+    print(f"{len(shards)} shards of {STORY_SHARD}, {first.tokens / 1e6:,.0f} M tokens, {first.epochs} epochs (the schedule's fit). Disk (formula, 8·H + 9 B per token): "
+          f"bf16 states {first.states_bytes / 1e12:.2f} TB ({human(first.states_bytes)}), 8-bit {first.states_to_write_8bit / 1e12:.2f} TB, bounded-disk "
+          f"window (2 shards) {first.bounded_window_bytes / 1e9:.1f} GB, checkpoints {first.checkpoint_bytes / 1e9:.1f} GB, responses "
+          f"{first.responses_bytes_to_write / 1e9:.1f} GB (16 B/token, a first guess)\n")  # fmt: skip
+    print("| nodes | shards per run | generation h (GPU-h) | extraction h (GPU-h), 4,200 / 20,000 tokens/s per GPU | training h (GPU-h) | stages in turn, h |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for runs_of in per_run:
+        for n in nodes:
+            slow, fast = plan(n, KIMI_EXTRACTION_PER_GPU_DERIVED, runs_of), plan(n, 20_000.0, runs_of)
+            h, g = slow.hours, slow.gpu_hours
+            print(f"| {n} | {runs_of} | {h['generation']:,.1f} ({g['generation']:,.0f}) | {h['extraction']:,.1f} ({g['extraction']:,.0f}) / "
+                  f"{fast.hours['extraction']:,.1f} ({fast.gpu_hours['extraction']:,.0f}) | {h['training']:,.1f} ({g['training']:,.0f}) | "
+                  f"{slow.remaining_hours:,.1f} / {fast.remaining_hours:,.1f} |")  # fmt: skip
+    print()
+    per_prompt = trace_tokens * bytes_per_token(STORY_HIDDEN, "bfloat16"), trace_tokens * bytes_per_token(STORY_HIDDEN, "float8_e4m3fn")
+    print("| shared volume free | most prompts whose bf16 states fit | in 8-bit |")
+    print("| --- | --- | --- |")
+    for tb in (3, 10, 25, 50):
+        room = tb * 1e12 - first.checkpoint_bytes
+        print(f"| {tb} TB | {room / per_prompt[0]:,.0f} | {room / per_prompt[1]:,.0f} |")
+    print()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--samples", type=int, default=128, help="demo traces extracted to measure the bytes per token")
@@ -125,7 +181,15 @@ def main() -> None:
     parser.add_argument("--extraction-tokens-per-s", type=float, default=20_000.0, help="bf16 extraction rate on the story's host (an assumption)")
     parser.add_argument("--story-trace-tokens", type=float, default=4000.0, help="the story's own mean trace (its 2.3 TB of bf16 states for 10,000 traces)")
     parser.add_argument("--generation-tokens-per-s", type=float, default=None, help="the story's server's output tokens/s (an assumption; unset: unknown)")
+    parser.add_argument("--scale-only", action="store_true", help="only the run at --scale-prompts on --nodes (arithmetic, no measurement)")
+    parser.add_argument("--scale-prompts", type=int, default=100_000)
+    parser.add_argument("--nodes", type=int, nargs="+", default=[1, 2, 4, 8], help="nodes of 8 GPUs each")
+    parser.add_argument("--shards-per-run", type=int, nargs="+", default=[20, 200], help="$EAGLE3_EXTRACTION_SHARDS_PER_RUN (20: the default)")
+    parser.add_argument("--target-load-s", type=float, default=600.0, help="one engine's target load (assumed: 10 minutes, not measured)")
     args = parser.parse_args()
+    if args.scale_only:
+        scale_plans(args.scale_prompts, args.nodes, args.shards_per_run, args.target_load_s, args.story_trace_tokens, kimi_draft()[0])
+        return
 
     m = measure(args.samples, args.threads)
     ratio = m["planned_per_token"] / m["measured_per_token"]
