@@ -50,7 +50,7 @@ def test_training_divides_over_its_nodes_gpus_and_fits_its_epochs_to_that_world(
     """300,000 tokens at H = 7,168: the schedule fits 11 epochs on 8 ranks and 22 on 16, so the world size shows in the epochs.
 
     Fails on the mutations: the world size without the nodes (``training_world = settings.training_gpus``), and
-    ``training_nodes`` ignored (``settings.training_nodes or settings.nodes`` -> ``settings.nodes``).
+    ``training_nodes`` ignored (``PlanSettings.nodes_training`` returning ``self.nodes``).
     """
     settings = dict(hidden_size=7168, training_gpus=8)
     two = plan_capacity(shards(30, 10_000), PlanSettings(nodes=2, **settings), DISK, DISK, RATES)

@@ -108,6 +108,10 @@ class PlanSettings:
     # A volume whose free bytes are unknown passes (the risk stated in the plan) instead of refusing the run.
     accept_unknown_capacity: bool = False
 
+    @property
+    def nodes_training(self) -> int:
+        return self.training_nodes or self.nodes
+
 
 # The setting that accepts a volume of unknown free bytes, as a user sets it (run config and environment).
 ACCEPT_UNKNOWN_SETTING = "accept_unknown_capacity: true (the run config of hidden_states and capacity_plan) or EAGLE3_ACCEPT_UNKNOWN_CAPACITY=1"
@@ -204,10 +208,6 @@ class CapacityPlan:
         return [f"accepted risk (accept_unknown_capacity): {n.unknown_free()}; not checked" for n in self.unjudged()]
 
     @property
-    def training_nodes(self) -> int:
-        return self.settings.training_nodes or self.settings.nodes
-
-    @property
     def projected(self) -> bool:
         """Whether every shard's tokens are known or estimated (False: no shard validated and no configured mean)."""
         return self.tokens_per_prompt is not None or self.validated == self.shards
@@ -270,7 +270,7 @@ class CapacityPlan:
             "hours": {stage: h and round(h, 2) for stage, h in self.hours.items()},
             "training_epochs": self.epochs,
             "gpu_hours": {stage: h and round(h, 2) for stage, h in self.gpu_hours.items()},
-            "nodes": {"extraction": self.settings.nodes, "training": self.training_nodes},
+            "nodes": {"extraction": self.settings.nodes, "training": self.settings.nodes_training},
             "eta": self.eta(),
             "fits": self.fits,
             "accepted_risks": self.accepted_risks(),
@@ -302,7 +302,7 @@ class CapacityPlan:
             f"| stage | tokens/s | source | nodes | hours left | GPU-hours left (training: {self.epochs} epochs) |",
             "| --- | --- | --- | --- | --- | --- |",
         ]
-        nodes = {"generation": "its servers", "extraction": str(s.nodes), "training": str(self.training_nodes)}
+        nodes = {"generation": "its servers", "extraction": str(s.nodes), "training": str(s.nodes_training)}
         for stage, rate in self.rates.items():
             tps = f"{rate.tokens_per_s:,.0f}" if rate.tokens_per_s else "unknown"
             hours, gpu = self.hours[stage], self.gpu_hours[stage]
@@ -405,7 +405,7 @@ def plan_capacity(
     else:
         needs = [Need(gpu_host, gpu_items), Need(data_volume, data_items)]
 
-    training_world = settings.training_gpus * (settings.training_nodes or settings.nodes)
+    training_world = settings.training_gpus * settings.nodes_training
     epochs = settings.epochs or training_epochs(tokens, settings.hidden_size, training_world)
     hours = {
         "generation": rates["generation"].hours(completion_to_generate),
@@ -481,10 +481,9 @@ def extraction_wall_hours(shard_tokens: Sequence[int], rate: Rate, settings: Pla
 def node_assumptions(settings: PlanSettings, extracting: bool) -> list[str]:
     """What the hours take for granted about nodes and target loads, said in the plan."""
     lines = []
-    training_nodes = settings.training_nodes or settings.nodes
-    if training_nodes > 1:
+    if settings.nodes_training > 1:
         lines.append(
-            f"training over {training_nodes} nodes x {settings.training_gpus} GPU(s): DDP assumed to scale linearly "
+            f"training over {settings.nodes_training} nodes x {settings.training_gpus} GPU(s): DDP assumed to scale linearly "
             "(the per-GPU rate of one host; across nodes not measured); set draft_checkpoint's nnodes to match"
         )
     if settings.nodes > 1:
