@@ -59,6 +59,9 @@ class LocalRayCluster:
         process = subprocess.Popen(
             [str(BIN / "ray"), "start", *args, "--disable-usage-stats", f"--object-store-memory={self.object_store_bytes}"],
             env=env or self.env,
+            # Not the checkout: Ray puts a job's working directory on its workers' sys.path, and a node must find
+            # the package its own way (a node with another copy is a test of its own).
+            cwd=self.temp_dir,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

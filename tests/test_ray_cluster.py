@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import threading
 from pathlib import Path
 
@@ -26,8 +27,6 @@ from eagle3_assets.core.storage.shard_lease import lease_path
 from eagle3_assets.glue.partitions import register_shards
 from tests.hold_point import SITE, CallRecord, HoldPoint
 from tests.test_extraction_runs import ENGINE_CONSTRUCTORS, assert_each_shard_is_its_own, latest_materialization, range_tags, shard_keys, write_shards
-
-pytestmark = pytest.mark.ray
 
 REPO = Path(__file__).resolve().parents[1]
 CONSTRUCTOR = ENGINE_CONSTRUCTORS["transformers"][0]
@@ -52,6 +51,7 @@ def extract(instance, tiny_target: Path, keys: list[str], host):
     )  # fmt: skip
 
 
+@pytest.mark.ray
 def test_extraction_spreads_over_both_nodes_and_a_lost_node_costs_one_rerun_of_its_shard(ray_cluster, data_dir, tiny_target, tmp_path):
     """Two engines (one per node), each built once; the worker lost while it holds a shard; one rerun finishes.
 
@@ -109,6 +109,7 @@ def test_extraction_spreads_over_both_nodes_and_a_lost_node_costs_one_rerun_of_i
     ray_cluster.ensure_worker()
 
 
+@pytest.mark.ray
 def test_training_over_two_nodes_ends_with_the_single_process_weights(ray_cluster, tiny_target, tmp_path, monkeypatch):
     """DDP over the head and the worker (torchrun on each, one rank per node) against one process with the same batches.
 
@@ -156,3 +157,69 @@ def test_training_over_two_nodes_ends_with_the_single_process_weights(ray_cluste
     assert got.keys() == expected.keys()
     for name in expected:
         torch.testing.assert_close(got[name], expected[name], rtol=1e-4, atol=1e-6, msg=f"{name}: two nodes against one process")
+
+
+# -- refused before any work: each names what to change ----------------------------------------------
+
+
+def test_an_address_that_does_not_answer_is_refused_naming_the_setting(data_dir, tiny_target, monkeypatch):
+    """Fails on: the client's ConnectionError let through (the step fails on a traceback, not the pre-flight's line)."""
+    from resources.gpu_host import GPUHost, gpu_host_from_env
+    from tests.ray_cluster import free_port
+
+    monkeypatch.setenv("EAGLE3_GPU_HOST", "ray")
+    monkeypatch.setenv("EAGLE3_RAY_ADDRESS", f"http://127.0.0.1:{free_port()}")
+    host = gpu_host_from_env()
+    assert (host.mode, host.ray_address) == ("ray", os.environ["EAGLE3_RAY_ADDRESS"])
+    keys = shard_keys(1)
+    write_shards(data_dir, tiny_target, keys, per_shard=2)
+    instance = DagsterInstance.ephemeral()
+    register_shards(instance, keys)
+    result = extract(instance, tiny_target, keys, host)
+    assert not result.success
+    failure = next(e for e in result.all_events if e.is_step_failure).step_failure_data.error.message
+    assert f"Ray cluster {host.ray_address} did not answer" in failure and "EAGLE3_RAY_ADDRESS" in failure, failure
+    assert not (data_dir / "hidden_states" / keys[0]).exists()
+    assert isinstance(host, GPUHost)
+
+
+@pytest.mark.ray
+def test_a_cluster_without_the_gpus_the_stage_needs_is_refused_naming_each_node(ray_cluster, data_dir, tiny_target, tmp_path):
+    """Fails on: a node without GPUs kept as fit when CPU is not allowed (the run starts engines, and the constructor
+    record is not empty)."""
+    ray_cluster.ensure_worker()
+    keys = shard_keys(1)
+    write_shards(data_dir, tiny_target, keys, per_shard=2)
+    instance = DagsterInstance.ephemeral()
+    register_shards(instance, keys)
+    built = CallRecord(tmp_path / "engines.jsonl", CONSTRUCTOR)
+    result = extract(instance, tiny_target, keys, ray_host(ray_cluster, built.settings, allow_cpu=False))
+    assert not result.success
+    failure = next(e for e in result.all_events if e.is_step_failure).step_failure_data.error.message
+    assert "no node can run stage extract_hidden_states" in failure and "add nodes with the GPUs it needs" in failure, failure
+    assert failure.count("does not allow CPU") == 2, "each node named with why it does not fit"
+    assert built.calls() == [] and not (data_dir / "hidden_states" / keys[0]).exists()
+
+
+@pytest.mark.ray
+def test_a_node_running_other_code_is_refused_naming_the_node_and_the_files(ray_cluster, tmp_path):
+    """A third node whose Python finds another copy of the package (one comment added to a stage's file).
+
+    Fails on: the per-node code check dropped (``code_version_problem`` not called in ``node_checks``): the
+    pre-flight passes with the node among the engines.
+    """
+    other = tmp_path / "other-checkout"
+    shutil.copytree(REPO / "eagle3_assets", other / "eagle3_assets", ignore=shutil.ignore_patterns("__pycache__"))
+    changed = other / "eagle3_assets" / "stages" / "extract_hidden_states.py"
+    changed.write_text(changed.read_text() + "\n# a fix made on that node by hand\n")
+    sid = ray_cluster.add_worker(env={**ray_cluster.env, "PYTHONPATH": str(other)}, resource="other_code_node")
+    try:
+        from resources.gpu_host import GPUHost
+
+        report = GPUHost(mode="ray", ray_address=ray_cluster.dashboard).preflight("host_probe")
+    finally:
+        ray_cluster.kill_node(sid)
+    assert not report["ok"]
+    lines = [line for line in report["failures"] if "code:" in line]
+    assert len(lines) == 1 and str(other / "eagle3_assets") in lines[0] and "stages/extract_hidden_states.py" in lines[0], report["failures"]
+    assert "deploy the orchestrator's checkout" in lines[0]

@@ -40,6 +40,14 @@ def pinned_to(node_id: str):
     return NodeAffinitySchedulingStrategy(node_id, soft=False)
 
 
+def on_this_node():
+    """Ray's scheduling strategy for this process's own node: what must live as long as the driver (its log queue),
+    and not die with a node the run can lose."""
+    import ray
+
+    return pinned_to(ray.get_runtime_context().get_node_id())
+
+
 def connect() -> None:
     """Join the cluster this job runs on (Ray sets its address in the job's environment); idempotent."""
     import ray

@@ -26,7 +26,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from eagle3_assets.core.cluster.placement import connect, first_line, pinned_to, placement
+from eagle3_assets.core.cluster.placement import connect, first_line, on_this_node, pinned_to, placement
 
 STAGE = "extract_hidden_states"
 POLL_S = 0.5
@@ -66,7 +66,7 @@ def extract_on_cluster(
     connect()
     where = placement()
     nodes, gpus = list(where["nodes"]), int(where.get("gpus_per_engine") or 0)
-    lines = Queue(actor_options={"num_cpus": 0})
+    lines = Queue(actor_options={"num_cpus": 0, "scheduling_strategy": on_this_node()})
     names = [each.spec.shard for each in pending]
     engine_actor = ray.remote(engine_class)
     addresses = {n["NodeID"]: n.get("NodeManagerAddress", "?") for n in ray.nodes()}

@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from eagle3_assets.core.cluster.placement import connect, first_line, pinned_to, placement
+from eagle3_assets.core.cluster.placement import connect, first_line, on_this_node, pinned_to, placement
 from eagle3_assets.core.storage.shard_paths import RESULT_FILE
 from eagle3_assets.core.training.config import TrainConfig
 from eagle3_assets.core.training.launch import relay_events, write_launch_config
@@ -77,7 +77,7 @@ def run_training_on_cluster(config: TrainConfig, nproc: int, nnodes: int, on_eve
     gpus = nproc if int(where.get("gpus_per_engine") or 0) > 0 else 0
     config_file = write_launch_config(config)
     address, port = ray.get(ray.remote(num_cpus=0)(_rendezvous).options(scheduling_strategy=pinned_to(nodes[0])).remote())
-    events = Queue(actor_options={"num_cpus": 0})
+    events = Queue(actor_options={"num_cpus": 0, "scheduling_strategy": on_this_node()})
     task = ray.remote(max_retries=0)(_node_rank)
     running = {}
     for rank, node in enumerate(nodes):
