@@ -139,8 +139,6 @@ class _Pending:
 
 def run(job: ExtractionJob, log=print, run_id: str | None = None, on_shard: Callable[[ShardResult], None] | None = None) -> list[ShardResult]:
     """Extract and gate every shard of ``job`` with one engine (none when nothing is left); each result as it is done."""
-    import torch
-
     from eagle3_assets.core.extraction.gates import HIDDEN_STATE_GATES
     from eagle3_assets.core.extraction.hidden_state_checks import check_target_matches_traces
     from eagle3_assets.core.extraction.traces import ExtractionInputError, TargetFacts, read_traces, traces_digest
@@ -148,8 +146,6 @@ def run(job: ExtractionJob, log=print, run_id: str | None = None, on_shard: Call
     from eagle3_assets.core.reporting.checks import CheckOutcome
     from eagle3_assets.core.target.identity import identity_in_parquet, target_identity
 
-    if not torch.cuda.is_available() and not ALLOW_CPU.get():
-        raise RuntimeError(f"{STAGE}: no CUDA device on this host and EAGLE3_ALLOW_CPU is not 1: refusing to run on CPU")
     results: list[ShardResult] = []
 
     def done(result: ShardResult) -> None:
@@ -239,6 +235,9 @@ class Engine:
         from eagle3_assets.core.extraction.shard_record import record_engine_build
         from eagle3_assets.core.extraction.traces import TargetFacts
 
+        # Where the engine is built, not where the stage's driver runs: a Ray cluster's head has no GPU.
+        if not torch.cuda.is_available() and not ALLOW_CPU.get():
+            raise RuntimeError(f"{STAGE}: no CUDA device on {socket.gethostname()} and EAGLE3_ALLOW_CPU is not 1: refusing to run on CPU")
         self.job, self.run_id, self.log = job, run_id, log
         self.facts = TargetFacts.from_path(job.target.path)
         if job.cpu_threads > 0:

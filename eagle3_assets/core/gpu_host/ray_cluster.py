@@ -120,6 +120,8 @@ def cluster_preflight(spec: Mapping[str, Any], timeout_s: float = PROBE_TIMEOUT_
         checked["ray_gpus"] = ray_gpus
         if spec["min_gpus"] > 0 and not spec["cpu_allowed"] and ray_gpus < spec["min_gpus"] and not checked["unfit"]:
             checked["unfit"].append(f"Ray was started there with {ray_gpus} GPU(s) (ray start --num-gpus); stage {spec['stage']} needs {spec['min_gpus']}")
+        if node.get("Resources", {}).get("CPU", 0) < 1:  # an engine or a trainer asks Ray for one CPU: it would wait forever
+            checked["unfit"].append("Ray was started there with no CPU (ray start --num-cpus 0): nothing of a stage can be placed on it")
         checked["driver"] = node["NodeID"] == driver_node
         checked["fits"] = not checked["failures"] and not checked["unfit"]
         failures += [line if line.startswith("node ") else f"{where}: {line}" for line in checked["failures"]]
@@ -129,7 +131,7 @@ def cluster_preflight(spec: Mapping[str, Any], timeout_s: float = PROBE_TIMEOUT_
     if not fitting and not failures:
         why = "; ".join(f"node {n['ip']}: {', '.join(n['unfit'])}" for n in nodes) or "the cluster has no alive node"
         failures.append(f"Ray cluster: no node can run stage {spec['stage']} ({why}); add nodes with the GPUs it needs")
-    elif wanted > len(fitting):
+    elif wanted > len(fitting) and not failures:
         failures.append(
             f"Ray cluster: gpu_host.ray_engines is {wanted}, but {len(fitting)} node(s) can run stage {spec['stage']}; "
             "lower it (0: every node that fits) or add nodes"
