@@ -57,7 +57,9 @@ class LocalRayCluster:
     def _ray_start(self, args: list[str], env: dict[str, str] | None = None) -> int:
         """``ray start ...`` in a new session; the session id (= process group) its daemons keep."""
         process = subprocess.Popen(
-            [str(BIN / "ray"), "start", *args, "--disable-usage-stats", f"--object-store-memory={self.object_store_bytes}"],
+            [str(BIN / "ray"), "start", *args, "--disable-usage-stats", f"--object-store-memory={self.object_store_bytes}",
+             # Ray's default (52365) is one per machine: a second node's agent, or another session's head, fails to bind it.
+             f"--dashboard-agent-listen-port={free_port()}"],
             env=env or self.env,
             # Not the checkout: Ray puts a job's working directory on its workers' sys.path, and a node must find
             # the package its own way (a node with another copy is a test of its own).
@@ -142,6 +144,25 @@ class LocalRayCluster:
         for sid in [self.worker_sid, *self.extra_sids, self.head_sid]:
             if sid is not None:
                 _kill_session(sid)
+        # A job's entrypoint runs in a session of its own (so that Ray can stop its group), in the head's working
+        # directory: one still running when the cluster went (a stage of a failed test) is found there.
+        for pid in _processes_under(self.temp_dir):
+            try:
+                os.killpg(os.getpgid(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _processes_under(directory: str) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.readlink(f"/proc/{entry}/cwd").startswith(directory):
+                    found.append(int(entry))
+            except OSError:
+                pass
+    return found
 
 
 def _session_alive(sid: int) -> bool:
