@@ -44,6 +44,7 @@ LOW_PRIORITY_BUILDS = ("kimi", "qwen3")  # minutes of one core each, needed only
 # Fixtures that are, or start a server of, the tiny target: a file without them can run while it is built.
 TINY_FIXTURES = {"tiny_target", "vllm_server", "tiny_trained_draft", "hidden_states", "streamed"}
 _background_builds: list[subprocess.Popen] = []
+_background_facts: subprocess.Popen | None = None  # host_vllm_facts' child, started with the builds (a vLLM import)
 
 
 def _targets_used(path: Path, fixturenames) -> set[str]:
@@ -76,12 +77,15 @@ def pytest_sessionstart(session):
     """The whole suite needs every target: their builds start before the minutes of collection, not after."""
     if _whole_suite(session.config) and not session.config.option.collectonly:
         _start_builds(set(TARGET_DIR_ENV))
+        _start_reading_facts()
 
 
 def pytest_collection_finish(session):
     """Otherwise, build the targets the selected tests need."""
     if not _whole_suite(session.config) and not session.config.option.collectonly:
         _start_builds(set().union(*(_targets_used(item.path, item.fixturenames) for item in session.items)))
+        if any("host_vllm_facts" in item.fixturenames for item in session.items):
+            _start_reading_facts()
 
 
 def _start_builds(needed: set[str]) -> None:
@@ -106,12 +110,25 @@ def _start_build(pairs: list[tuple[str, str]], niceness: int) -> subprocess.Pope
         return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=lambda: os.nice(niceness))
 
 
+def _start_reading_facts() -> None:
+    """What this host's vLLM reports, read in the background at the lowest CPU priority (the child imports vLLM, ~10 s
+    of one core), so that the first test that asks for ``host_vllm_facts`` finds them read."""
+    global _background_facts
+    from eagle3_assets.core.serving.vllm_platform import start_reading_serving_facts
+
+    _background_facts = start_reading_serving_facts(preexec_fn=lambda: os.nice(19))
+
+
 def pytest_sessionfinish(session):
-    """A background build the session no longer needs is stopped; its staging directory is never taken for a build."""
+    """A background build the session no longer needs is stopped; its staging directory is never taken for a build.
+    So is a reading of the vLLM facts no test asked for."""
     for build in _background_builds:
         if build.poll() is None:
             os.killpg(build.pid, signal.SIGTERM)
             build.wait()
+    if _background_facts is not None and _background_facts.poll() is None:
+        _background_facts.kill()
+        _background_facts.communicate()
 
 
 @pytest.fixture(autouse=True)
@@ -132,10 +149,11 @@ def tiny_target() -> Path:
 @pytest.fixture(scope="session")
 def host_vllm_facts():
     """What this host's vLLM reports (platform, attention backends and their block sizes), read once a session: the
-    tests that depend on it branch on it, never on probing the CPU themselves. A child process importing vLLM (~10 s)."""
-    from eagle3_assets.core.serving.vllm_platform import host_serving_facts
+    tests that depend on it branch on it, never on probing the CPU themselves. A child process importing vLLM (~10 s),
+    started with the session (``_start_reading_facts``)."""
+    from eagle3_assets.core.serving.vllm_platform import host_serving_facts, serving_facts_of
 
-    return host_serving_facts()
+    return serving_facts_of(_background_facts) if _background_facts is not None else host_serving_facts()
 
 
 @pytest.fixture(scope="session")

@@ -111,12 +111,27 @@ def read_serving_facts() -> ServingFacts:
 
 def host_serving_facts(python: str | None = None, timeout_s: float = 600.0) -> ServingFacts:
     """:func:`read_serving_facts` of the vLLM installed for ``python`` (default: this interpreter), in a child process."""
-    done = subprocess.run(
-        [python or sys.executable, "-m", "eagle3_assets.core.serving.vllm_platform"], capture_output=True, text=True, timeout=timeout_s
-    )
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    if done.returncode != 0 or not lines:
-        raise RuntimeError(f"could not read vLLM's platform facts (exit {done.returncode}): {done.stderr.strip()[-1500:]}")
+    return serving_facts_of(start_reading_serving_facts(python), timeout_s)
+
+
+def start_reading_serving_facts(python: str | None = None, preexec_fn=None) -> subprocess.Popen:
+    """The child process of :func:`host_serving_facts`, started and not waited for (importing vLLM takes ~10 s):
+    :func:`serving_facts_of` reads its answer. The test session starts it early, at the lowest CPU priority."""
+    command = [python or sys.executable, "-m", "eagle3_assets.core.serving.vllm_platform"]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=preexec_fn)
+
+
+def serving_facts_of(child: subprocess.Popen, timeout_s: float = 600.0) -> ServingFacts:
+    """The facts ``child`` (:func:`start_reading_serving_facts`) printed; killed when not done within ``timeout_s``."""
+    try:
+        stdout, stderr = child.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.communicate()
+        raise
+    lines = [line for line in stdout.splitlines() if line.startswith("{")]
+    if child.returncode != 0 or not lines:
+        raise RuntimeError(f"could not read vLLM's platform facts (exit {child.returncode}): {stderr.strip()[-1500:]}")
     return ServingFacts.from_dict(json.loads(lines[-1]))
 
 
