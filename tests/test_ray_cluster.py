@@ -40,6 +40,15 @@ def ray_host(cluster, env_vars: dict[str, str] | None = None, **fields):
     return GPUHost(mode="ray", ray_address=cluster.dashboard, ray_runtime_env=json.dumps(runtime_env), **fields)
 
 
+def shards_to_extract(data_dir: Path, tiny_target: Path, count: int) -> tuple[list[str], DagsterInstance]:
+    """``count`` shards of validated traces (2 each) on disk, registered in a fresh instance."""
+    keys = shard_keys(count)
+    write_shards(data_dir, tiny_target, keys, per_shard=2)
+    instance = DagsterInstance.ephemeral()
+    register_shards(instance, keys)
+    return keys, instance
+
+
 def extract(instance, tiny_target: Path, keys: list[str], host):
     from eagle3_assets.defs.hidden_states import HiddenStatesConfig, hidden_states
     from resources.target_model import TargetModel
@@ -64,10 +73,7 @@ def test_extraction_spreads_over_both_nodes_and_a_lost_node_costs_one_rerun_of_i
     calls).
     """
     ray_cluster.ensure_worker()
-    keys = shard_keys(6)
-    write_shards(data_dir, tiny_target, keys, per_shard=2)
-    instance = DagsterInstance.ephemeral()
-    register_shards(instance, keys)
+    keys, instance = shards_to_extract(data_dir, tiny_target, 6)
     built = CallRecord(tmp_path / "engines.jsonl", CONSTRUCTOR)
     lost_key = keys[1]  # handed to the second engine, the worker's: the head runs the driver and gets the first
     with HoldPoint("eagle3_assets.core.extraction.shard_extraction:extract_shard", when="before", matching=lost_key) as hold:
@@ -171,10 +177,7 @@ def test_an_address_that_does_not_answer_is_refused_naming_the_setting(data_dir,
     monkeypatch.setenv("EAGLE3_RAY_ADDRESS", f"http://127.0.0.1:{free_port()}")
     host = gpu_host_from_env()
     assert (host.mode, host.ray_address) == ("ray", os.environ["EAGLE3_RAY_ADDRESS"])
-    keys = shard_keys(1)
-    write_shards(data_dir, tiny_target, keys, per_shard=2)
-    instance = DagsterInstance.ephemeral()
-    register_shards(instance, keys)
+    keys, instance = shards_to_extract(data_dir, tiny_target, 1)
     result = extract(instance, tiny_target, keys, host)
     assert not result.success
     failure = next(e for e in result.all_events if e.is_step_failure).step_failure_data.error.message
@@ -188,10 +191,7 @@ def test_a_cluster_without_the_gpus_the_stage_needs_is_refused_naming_each_node(
     """Fails on: a node without GPUs kept as fit when CPU is not allowed (the run starts engines, and the constructor
     record is not empty)."""
     ray_cluster.ensure_worker()
-    keys = shard_keys(1)
-    write_shards(data_dir, tiny_target, keys, per_shard=2)
-    instance = DagsterInstance.ephemeral()
-    register_shards(instance, keys)
+    keys, instance = shards_to_extract(data_dir, tiny_target, 1)
     built = CallRecord(tmp_path / "engines.jsonl", CONSTRUCTOR)
     result = extract(instance, tiny_target, keys, ray_host(ray_cluster, built.settings, allow_cpu=False))
     assert not result.success

@@ -44,7 +44,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -669,11 +669,12 @@ def _first_line(text: str) -> str:
     return ""
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, check: Callable[[Mapping[str, Any]], dict] = run_preflight) -> int:
     """``python - '<spec json>'`` (source on stdin) or ``python -m eagle3_assets.core.gpu_host.preflight '<spec>'``.
 
     The report is the only thing written to the real stdout: whatever an
-    imported module prints goes to stderr instead.
+    imported module prints goes to stderr instead. ``check``: what makes the
+    report (a Ray cluster's pre-flight passes its own, :mod:`.ray_cluster`).
     """
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 1:
@@ -684,7 +685,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.dup2(2, 1)
     sys.stdout = os.fdopen(os.dup(2), "w")
     try:
-        report = run_preflight(spec)
+        report = check(spec)
     finally:
         sys.stdout.flush()
     with os.fdopen(report_fd, "w") as out:

@@ -27,8 +27,6 @@ module's names without Ray installed.
 
 from __future__ import annotations
 
-import json
-import os
 import socket
 import sys
 from collections.abc import Mapping, Sequence
@@ -148,21 +146,7 @@ def cluster_preflight(spec: Mapping[str, Any], timeout_s: float = PROBE_TIMEOUT_
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m eagle3_assets.core.gpu_host.ray_cluster '<spec json>'``: the report as the last line of stdout."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) != 1:
-        print("usage: python -m eagle3_assets.core.gpu_host.ray_cluster '<spec json>'", file=sys.stderr)
-        return 2
-    spec = json.loads(args[0])
-    report_fd = os.dup(1)
-    os.dup2(2, 1)  # whatever Ray or an imported module prints goes to stderr: the report is stdout's only line
-    sys.stdout = os.fdopen(os.dup(2), "w")
-    try:
-        report = cluster_preflight(spec)
-    finally:
-        sys.stdout.flush()
-    with os.fdopen(report_fd, "w") as out:
-        out.write(json.dumps(report) + "\n")
-    return 0
+    return host_checks.main(argv, check=cluster_preflight)
 
 
 if __name__ == "__main__":
