@@ -24,7 +24,7 @@ nothing else changes. This is how a test counts calls of the product (an engine
 built, say) from evidence the product does not write itself
 (tests/hold_point.py: :class:`CallRecord`).
 
-``EAGLE3_TEST_DAEMON_TICK_S=5``: Dagster's backfill daemon wakes every that many
+``EAGLE3_TEST_DAEMON_TICK_S=2``: Dagster's backfill daemon wakes every that many
 seconds instead of 30, a constant with no setting
 (``dagster._daemon.controller.DEFAULT_DAEMON_INTERVAL_SECONDS``), set as that
 module is first imported. A backfill of ``prompts -> raw_responses ->
