@@ -331,7 +331,9 @@ class GPUHost(ConfigurableResource):
                 context.log.info("gpu_host.hf_token is not sent to a Ray cluster (its dashboard shows a job's environment): its nodes need their own $HF_TOKEN")
             stage_env[PLACEMENT_ENV] = json.dumps(report["ray"]["placement"])
             context.log.info(f"stage {stage}: submitting to {label} (placement: {report['ray']['placement']})")
-            completed = self.ray_jobs().run_stage(context, stage, runner_args, stage_env, extras, on_message, metadata)
+            completed = self.ray_jobs().run_stage(
+                context, stage, runner_args, stage_env, extras, on_message, metadata, stop_grace_s=self.termination_grace_s
+            )
             if callback_errors:
                 raise callback_errors[0]
             return completed

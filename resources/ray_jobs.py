@@ -135,8 +135,14 @@ class RayStageJobs:
         extras: Mapping[str, Any],
         on_message: Callable[[dict], None],
         metadata: dict[str, Any],
+        stop_grace_s: float = 20.0,
     ) -> PipesClientCompletedInvocation:
-        """Run the stage runner as a job under Pipes; its messages pass through ``on_message`` as they arrive."""
+        """Run the stage runner as a job under Pipes; its messages pass through ``on_message`` as they arrive.
+
+        A terminated run stops the job: Ray signals the runner and everything under it, and SIGKILLs what is left
+        after ``RAY_JOB_STOP_WAIT_TIME_S`` (3 s by default, read by the job's supervisor from the job's environment):
+        set here to the runner's own grace and some, so that its ordered stop of the stage has the time it asks for.
+        """
         from dagster_ray import PipesRayJobClient
 
         self.client()  # refuses an address that does not answer, before anything is submitted
@@ -149,7 +155,7 @@ class RayStageJobs:
         submission = {
             "submission_id": job_id,
             "entrypoint": shlex.join([self.python, "-m", *runner_args, "--ray-job"]),
-            "runtime_env": self.job_runtime_env(env),
+            "runtime_env": self.job_runtime_env({**env, "RAY_JOB_STOP_WAIT_TIME_S": str(int(stop_grace_s) + 10)}),
             "entrypoint_num_cpus": 0,  # the runner waits; the engines and trainers it starts take the cluster's resources
         }
         try:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import threading
 from pathlib import Path
 
@@ -223,3 +224,56 @@ def test_a_node_running_other_code_is_refused_naming_the_node_and_the_files(ray_
     lines = [line for line in report["failures"] if "code:" in line]
     assert len(lines) == 1 and str(other / "eagle3_assets") in lines[0] and "stages/extract_hidden_states.py" in lines[0], report["failures"]
     assert "deploy the orchestrator's checkout" in lines[0]
+
+
+@pytest.mark.ray
+def test_cancelling_the_run_stops_the_ray_job_and_the_stage(ray_cluster, data_dir, tmp_path):
+    """A terminated run (SIGINT to the run's process, what Dagster's run launcher sends) stops the Ray job: the runner
+    and the stage's process group on the cluster go, the lock is free, the job ends STOPPED.
+
+    Fails on: ``forward_termination=False`` in resources/ray_jobs.py (the job runs on: its stage survives), and on the
+    runner's SIGTERM handler removed (Ray's signal then ends the runner, the stage lives on in its own session until
+    its PDEATHSIG; with the stop wait raised to the grace, the stage is still alive when the test looks).
+    """
+    import subprocess
+    import sys
+    import time
+
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    from eagle3_assets.core.gpu_host.preflight import lock_holder, process_cmdline
+    from tests.test_gpu_host import CANCELLED_RUN_SOURCE
+
+    dagster_home = tmp_path / "dagster_home"
+    dagster_home.mkdir()
+    (dagster_home / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
+    host = ray_host(ray_cluster, data_dir=str(data_dir), termination_grace_s=6.0)
+    run = subprocess.Popen(
+        [sys.executable, "-c", CANCELLED_RUN_SOURCE, json.dumps(host.model_dump())],
+        cwd=REPO, env={**os.environ, "DAGSTER_HOME": str(dagster_home)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    lock = Path(host.host_lock_dir()) / "host_probe.lock"
+    instance = DagsterInstance.from_config(str(dagster_home))
+    deadline = time.monotonic() + 120
+
+    def holding() -> bool:
+        records = instance.get_run_records()
+        return bool(records) and any("host_probe: holding for 120s" in e.message for e in instance.all_logs(records[0].dagster_run.run_id))
+
+    while not holding():
+        assert run.poll() is None and time.monotonic() < deadline, run.stdout.read().decode()[-3000:] if run.poll() is not None else "timed out"
+        time.sleep(0.3)
+    holder = lock_holder(str(lock))
+    stage_pid, runner_pid = holder["stage_pid"], holder["pid"]
+    run.send_signal(signal.SIGINT)
+    output = run.communicate(timeout=120)[0].decode()
+    deadline = time.monotonic() + 30
+    while (process_cmdline(stage_pid) or process_cmdline(runner_pid)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert process_cmdline(stage_pid) is None, f"the stage (PID {stage_pid}) survived the cancelled run:\n{output[-2000:]}"
+    assert process_cmdline(runner_pid) is None, f"the runner (PID {runner_pid}) survived the cancelled run"
+    assert lock_holder(str(lock)) is None
+    assert not (data_dir / "host_probe" / "probe.json").exists(), "the stage was stopped before it finished"
+    jobs = [j for j in JobSubmissionClient(ray_cluster.dashboard).list_jobs() if (j.submission_id or "").startswith("eagle3-host-probe-")]
+    assert jobs and all(j.status == JobStatus.STOPPED for j in jobs if j.entrypoint and "--ray-job" in j.entrypoint), [(j.submission_id, j.status) for j in jobs]
+    instance.dispose()
