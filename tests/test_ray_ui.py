@@ -9,8 +9,9 @@ nodes (one engine each). The run is launched through the webserver's GraphQL,
 as the UI's **Materialize** does (tests/test_ui.py drives that dialog already);
 what this test is for is what the run then shows: in headless Chromium, the
 engines' log lines on the run page, and the pre-flight's node table and Ray
-job id on the asset page. The instance on that home is the ground truth the
-pages are read against.
+job id on the asset page. The pages are read against the cluster itself (the
+nodes its dashboard lists, Ray's status of the job id shown), not against what
+the product recorded, so a product that records nothing fails in the browser.
 
 Screenshots go to ``$EAGLE3_TEST_ARTIFACTS/ui`` (named ``ray-*``), as test_ui's.
 """
