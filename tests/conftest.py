@@ -121,7 +121,9 @@ def _start_reading_facts() -> None:
 
 def pytest_sessionfinish(session):
     """A background build the session no longer needs is stopped; its staging directory is never taken for a build.
-    So is a reading of the vLLM facts no test asked for."""
+    So is a reading of the vLLM facts no test asked for, and a Ray cluster an interrupted session left running."""
+    if "cluster" in _ray:
+        _ray.pop("cluster").stop()
     for build in _background_builds:
         if build.poll() is None:
             os.killpg(build.pid, signal.SIGTERM)
@@ -244,13 +246,21 @@ def tiny_trained_draft_server(tiny_target, tiny_trained_draft, tmp_path_factory)
 
 
 
-@pytest.fixture(scope="session")
+_ray: dict = {}
+
+
+@pytest.fixture
 def ray_cluster():
-    """A real local Ray cluster (tests/ray_cluster.py): a head and a worker node, started once per session."""
+    """A real local Ray cluster (tests/ray_cluster.py): a head and a worker node, started by the first test that asks
+    and kept for the ones that follow it (its start is about 20 s); stopped after the last of them in a row
+    (``pytest_runtest_teardown``), so that its daemons do not share the 2 cores with the rest of the suite."""
     from tests.ray_cluster import LocalRayCluster
 
-    cluster = LocalRayCluster()
-    try:
-        yield cluster.start()
-    finally:
-        cluster.stop()
+    if "cluster" not in _ray:
+        _ray["cluster"] = LocalRayCluster().start()
+    return _ray["cluster"]
+
+
+def pytest_runtest_teardown(item, nextitem):
+    if "cluster" in _ray and "ray_cluster" in item.fixturenames and (nextitem is None or "ray_cluster" not in nextitem.fixturenames):
+        _ray.pop("cluster").stop()

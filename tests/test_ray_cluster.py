@@ -61,6 +61,24 @@ def extract(instance, tiny_target: Path, keys: list[str], host):
     )  # fmt: skip
 
 
+def test_an_address_that_does_not_answer_is_refused_naming_the_setting(data_dir, tiny_target, monkeypatch):
+    """Fails on: the client's ConnectionError let through (the step fails on a traceback, not the pre-flight's line)."""
+    from resources.gpu_host import GPUHost, gpu_host_from_env
+    from tests.ray_cluster import free_port
+
+    monkeypatch.setenv("EAGLE3_GPU_HOST", "ray")
+    monkeypatch.setenv("EAGLE3_RAY_ADDRESS", f"http://127.0.0.1:{free_port()}")
+    host = gpu_host_from_env()
+    assert (host.mode, host.ray_address) == ("ray", os.environ["EAGLE3_RAY_ADDRESS"])
+    keys, instance = shards_to_extract(data_dir, tiny_target, 1)
+    result = extract(instance, tiny_target, keys, host)
+    assert not result.success
+    failure = next(e for e in result.all_events if e.is_step_failure).step_failure_data.error.message
+    assert f"Ray cluster {host.ray_address} did not answer" in failure and "EAGLE3_RAY_ADDRESS" in failure, failure
+    assert not (data_dir / "hidden_states" / keys[0]).exists()
+    assert isinstance(host, GPUHost)
+
+
 @pytest.mark.ray
 def test_extraction_spreads_over_both_nodes_and_a_lost_node_costs_one_rerun_of_its_shard(ray_cluster, data_dir, tiny_target, tmp_path):
     """Two engines (one per node), each built once; the worker lost while it holds a shard; one rerun finishes.
@@ -167,24 +185,6 @@ def test_training_over_two_nodes_ends_with_the_single_process_weights(ray_cluste
 
 
 # -- refused before any work: each names what to change ----------------------------------------------
-
-
-def test_an_address_that_does_not_answer_is_refused_naming_the_setting(data_dir, tiny_target, monkeypatch):
-    """Fails on: the client's ConnectionError let through (the step fails on a traceback, not the pre-flight's line)."""
-    from resources.gpu_host import GPUHost, gpu_host_from_env
-    from tests.ray_cluster import free_port
-
-    monkeypatch.setenv("EAGLE3_GPU_HOST", "ray")
-    monkeypatch.setenv("EAGLE3_RAY_ADDRESS", f"http://127.0.0.1:{free_port()}")
-    host = gpu_host_from_env()
-    assert (host.mode, host.ray_address) == ("ray", os.environ["EAGLE3_RAY_ADDRESS"])
-    keys, instance = shards_to_extract(data_dir, tiny_target, 1)
-    result = extract(instance, tiny_target, keys, host)
-    assert not result.success
-    failure = next(e for e in result.all_events if e.is_step_failure).step_failure_data.error.message
-    assert f"Ray cluster {host.ray_address} did not answer" in failure and "EAGLE3_RAY_ADDRESS" in failure, failure
-    assert not (data_dir / "hidden_states" / keys[0]).exists()
-    assert isinstance(host, GPUHost)
 
 
 @pytest.mark.ray
