@@ -114,9 +114,9 @@ def test_a_run_of_twenty_shards_loads_the_target_once_and_a_rerun_loads_it_never
     """P11, counted by the test's own wrap of the engine constructors in the stage process.
 
     Fails on: an engine built inside the per-shard loop of ``_extract_pending``
-    (eagle3_assets/stages/extract_hidden_states.py: ``backend = make_backend(job,
-    target, each.traces)`` at the top of the loop, the ``engine_builds.jsonl``
-    line still written once, so the stage's own record still says 1): the wrap
+    (eagle3_assets/stages/extract_hidden_states.py: ``engine.backend =
+    make_backend(...)`` at the top of the loop, the ``engine_builds.jsonl`` line
+    still written once, so the stage's own record still says 1): the wrap
     records the one before the loop and one per shard, "21 engine(s) built by
     ...TransformersBackend.__init__ for a run of 20 shards" (run with the
     transformers backend).

@@ -192,11 +192,11 @@ def run(job: ExtractionJob, log=print, run_id: str | None = None, on_shard: Call
     if not pending:
         log(f"{STAGE}: nothing left to extract in this run's {len(job.shards)} shard(s): no engine built")
         return results
-    _extract_pending(job, pending, facts, log, run_id, done)
+    _extract_pending(job, pending, log, run_id, done)
     return results
 
 
-def _extract_pending(job: ExtractionJob, pending: list[_Pending], facts, log, run_id: str | None, done: Callable[[ShardResult], None]) -> None:
+def _extract_pending(job: ExtractionJob, pending: list[_Pending], log, run_id: str | None, done: Callable[[ShardResult], None]) -> None:
     """Build the engine once (once per node on a Ray cluster), then extract, gate, record and report each pending shard."""
     from eagle3_assets.core.cluster.placement import on_ray_cluster
 
@@ -260,7 +260,11 @@ class Engine:
             f"{STAGE}: {self.backend.name} backend ready in {self.build['load_s']:.0f}s ({'cuda' if torch.cuda.is_available() else 'cpu'}), "
             f"engine {self.build['id']} for {len(shards)} shard(s)"
         )
-        self.reference_states, extra = aux_reference(job, job.target, self.backend)
+        try:
+            self.reference_states, extra = aux_reference(job, job.target, self.backend)
+        except BaseException:
+            self.close()  # the engine holds the target: never left open by a failed start
+            raise
         self.opened += extra
         self.engine = {"engine_build": {k: self.build[k] for k in ("id", "backend", "load_s", "host")}, "model_load_s": self.build["load_s"]}
 
