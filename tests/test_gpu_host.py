@@ -337,26 +337,11 @@ def test_cancelling_the_run_kills_the_remote_stage(sshd, data_dir, tmp_path):
     stage_pid, runner_pid = holder["stage_pid"], holder["pid"]
     assert "eagle3_assets.stages.host_probe" in holder["stage_pid_cmdline"]
     assert process_cmdline(stage_pid) is not None
-    # Cancel only once the stage says it is holding (its log line streamed into the run): it has started its work.
     instance = DagsterInstance.from_config(str(dagster_home))
-
-    def holding() -> bool:
-        records = instance.get_run_records()
-        return bool(records) and any("host_probe: holding for 120s" in e.message for e in instance.all_logs(records[0].dagster_run.run_id))
-
-    while not holding():
-        assert run.poll() is None and time.monotonic() < deadline, "the stage never said it was holding"
-        time.sleep(0.2)
-
+    wait_until_holding(run, instance, deadline)
     run.send_signal(signal.SIGINT)
     output = run.communicate(timeout=60)[0].decode()
-    deadline = time.monotonic() + 20
-    while (process_cmdline(stage_pid) or process_cmdline(runner_pid)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert process_cmdline(stage_pid) is None, f"remote stage PID {stage_pid} survived the cancelled run"
-    assert process_cmdline(runner_pid) is None, f"remote runner PID {runner_pid} survived the cancelled run"
-    assert lock_holder(str(lock)) is None
-    assert not (data_dir / STAGE / "probe.json").exists(), "the stage was stopped before it finished"
+    assert_cancelled_stage_gone(stage_pid, runner_pid, lock, data_dir / STAGE / "probe.json", output, wait_s=20)
 
     (record,) = instance.get_run_records()
     assert record.dagster_run.status in {DagsterRunStatus.CANCELED, DagsterRunStatus.FAILURE}, output[-2000:]
@@ -425,6 +410,31 @@ def test_the_gpu_pool_gets_a_limit_of_one_unless_one_is_set(tmp_path, monkeypatc
             limits[name] = ensure_gpu_pool_limit(instance)
             assert instance.event_log_storage.get_concurrency_info(GPU_POOL).slot_count == limits[name]
     assert limits == {"fresh": 1, "operator_set": 2}, "one GPU stage at a time by default; an operator's limit is kept"
+
+
+def wait_until_holding(run: subprocess.Popen, instance: DagsterInstance, deadline: float) -> None:
+    """Until CANCELLED_RUN_SOURCE's stage says it is holding (its log line streamed into the run): it has started its
+    work, and a cancel now lands in the middle of it."""
+
+    def holding() -> bool:
+        records = instance.get_run_records()
+        return bool(records) and any("host_probe: holding for 120s" in e.message for e in instance.all_logs(records[0].dagster_run.run_id))
+
+    while not holding():
+        assert run.poll() is None, run.stdout.read().decode()[-3000:]
+        assert time.monotonic() < deadline, "the stage never said it was holding"
+        time.sleep(0.2)
+
+
+def assert_cancelled_stage_gone(stage_pid: int, runner_pid: int, lock: Path, output_file: Path, output: str, wait_s: float) -> None:
+    """The cancelled run's stage and runner are gone within ``wait_s``, the lock is free, the stage's output never written."""
+    deadline = time.monotonic() + wait_s
+    while (process_cmdline(stage_pid) or process_cmdline(runner_pid)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert process_cmdline(stage_pid) is None, f"the stage (PID {stage_pid}) survived the cancelled run:\n{output[-2000:]}"
+    assert process_cmdline(runner_pid) is None, f"the runner (PID {runner_pid}) survived the cancelled run"
+    assert lock_holder(str(lock)) is None
+    assert not output_file.exists(), "the stage was stopped before it finished"
 
 
 CANCELLED_RUN_SOURCE = """

@@ -241,8 +241,8 @@ def test_cancelling_the_run_stops_the_ray_job_and_the_stage(ray_cluster, data_di
 
     from ray.job_submission import JobStatus, JobSubmissionClient
 
-    from eagle3_assets.core.gpu_host.preflight import lock_holder, process_cmdline
-    from tests.test_gpu_host import CANCELLED_RUN_SOURCE
+    from eagle3_assets.core.gpu_host.preflight import lock_holder
+    from tests.test_gpu_host import CANCELLED_RUN_SOURCE, assert_cancelled_stage_gone, wait_until_holding
 
     dagster_home = tmp_path / "dagster_home"
     dagster_home.mkdir()
@@ -254,26 +254,12 @@ def test_cancelling_the_run_stops_the_ray_job_and_the_stage(ray_cluster, data_di
     )  # fmt: skip
     lock = Path(host.host_lock_dir()) / "host_probe.lock"
     instance = DagsterInstance.from_config(str(dagster_home))
-    deadline = time.monotonic() + 120
-
-    def holding() -> bool:
-        records = instance.get_run_records()
-        return bool(records) and any("host_probe: holding for 120s" in e.message for e in instance.all_logs(records[0].dagster_run.run_id))
-
-    while not holding():
-        assert run.poll() is None and time.monotonic() < deadline, run.stdout.read().decode()[-3000:] if run.poll() is not None else "timed out"
-        time.sleep(0.3)
+    wait_until_holding(run, instance, time.monotonic() + 120)
     holder = lock_holder(str(lock))
     stage_pid, runner_pid = holder["stage_pid"], holder["pid"]
     run.send_signal(signal.SIGINT)
     output = run.communicate(timeout=120)[0].decode()
-    deadline = time.monotonic() + 30
-    while (process_cmdline(stage_pid) or process_cmdline(runner_pid)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert process_cmdline(stage_pid) is None, f"the stage (PID {stage_pid}) survived the cancelled run:\n{output[-2000:]}"
-    assert process_cmdline(runner_pid) is None, f"the runner (PID {runner_pid}) survived the cancelled run"
-    assert lock_holder(str(lock)) is None
-    assert not (data_dir / "host_probe" / "probe.json").exists(), "the stage was stopped before it finished"
+    assert_cancelled_stage_gone(stage_pid, runner_pid, lock, data_dir / "host_probe" / "probe.json", output, wait_s=30)
     jobs = [j for j in JobSubmissionClient(ray_cluster.dashboard).list_jobs() if (j.submission_id or "").startswith("eagle3-host-probe-")]
     assert jobs and all(j.status == JobStatus.STOPPED for j in jobs if j.entrypoint and "--ray-job" in j.entrypoint), [(j.submission_id, j.status) for j in jobs]
     instance.dispose()
