@@ -43,9 +43,9 @@ def local_host(**fields) -> GPUHost:
     return GPUHost(mode="local", working_dir=str(REPO), **fields)
 
 
-def start_and_wait(argv: list[str], ready: Path, timeout_s: float = 30.0) -> subprocess.Popen:
+def start_and_wait(argv: list[str], ready: Path, timeout_s: float = 30.0, env: dict | None = None) -> subprocess.Popen:
     """Start a helper process and wait until it has created ``ready``."""
-    process = subprocess.Popen(argv, cwd=REPO)
+    process = subprocess.Popen(argv, cwd=REPO, env=env)
     deadline = time.monotonic() + timeout_s
     while not ready.exists():
         if process.poll() is not None or time.monotonic() > deadline:
@@ -182,6 +182,27 @@ def test_a_stage_process_started_by_hand_outside_the_lock_is_reported(data_dir, 
     finally:
         stop(stand_in)
     assert any(f"outside the lock: PID {stand_in.pid} (" in f for f in report["failures"]), report["failures"]
+
+
+def test_the_same_stage_on_another_data_directory_is_not_a_stray_and_one_sharing_the_lock_directory_is(data_dir, tmp_path):
+    """Two pipelines on one host each run their stage under their own lock: only a process whose locks are this data
+    directory's (by ``EAGLE3_LOCK_DIR`` or by its data directory) is reported. Fails with the pre-flight's lock
+    directory left out of the stray search (the other pipeline's stage is then reported), or with a process's
+    ``EAGLE3_LOCK_DIR`` ignored (the one sharing the lock directory is then missed)."""
+    code = "import pathlib, sys, time; pathlib.Path(sys.argv[1]).touch(); time.sleep(60)"
+    other_pipeline = {**os.environ, "EAGLE3_DATA_DIR": str(tmp_path / "other-data")}
+    same_locks = {**other_pipeline, "EAGLE3_LOCK_DIR": str(local_host().host_lock_dir())}
+    stand_ins = [
+        start_and_wait([sys.executable, "-c", code, str(tmp_path / name), "-m", f"eagle3_assets.stages.{STAGE}"], tmp_path / name, env=env)
+        for name, env in (("other", other_pipeline), ("same", same_locks))
+    ]  # fmt: skip
+    try:
+        report = local_host().preflight(STAGE, StageRequirements(cpu_allowed=True))
+    finally:
+        for stand_in in stand_ins:
+            stop(stand_in)
+    reported = {entry["pid"] for entry in report["lock"]["stray_processes"]}
+    assert stand_ins[1].pid in reported and stand_ins[0].pid not in reported, report["failures"]
 
 
 # --------------------------------------------------------------------------- disk and partial files

@@ -317,12 +317,16 @@ def process_cmdline(pid: int) -> str | None:
     return " ".join(part.decode(errors="replace") for part in raw.rstrip(b"\0").split(b"\0"))
 
 
-def stray_stage_processes(stage: str, exclude: Sequence[int] = ()) -> list[tuple[int, str]]:
+def stray_stage_processes(stage: str, exclude: Sequence[int] = (), lock_dir: str | None = None) -> list[tuple[int, str]]:
     """Processes running this stage that the lock does not account for (e.g. started by hand).
 
     Matches ``-m eagle3_assets.stages.<stage>`` and the runner's ``-m
     eagle3_assets.stages <stage>``. Linux only (/proc); elsewhere the lock is
-    the only evidence.
+    the only evidence. With ``lock_dir``, a process whose environment puts its
+    locks elsewhere (another data directory's stage, under that directory's own
+    lock) is not a stray of this one: it contends for the GPUs, not for these
+    files, and the GPU check sees that. A process whose environment cannot be
+    read counts.
     """
     if not os.path.isdir("/proc"):
         return []
@@ -339,9 +343,24 @@ def stray_stage_processes(stage: str, exclude: Sequence[int] = ()) -> list[tuple
             continue
         for i, arg in enumerate(argv[:-1]):
             if arg == "-m" and (argv[i + 1] == module or (argv[i + 1] == STAGE_PACKAGE and stage in argv[i + 2 : i + 3])):
-                found.append((int(entry), " ".join(argv)))
+                if lock_dir is None or process_lock_dir(int(entry)) in (None, os.path.realpath(lock_dir)):
+                    found.append((int(entry), " ".join(argv)))
                 break
     return sorted(found)
+
+
+def process_lock_dir(pid: int) -> str | None:
+    """Where process ``pid`` keeps its stage locks, resolved as it resolves them (``$EAGLE3_LOCK_DIR``, else
+    ``<$EAGLE3_DATA_DIR or ./data>/.locks`` from its working directory); None when its environment cannot be read."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as fh:
+            pairs = [item.decode(errors="replace").split("=", 1) for item in fh.read().split(b"\0") if b"=" in item]
+        cwd = os.readlink(f"/proc/{pid}/cwd")
+    except OSError:
+        return None
+    environment = dict(pairs)
+    chosen = environment.get("EAGLE3_LOCK_DIR") or os.path.join(environment.get("EAGLE3_DATA_DIR") or "data", ".locks")
+    return os.path.realpath(os.path.join(cwd, chosen))
 
 
 # --------------------------------------------------------------------------- systemd
@@ -550,7 +569,8 @@ def run_preflight(spec: Mapping[str, Any]) -> dict:
     report["modules"] = modules
 
     holder = lock_holder(spec["lock_path"])
-    strays = stray_stage_processes(stage, exclude=[p for p in (holder or {}).values() if isinstance(p, int)])
+    holder_pids = [p for p in (holder or {}).values() if isinstance(p, int)]
+    strays = stray_stage_processes(stage, exclude=holder_pids, lock_dir=os.path.dirname(spec["lock_path"]))
     report["lock"] = {"path": spec["lock_path"], "holder": holder, "stray_processes": [{"pid": p, "cmdline": c} for p, c in strays]}
     if holder is not None:
         failures.append(holder_line(spec["lock_path"], holder))
