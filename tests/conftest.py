@@ -58,15 +58,32 @@ def _file_group(targets: set[str]) -> int:
     return 2 if targets & set(LOW_PRIORITY_BUILDS) else 1 if targets else 0
 
 
+# Files that run on one xdist worker together (`make test` runs two, docs/testing.md#two-workers): the local Ray
+# cluster is started once for both of its files, and the trained draft's server once for the two that read it.
+SHARED_WORKER = {"test_ray_cluster": "ray", "test_ray_ui": "ray", "test_acceptance_spread": "trained-draft-server", "test_replay": "trained-draft-server"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(session, config, items):
     """Whole files in the order their builds are ready: no target, then the tiny target, then the larger ones.
 
-    Files stay whole so that a module's fixtures (a graph, a server) are set up once."""
+    Files stay whole so that a module's fixtures (a graph, a server) are set up once; with workers, each file is
+    one ``xdist_group`` (``--dist loadgroup``), merged as ``SHARED_WORKER`` says."""
     used: dict[Path, set[str]] = {}
     for item in items:
         used.setdefault(item.path, set()).update(_targets_used(item.path, item.fixturenames))
     first_index = {path: index for index, path in reversed(list(enumerate(item.path for item in items)))}
     items.sort(key=lambda item: (_file_group(used[item.path]), first_index[item.path]))
+    if _role(config) != "single":
+        for item in items:
+            item.add_marker(pytest.mark.xdist_group(SHARED_WORKER.get(item.path.stem, item.path.stem)))
+
+
+def _role(config) -> str:
+    """``worker`` (an xdist worker), ``controller`` (the process that hands files to workers) or ``single``."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return "worker"
+    return "controller" if getattr(config.option, "numprocesses", None) else "single"
 
 
 def _whole_suite(config) -> bool:
@@ -74,15 +91,20 @@ def _whole_suite(config) -> bool:
 
 
 def pytest_sessionstart(session):
-    """The whole suite needs every target: their builds start before the minutes of collection, not after."""
-    if _whole_suite(session.config) and not session.config.option.collectonly:
-        _start_builds(set(TARGET_DIR_ENV))
-        _start_reading_facts()
+    """The whole suite needs every target: their builds start before the minutes of collection, not after (in the
+    controller, once for its workers). Every process that runs tests reads the vLLM facts for its own."""
+    config = session.config
+    if _whole_suite(config) and not config.option.collectonly:
+        if _role(config) != "worker":
+            _start_builds(set(TARGET_DIR_ENV))
+        if _role(config) != "controller":
+            _start_reading_facts()
 
 
 def pytest_collection_finish(session):
-    """Otherwise, build the targets the selected tests need."""
-    if not _whole_suite(session.config) and not session.config.option.collectonly:
+    """Otherwise, build the targets the selected tests need (each worker for the tests it collected: a build another
+    process has started is waited for on its build lock, never done twice)."""
+    if not _whole_suite(session.config) and not session.config.option.collectonly and _role(session.config) != "controller":
         _start_builds(set().union(*(_targets_used(item.path, item.fixturenames) for item in session.items)))
         if any("host_vllm_facts" in item.fixturenames for item in session.items):
             _start_reading_facts()
