@@ -37,6 +37,9 @@ measurement already in the work directory (``--fresh`` discards them).
     make peer-env && .venv/bin/python bench/peer_acceptance.py                 # the demo's states (after make demo)
     .venv/bin/python bench/peer_acceptance.py --seeds 1                        # one seed: the path end to end
     .venv/bin/python bench/peer_acceptance.py --data /tmp/qwen3/data         # after EAGLE3_DATA_DIR=/tmp/qwen3/data make demo DEMO_TARGET=qwen3
+    .venv/bin/python bench/peer_acceptance.py --data /tmp/long/data --demo-target long --variants ours peer-defaults
+        # the long demo's states, recipe and held-out passes (4,352 tokens); --max-tokens 8192 then scores the same
+        # drafts over whole traces
     .venv/bin/python bench/peer_acceptance.py --hidden-states /data/hidden_states --vocab-mapping /data/vocab_mapping \\
         --eval-prompts held_out.jsonl --target /models/MyTarget                # another target's states
 """
@@ -98,7 +101,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--peer-python", default=str(REPO / ".peer-venv" / "bin" / "python"), help="the peer environment's interpreter (make peer-env)")
     p.add_argument("--work", help="where drafts, logs and report.json go (default: <data>/bench_peer_acceptance)")
     p.add_argument("--fresh", action="store_true", help="discard the drafts and measurements of an earlier run")
-    p.add_argument("--concurrency", type=int, default=8, help="requests in flight per evaluation pass")
+    p.add_argument("--concurrency", type=int, default=None, help="requests in flight per evaluation pass (default: the demo target's, else 8)")
+    p.add_argument(
+        "--demo-target", choices=["tiny", "kimi", "qwen3", "long"], default="tiny",
+        help="whose demo recipe both trainers train on and whose evaluation settings (completion tokens, requests in flight, "
+        "serving profile) score them: the built-in target the states come from (default tiny; `long`: 8,192-token samples, "
+        "the draft windowed as the target, the first 4,352 tokens of each held-out trace)",
+    )  # fmt: skip
+    p.add_argument("--max-tokens", type=int, default=None, help="completion tokens per held-out request (default: the demo target's evaluation, else 128)")
     return p
 
 
@@ -123,12 +133,30 @@ def parse_settings(pairs: list[str], where: str) -> dict:
     return settings
 
 
-def demo_recipe() -> dict:
-    """The recipe the demo's draft_checkpoint trains with: the fields its run config sets, under TrainConfig's names."""
+def demo_recipe(demo_target: str = "tiny") -> dict:
+    """The recipe the demo's draft_checkpoint trains with on ``demo_target``: the fields its run config sets, under
+    TrainConfig's names."""
     from eagle3_assets.core.training.config import TrainConfig
     from eagle3_assets.demo.plugin import TRAINING_CONFIG
+    from eagle3_assets.demo.targets import DEMO_TARGETS
 
-    return {k: getattr(TRAINING_CONFIG, k) for k in sorted(TRAINING_CONFIG.model_fields_set) if k in TrainConfig.model_fields}
+    config = DEMO_TARGETS[demo_target].training or TRAINING_CONFIG
+    return {k: getattr(config, k) for k in sorted(config.model_fields_set) if k in TrainConfig.model_fields}
+
+
+def demo_evaluation(demo_target: str, max_tokens: int | None, concurrency: int | None) -> dict:
+    """Completion tokens, requests in flight and serving profile of the held-out passes: the flags, else what the demo's
+    draft_evaluation uses on ``demo_target``, else the evaluation's defaults."""
+    from eagle3_assets.core.evaluation.acceptance import EVAL_MAX_TOKENS
+    from eagle3_assets.demo.targets import DEMO_TARGETS
+
+    demo = DEMO_TARGETS[demo_target]
+    evaluation = demo.evaluation or {}
+    return {
+        "max_tokens": max_tokens or evaluation.get("max_tokens", EVAL_MAX_TOKENS),
+        "concurrency": concurrency or evaluation.get("concurrency", 8),
+        "profile": demo.serving.get("profile"),
+    }
 
 
 def shard_dirs(given: list[str] | None, data: Path) -> list[Path]:
@@ -210,18 +238,27 @@ def train_ours(label: str, settings: dict, seed: int, shards: list[Path], vocab:
     return out
 
 
-def train_peer(label: str, seed: int, recipe: dict, shards: list[Path], vocab: Path, target: Path, work: Path, python: str) -> Path:
-    out = work / "drafts" / f"{label}-seed{seed}"
-    if (out / DONE).is_file():
-        return out
+def peer_command(label: str, seed: int, recipe: dict, shards: list[Path], vocab: Path, target: Path, out: Path, python: str) -> list[str]:
+    """bench/peer/train_speculators.py's command line for one variant and seed: the recipe's flags (its attention window
+    included, where it sets one), or speculators' own recipe for the variants that train on it."""
     command = [
         python, str(PEER_SCRIPT), "--hidden-states", *map(str, shards), "--vocab-mapping", str(vocab), "--target", str(target),
-        "--out", str(out.with_name(out.name + ".peer")), "--settings", PEER_VARIANTS[label], "--seed", str(seed),
+        "--out", str(out), "--settings", PEER_VARIANTS[label], "--seed", str(seed),
         "--epochs", str(recipe["epochs"]), "--lr", str(recipe["learning_rate"]), "--warmup-ratio", str(recipe["warmup_ratio"]),
         "--scheduler", "cosine", "--ttt-steps", str(recipe["ttt_steps"]), "--total-seq-len", str(recipe["batch_tokens"]),
         "--max-seq-len", str(recipe["max_seq_len"]), "--betas", *map(str, recipe["betas"]),
         "--recipe", PEER_OWN_RECIPE.get(label, "caller"),
     ]  # fmt: skip
+    if recipe.get("draft_sliding_window") and label not in PEER_OWN_RECIPE:  # the recipe's window, not the peer's 2,048
+        command += ["--sliding-window", str(recipe["draft_sliding_window"])]
+    return command
+
+
+def train_peer(label: str, seed: int, recipe: dict, shards: list[Path], vocab: Path, target: Path, work: Path, python: str) -> Path:
+    out = work / "drafts" / f"{label}-seed{seed}"
+    if (out / DONE).is_file():
+        return out
+    command = peer_command(label, seed, recipe, shards, vocab, target, out.with_name(out.name + ".peer"), python)
     log_path = work / "logs" / f"{label}-seed{seed}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log:
@@ -324,7 +361,7 @@ def compare(figures: dict, ours: str = "ours", peer: str = "peer-defaults") -> d
 
 def main() -> None:
     args = parser().parse_args()
-    from eagle3_assets.core.evaluation.acceptance import evaluate, load_conversations
+    from eagle3_assets.core.evaluation.acceptance import EVAL_MAX_TOKENS, evaluate, load_conversations
     from eagle3_assets.core.storage.files import file_hash, stable_hash, write_json_atomic
     from eagle3_assets.core.serving.profile import ServingProfile
     from eagle3_assets.core.target.tokenizer import remote_code_tokenizer
@@ -353,7 +390,8 @@ def main() -> None:
         sys.exit(f"--eval-prompts {eval_prompts}: no such file")
     _, conversations = load_conversations(eval_prompts)
 
-    recipe = {**demo_recipe(), "ttt_steps": args.ttt_steps}
+    recipe = {**demo_recipe(args.demo_target), "ttt_steps": args.ttt_steps}
+    evaluation = demo_evaluation(args.demo_target, args.max_tokens, args.concurrency)
     ours_variants = {"ours": {**recipe, **parse_settings(args.ours_setting, "--ours-setting")}}
     for spec in args.ours_variant:
         label, sep, pairs = spec.partition(":")
@@ -380,7 +418,8 @@ def main() -> None:
         f"peer_acceptance: {len(index.samples)} samples in {len(shards)} shard(s) ({index.final_state} final state), target {target}, "
         f"{len(conversations)} held-out prompts ({'greedy' if args.temperature == 0 else f'temperature {args.temperature:g}'}; "
         f"draft proposes {args.draft_sample_method}), "
-        f"k = {args.k}, seeds 0..{args.seeds - 1}; recipe {recipe}",
+        f"k = {args.k}, {evaluation['max_tokens']} completion tokens, {evaluation['concurrency']} in flight, seeds 0..{args.seeds - 1}; "
+        f"recipe {recipe}",
         flush=True,
     )
 
@@ -408,7 +447,10 @@ def main() -> None:
     report = {**report, "shared_inputs_key": shared_key, "variant_settings": {**kept, **settings_now}}
     measured: dict[str, dict[str, dict]] = report.get("measured", {})
     key = f"k{args.k}" + (f"-t{args.temperature:g}" if args.temperature else "") + ("-probabilistic" if args.draft_sample_method != "greedy" else "")
-    profile = ServingProfile(trust_remote_code=args.trust_remote_code)  # the target's own dtype and context
+    # Another completion length measures the same drafts again (a whole-trace pass after the demo's first 4,352 tokens).
+    key += f"-m{evaluation['max_tokens']}" if evaluation["max_tokens"] != EVAL_MAX_TOKENS else ""
+    # The target's own dtype and context; the demo target's profile where it has one (the long target's KV cache).
+    profile = (evaluation["profile"] or ServingProfile()).model_copy(update={"trust_remote_code": args.trust_remote_code})
     # Seed by seed across the variants, not variant by variant: a run cut short still has every variant at the seeds it
     # finished, and the machine's load over the run falls on every variant alike.
     for seed in range(args.seeds):
@@ -424,7 +466,8 @@ def main() -> None:
             run = json.loads((draft / DONE).read_text())
             print(f"peer_acceptance: {label} seed {seed}: draft {draft} (training {run.get('train_s', round(trained_s, 1))} s)", flush=True)
             result = evaluate(
-                target, {f"{label}-seed{seed}": draft}, conversations, num_speculative_tokens=args.k, concurrency=args.concurrency,
+                target, {f"{label}-seed{seed}": draft}, conversations, num_speculative_tokens=args.k, concurrency=evaluation["concurrency"],
+                max_tokens=evaluation["max_tokens"],
                 include_reference=False, server_log_dir=work / "logs", profile=profile, temperature=args.temperature,
                 draft_sample_method=args.draft_sample_method,
             )[f"{label}-seed{seed}"]  # fmt: skip
@@ -456,7 +499,7 @@ def main() -> None:
         print(f"ours / speculators at its own defaults ({recipe_of}; ours on its own recipe), mean acceptance at k = {args.k}: {against['p5c']:.3f}")
     report = {
         **report, "measured": measured, "figures": figures, "comparison": comparison, "against_peer_own": own, "table": table,
-        "k": args.k, "temperature": args.temperature, "draft_sample_method": args.draft_sample_method, "seeds": args.seeds, "ttt_steps": args.ttt_steps, "recipe": recipe, "ours_variants": ours_variants,
+        "k": args.k, "max_tokens": evaluation["max_tokens"], "demo_target": args.demo_target, "temperature": args.temperature, "draft_sample_method": args.draft_sample_method, "seeds": args.seeds, "ttt_steps": args.ttt_steps, "recipe": recipe, "ours_variants": ours_variants,
         "prompts": len(conversations), "eval_prompts": eval_prompts, "target": str(target), "shards": [str(s) for s in shards],
         "samples": len(index.samples), "final_state": index.final_state,
         "machine": f"{platform.node()}: {os.cpu_count()} CPU(s), {platform.machine()}", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

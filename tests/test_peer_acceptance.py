@@ -119,3 +119,30 @@ def test_the_peer_at_its_own_defaults_trains_on_speculators_recipe_whatever_the_
     assert set(peer_acceptance.PEER_OWN_RECIPE) == {"peer-own", "peer-own-optimizer"} <= set(peer_acceptance.PEER_VARIANTS)
     optimizer_only = train_speculators.resolved_recipe(train_speculators.parser().parse_args([*ours, "--recipe", "speculators-optimizer"]))
     assert (optimizer_only["optimizer"], optimizer_only["lr"], optimizer_only["scheduler"], optimizer_only["total_seq_len"]) == ("muon", 1e-3, "linear", 1024)
+
+
+def test_the_long_targets_recipe_and_evaluation_reach_both_trainers_and_the_held_out_passes():
+    """``--demo-target long``: both trainers on the long demo's recipe (8,192-token samples, the draft windowed as the
+    target), the peer given that window on our recipe but keeping its own 2,048 on its own recipe, and the held-out
+    passes at the demo's 4,352 completion tokens with its serving profile (its KV cache). Fails with the window left
+    out of the peer's command (it trains at 2,048 while ours trains at 128), or with the demo target's evaluation
+    ignored (128 tokens: only the first output-position bucket measured)."""
+    from eagle3_assets.demo.targets import DEMO_TARGETS
+
+    recipe = {**peer_acceptance.demo_recipe("long"), "betas": [0.9, 0.95]}
+    assert (recipe["max_seq_len"], recipe["batch_tokens"], recipe["draft_sliding_window"]) == (8192, 8192, 128)
+    assert "draft_sliding_window" not in peer_acceptance.demo_recipe("tiny")
+    out, python = Path("/work/peer"), "python"
+
+    def window(label: str) -> str | None:
+        command = peer_acceptance.peer_command(label, 0, recipe, [Path("/s")], Path("/v"), Path("/t"), out, python)
+        return command[command.index("--sliding-window") + 1] if "--sliding-window" in command else None
+
+    assert window("peer-defaults") == window("peer-plain") == "128"
+    assert window("peer-own") is None  # speculators' own recipe: its own window
+
+    long = peer_acceptance.demo_evaluation("long", None, None)
+    assert (long["max_tokens"], long["concurrency"]) == (4352, 8) and long["profile"] == DEMO_TARGETS["long"].serving["profile"]
+    assert peer_acceptance.demo_evaluation("long", 8192, 4)["max_tokens"] == 8192  # a whole-trace pass, by flag
+    tiny = peer_acceptance.demo_evaluation("tiny", None, None)
+    assert (tiny["max_tokens"], tiny["concurrency"]) == (128, 8)

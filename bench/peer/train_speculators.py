@@ -92,6 +92,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-decay", type=float, default=SPECULATORS_DEFAULTS["weight_decay"])
     p.add_argument("--device", default="cpu", help="cpu (eager attention and losses) or cuda (FlexAttention, fused losses, bf16)")
     p.add_argument("--threads", type=int, default=1, help="torch threads on a CPU")
+    p.add_argument(
+        "--sliding-window", type=int, default=SPECULATORS_DEFAULTS["sliding_window"],
+        help="the draft's attention window (speculators' default 2,048; the caller's recipe where it sets one)",
+    )  # fmt: skip
     return p
 
 
@@ -186,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
     flags = SETTINGS[args.settings]
     layer_config = create_transformer_layer_config(
         verifier_name_or_path=target, num_layers=1, draft_arch="llama", hidden_act=None,
-        sliding_window=SPECULATORS_DEFAULTS["sliding_window"], full_attention_indices=[],
+        sliding_window=args.sliding_window, full_attention_indices=[],
     )  # fmt: skip
     model = Eagle3DraftModel.from_training_args(
         verifier_config=layer_config, t2d=t2d, d2t=d2t, draft_vocab_size=int(d2t.numel()), ttt_steps=recipe["ttt_steps"],
