@@ -66,6 +66,8 @@ PEER_VARIANTS = {"peer-defaults": "defaults", "peer-plain": "plain", "peer-own":
 # (train_speculators --recipe).
 PEER_OWN_RECIPE = {"peer-own": "speculators", "peer-own-optimizer": "speculators-optimizer"}
 DONE = "bench_run.json"  # written last into a finished draft directory
+# P5's baseline: ``ours``'s draft of the same seed re-initialised (draft_evaluation's untrained twin), scored alike.
+UNTRAINED = "untrained"
 
 
 def parser() -> argparse.ArgumentParser:
@@ -92,7 +94,11 @@ def parser() -> argparse.ArgumentParser:
         help="how vLLM's draft proposes (speculative_config): its argmax (vLLM's default) or a sample of its distribution",
     )  # fmt: skip
     p.add_argument("--ttt-steps", type=int, default=3, help="training depth of both trainers (P5c is defined at 3)")
-    p.add_argument("--variants", nargs="+", default=["ours", "peer-defaults", "peer-plain", "peer-own"], help="ours, the peer variants above (peer-plain, peer-own-optimizer too), and --ours-variant labels")
+    p.add_argument(
+        "--variants", nargs="+", default=["ours", "peer-defaults", "peer-plain", "peer-own"],
+        help=f"ours, the peer variants above (peer-plain, peer-own-optimizer too), {UNTRAINED} (P5's baseline: ours's draft of each seed "
+        "re-initialised, as draft_evaluation's untrained twin) and --ours-variant labels",
+    )  # fmt: skip
     p.add_argument("--ours-setting", action="append", default=[], metavar="KEY=VALUE", help="a TrainConfig setting of ours (repeatable)")
     p.add_argument(
         "--ours-variant", action="append", default=[], metavar="LABEL:KEY=VALUE[,KEY=VALUE]",
@@ -254,6 +260,21 @@ def peer_command(label: str, seed: int, recipe: dict, shards: list[Path], vocab:
     return command
 
 
+def untrained_draft(trained: Path, seed: int, work: Path) -> Path:
+    """``trained``'s untrained twin (its form, shape, vocabulary map and layer ids, weights initialised from ``seed``)."""
+    from eagle3_assets.core.evaluation.acceptance import untrained_twin
+
+    out = work / "drafts" / f"{UNTRAINED}-seed{seed}"
+    if not (out / DONE).is_file():
+        staging = out.with_name(out.name + ".partial")
+        shutil.rmtree(staging, ignore_errors=True)
+        untrained_twin(trained, staging, seed=seed)
+        (staging / DONE).write_text(json.dumps({"trainer": "none", "twin_of": str(trained), "seed": seed}, indent=2))
+        shutil.rmtree(out, ignore_errors=True)
+        staging.rename(out)
+    return out
+
+
 def train_peer(label: str, seed: int, recipe: dict, shards: list[Path], vocab: Path, target: Path, work: Path, python: str) -> Path:
     out = work / "drafts" / f"{label}-seed{seed}"
     if (out / DONE).is_file():
@@ -306,7 +327,42 @@ def variant_figures(measured: dict[str, dict]) -> dict:
         "acceptance_length": summary(lengths), "per_position": [summary(list(p)) for p in positions],
         "step_s": summary(per_step) if per_step else None, "seeds": sorted(measured),
         "by_seed": {seed: m["mean_acceptance_length"] for seed, m in measured.items()},
+        "by_output_position": output_position_figures(measured),
     }  # fmt: skip
+
+
+def output_position_figures(measured: dict[str, dict]) -> dict | None:
+    """Per output-position bucket, the mean acceptance length over the seeds that have steps there (with its range and
+    the steps counted), and the decay ratio (last filled bucket over the first) over the seeds."""
+    described = [m["by_output_position"] for m in measured.values() if m.get("by_output_position")]
+    if not described:
+        return None
+    buckets = {}
+    for index, row in enumerate(described[0]["buckets"]):
+        values = [d["buckets"][index]["mean_acceptance_length"] for d in described if d["buckets"][index]["mean_acceptance_length"] is not None]
+        steps = [d["buckets"][index]["steps"] for d in described]
+        buckets[row["bucket"]] = {**summary(values), "steps": steps} if values else None
+    decay = [d["decay_ratio"] for d in described if d.get("decay_ratio") is not None]
+    return {"buckets": buckets, "decay_ratio": summary(decay) if decay else None}
+
+
+def render_output_positions(figures: dict) -> str | None:
+    """Acceptance by output position, one row per variant (mean over seeds, range), where the passes counted steps."""
+    rows = {label: f["by_output_position"] for label, f in figures.items() if f.get("by_output_position")}
+    if not rows:
+        return None
+    names = list(next(iter(rows.values()))["buckets"])
+    lines = [
+        "acceptance length by output position (vLLM's per-request step counts; mean over seeds, range) and the decay ratio (last bucket over first):",
+        "",
+        "| trainer | " + " | ".join(names) + " | decay ratio |",
+        "| --- | " + " | ".join("---" for _ in names) + " | --- |",
+    ]
+    for label, described in rows.items():
+        cells = [cell(described["buckets"][name]) if described["buckets"][name] else "-" for name in names]
+        decay = cell(described["decay_ratio"]) if described["decay_ratio"] else "-"
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {decay} |")
+    return "\n".join(lines)
 
 
 def cell(s: dict) -> str:
@@ -395,12 +451,12 @@ def main() -> None:
     ours_variants = {"ours": {**recipe, **parse_settings(args.ours_setting, "--ours-setting")}}
     for spec in args.ours_variant:
         label, sep, pairs = spec.partition(":")
-        if not sep or not label or label in ("ours", *PEER_VARIANTS):
+        if not sep or not label or label in ("ours", UNTRAINED, *PEER_VARIANTS):
             sys.exit(f"--ours-variant {spec!r}: LABEL:KEY=VALUE[,KEY=VALUE], with a label of its own")
         ours_variants[label] = {**recipe, **parse_settings(pairs.split(","), f"--ours-variant {label}")}
-    unknown = [v for v in args.variants if v not in ours_variants and v not in PEER_VARIANTS]
+    unknown = [v for v in args.variants if v not in ours_variants and v not in PEER_VARIANTS and v != UNTRAINED]
     if unknown:
-        sys.exit(f"--variants {unknown}: not ours, {', '.join(PEER_VARIANTS)} or an --ours-variant label")
+        sys.exit(f"--variants {unknown}: not ours, {', '.join(PEER_VARIANTS)}, {UNTRAINED} or an --ours-variant label")
     needs_peer = any(v in PEER_VARIANTS for v in args.variants)
     if needs_peer and not Path(args.peer_python).is_file():
         sys.exit(f"{args.peer_python}: no peer environment; run `make peer-env` (or pass --peer-python)")
@@ -435,7 +491,11 @@ def main() -> None:
     from eagle3_assets.core.training.config import trained_settings
 
     settings_now = {
-        label: stable_hash(trained_settings(ours_variants[label]) if label in ours_variants else peer_settings(label)) for label in args.variants
+        label: stable_hash(
+            trained_settings(ours_variants[label]) if label in ours_variants
+            else ["twin of", trained_settings(ours_variants["ours"])] if label == UNTRAINED else peer_settings(label)
+        )
+        for label in args.variants
     }
     kept = report.get("variant_settings", {})
     changed = [label for label in args.variants if kept.get(label, settings_now[label]) != settings_now[label]]
@@ -460,6 +520,8 @@ def main() -> None:
             started = time.monotonic()
             if label in PEER_VARIANTS:
                 draft = train_peer(label, seed, peer_recipe, shards, vocab, target, work, args.peer_python)
+            elif label == UNTRAINED:
+                draft = untrained_draft(train_ours("ours", ours_variants["ours"], seed, shards, vocab, target, work), seed, work)
             else:
                 draft = train_ours(label, ours_variants[label], seed, shards, vocab, target, work)
             trained_s = time.monotonic() - started
@@ -485,20 +547,25 @@ def main() -> None:
         for label in args.variants
     }  # fmt: skip
     comparison = compare(figures)
+    p5 = compare(figures, peer=UNTRAINED) if UNTRAINED in figures else None
     own = {label: compare(figures, peer=label) for label in PEER_OWN_RECIPE if label in figures}
     table = render(figures, args.k, len(conversations), args.seeds, temperature=args.temperature, draft_sample_method=args.draft_sample_method)
-    print("\n" + table)
+    positions_table = render_output_positions(figures)
+    print("\n" + table + ("\n\n" + positions_table if positions_table else ""))
     if comparison:
         below = comparison["positions_below_by_more_than_spread"]
         print(f"\nP5c (ours / speculators on the same recipe, its draft's norm flags at their defaults, AdamW, mean acceptance at k = {args.k}, "
               f"both at depth {args.ttt_steps}): {comparison['p5c']:.3f} (goal >= 1.0)")  # fmt: skip
         spread_note = " (one seed: no spread, so any shortfall counts)" if args.seeds == 1 else ""
         print(f"positions where ours is below the peer by more than the seeds' spread{spread_note}: " + (", ".join(str(b["position"]) for b in below) or "none"))
+    if p5:
+        print(f"\nP5 (ours trained / its untrained twin, mean acceptance at k = {args.k}): {p5['p5c']:.3f}; "
+              f"{against_reference(figures['ours'], figures[UNTRAINED])}")  # fmt: skip
     for label, against in own.items():
         recipe_of = "its whole recipe: Muon lr 1e-3, linear, 8,192-token batches" if label == "peer-own" else "its optimizer and schedule on our batches"
         print(f"ours / speculators at its own defaults ({recipe_of}; ours on its own recipe), mean acceptance at k = {args.k}: {against['p5c']:.3f}")
     report = {
-        **report, "measured": measured, "figures": figures, "comparison": comparison, "against_peer_own": own, "table": table,
+        **report, "measured": measured, "figures": figures, "comparison": comparison, "p5": p5, "against_peer_own": own, "table": table, "output_position_table": positions_table,
         "k": args.k, "max_tokens": evaluation["max_tokens"], "demo_target": args.demo_target, "temperature": args.temperature, "draft_sample_method": args.draft_sample_method, "seeds": args.seeds, "ttt_steps": args.ttt_steps, "recipe": recipe, "ours_variants": ours_variants,
         "prompts": len(conversations), "eval_prompts": eval_prompts, "target": str(target), "shards": [str(s) for s in shards],
         "samples": len(index.samples), "final_state": index.final_state,

@@ -146,3 +146,24 @@ def test_the_long_targets_recipe_and_evaluation_reach_both_trainers_and_the_held
     assert peer_acceptance.demo_evaluation("long", 8192, 4)["max_tokens"] == 8192  # a whole-trace pass, by flag
     tiny = peer_acceptance.demo_evaluation("tiny", None, None)
     assert (tiny["max_tokens"], tiny["concurrency"]) == (128, 8)
+
+
+def test_acceptance_by_output_position_is_summarised_over_the_seeds_that_have_steps_in_each_bucket():
+    """Each bucket's mean over the seeds whose passes reached it (a seed with no step there is not a zero), with the
+    steps of every seed kept beside it, and the decay ratio over seeds. Fails with an empty bucket counted as 1.0 (the
+    4,096-8,192 mean drops to 2.0) or with the seeds' ranges lost."""
+
+    def seed(first: float, last: float | None, decay: float | None) -> dict:
+        buckets = [
+            {"bucket": "0-512", "mean_acceptance_length": first, "steps": 100},
+            {"bucket": "4096-8192", "mean_acceptance_length": last, "steps": 10 if last else 0},
+        ]
+        return {"mean_acceptance_length": first, "by_output_position": {"buckets": buckets, "decay_ratio": decay}}
+
+    figures = peer_acceptance.output_position_figures({"0": seed(3.0, 3.3, 1.1), "1": seed(3.4, None, None), "2": seed(3.2, 2.7, 0.84375)})
+    first, last = figures["buckets"]["0-512"], figures["buckets"]["4096-8192"]
+    assert (first["n"], first["min"], first["max"]) == (3, 3.0, 3.4) and abs(first["mean"] - 3.2) < 1e-9
+    assert (last["n"], last["steps"]) == (2, [10, 0, 10]) and abs(last["mean"] - 3.0) < 1e-9
+    assert figures["decay_ratio"]["n"] == 2
+    table = peer_acceptance.render_output_positions({"ours": {"by_output_position": figures}, "peer": {"by_output_position": None}})
+    assert "| ours | 3.20 (3.00-3.40) | 3.00 (2.70-3.30) | 0.97 (0.84-1.10) |" in table and "| peer |" not in table
