@@ -41,12 +41,12 @@ demo: install $(DAGSTER_HOME)/dagster.yaml
 	EAGLE3_DEMO_TARGET=$(DEMO_TARGET) $(PY) -m eagle3_assets.demo
 
 # The suite uses real services: sshd (the remote GPU host), PostgreSQL (the production instance), Chromium (the UI).
-# Two xdist workers, whole files each (docs/testing.md#two-workers): most tests wait on a server or a subprocess, so
+# Two xdist workers, whole files each (tests/conftest.py's scheduler, docs/testing.md#two-workers): most tests wait on a server or a subprocess, so
 # one process left a core idle.
 TEST_WORKERS ?= 2
 test: install
 	bash scripts/test-services
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup
+	$(PY) -m pytest -n $(TEST_WORKERS)
 
 # The training curves of draft_checkpoint's last run (docs/training.md#tensorboard) on 127.0.0.1:6006.
 tensorboard: install

@@ -63,20 +63,31 @@ def _file_group(targets: set[str]) -> int:
 SHARED_WORKER = {"test_ray_cluster": "ray", "test_ray_ui": "ray", "test_acceptance_spread": "trained-draft-server", "test_replay": "trained-draft-server"}
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(session, config, items):
     """Whole files in the order their builds are ready: no target, then the tiny target, then the larger ones.
 
-    Files stay whole so that a module's fixtures (a graph, a server) are set up once; with workers, each file is
-    one ``xdist_group`` (``--dist loadgroup``), merged as ``SHARED_WORKER`` says."""
+    Files stay whole so that a module's fixtures (a graph, a server) are set up once (with workers: the scheduler
+    below)."""
     used: dict[Path, set[str]] = {}
     for item in items:
         used.setdefault(item.path, set()).update(_targets_used(item.path, item.fixturenames))
     first_index = {path: index for index, path in reversed(list(enumerate(item.path for item in items)))}
     items.sort(key=lambda item: (_file_group(used[item.path]), first_index[item.path]))
-    if _role(config) != "single":
-        for item in items:
-            item.add_marker(pytest.mark.xdist_group(SHARED_WORKER.get(item.path.stem, item.path.stem)))
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """With workers (``-n``): whole files to each, in the order above, the files of ``SHARED_WORKER`` together.
+
+    xdist's own ``--dist loadfile`` keeps files whole but cannot join two; ``loadgroup`` could, but it renames the
+    items through an attribute pytest 9.2 no longer reads, so its groups are silently ignored."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class WholeFiles(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return SHARED_WORKER.get(Path(path).stem, path)
+
+    return WholeFiles(config, log)
 
 
 def _role(config) -> str:
