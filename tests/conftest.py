@@ -63,8 +63,14 @@ def _file_group(targets: set[str]) -> int:
 SHARED_WORKER = {"test_ray_cluster": "ray", "test_ray_ui": "ray", "test_acceptance_spread": "trained-draft-server", "test_replay": "trained-draft-server"}
 
 
+# The files that take minutes (docs/testing.md#two-workers), first within their build group: started early, each
+# runs beside the rest on the other worker instead of alone at the end.
+LONG_FILES = ("test_end_to_end", "test_kimi_end_to_end", "test_deployed_draft_watch", "test_ray_cluster", "test_ui", "test_export")
+
+
 def pytest_collection_modifyitems(session, config, items):
-    """Whole files in the order their builds are ready: no target, then the tiny target, then the larger ones.
+    """Whole files in the order their builds are ready: no target, then the tiny target, then the larger ones; in
+    each, the long files first.
 
     Files stay whole so that a module's fixtures (a graph, a server) are set up once (with workers: the scheduler
     below)."""
@@ -72,7 +78,12 @@ def pytest_collection_modifyitems(session, config, items):
     for item in items:
         used.setdefault(item.path, set()).update(_targets_used(item.path, item.fixturenames))
     first_index = {path: index for index, path in reversed(list(enumerate(item.path for item in items)))}
-    items.sort(key=lambda item: (_file_group(used[item.path]), first_index[item.path]))
+
+    def order(item) -> tuple:
+        stem = item.path.stem
+        return (_file_group(used[item.path]), LONG_FILES.index(stem) if stem in LONG_FILES else len(LONG_FILES), first_index[item.path])
+
+    items.sort(key=order)
 
 
 def pytest_xdist_make_scheduler(config, log):
@@ -81,6 +92,8 @@ def pytest_xdist_make_scheduler(config, log):
     xdist's own ``--dist loadfile`` keeps files whole but cannot join two; ``loadgroup`` could, but it renames the
     items through an attribute pytest 9.2 no longer reads, so its groups are silently ignored."""
     from xdist.scheduler import LoadScopeScheduling
+
+    config.option.loadscopereorder = False  # the order above, not xdist's (most tests first, builds not considered)
 
     class WholeFiles(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
