@@ -86,6 +86,7 @@ def pytest_collection_modifyitems(session, config, items):
     items.sort(key=order)
 
 
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: unknown (and never called) under -p no:xdist
 def pytest_xdist_make_scheduler(config, log):
     """With workers (``-n``): whole files to each, in the order above, the files of ``SHARED_WORKER`` together.
 
