@@ -41,12 +41,14 @@ demo: install $(DAGSTER_HOME)/dagster.yaml
 	EAGLE3_DEMO_TARGET=$(DEMO_TARGET) $(PY) -m eagle3_assets.demo
 
 # The suite uses real services: sshd (the remote GPU host), PostgreSQL (the production instance), Chromium (the UI).
-# Two xdist workers, whole files each (tests/conftest.py's scheduler, docs/testing.md#two-workers): most tests wait on a server or a subprocess, so
-# one process left a core idle.
-TEST_WORKERS ?= 2
+# Three xdist workers on the 2 cores, whole files each (tests/conftest.py's scheduler, docs/testing.md#workers):
+# most tests wait on a server, a subprocess or a tick, so one process left a core idle. One OpenMP thread per process
+# outside vLLM (whose CPU worker binds its own): with several processes per core, torch's spinning threads took CPU
+# from the others (the ramp's graph: 210 user-s against 266, side by side).
+TEST_WORKERS ?= 3
 test: install
 	bash scripts/test-services
-	$(PY) -m pytest -n $(TEST_WORKERS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(TEST_WORKERS)
 
 # The training curves of draft_checkpoint's last run (docs/training.md#tensorboard) on 127.0.0.1:6006.
 tensorboard: install

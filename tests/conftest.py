@@ -58,12 +58,12 @@ def _file_group(targets: set[str]) -> int:
     return 2 if targets & set(LOW_PRIORITY_BUILDS) else 1 if targets else 0
 
 
-# Files that run on one xdist worker together (`make test` runs two, docs/testing.md#two-workers): the local Ray
+# Files that run on one xdist worker together (`make test` runs three, docs/testing.md#workers): the local Ray
 # cluster is started once for both of its files, and the trained draft's server once for the two that read it.
 SHARED_WORKER = {"test_ray_cluster": "ray", "test_ray_ui": "ray", "test_acceptance_spread": "trained-draft-server", "test_replay": "trained-draft-server"}
 
 
-# The files that take minutes (docs/testing.md#two-workers), first within their build group: started early, each
+# The files that take minutes (docs/testing.md#workers), first within their build group: started early, each
 # runs beside the rest on the other worker instead of alone at the end.
 LONG_FILES = ("test_end_to_end", "test_kimi_end_to_end", "test_deployed_draft_watch", "test_ray_cluster", "test_ui", "test_export")
 
