@@ -559,8 +559,7 @@ def main() -> None:
         spread_note = " (one seed: no spread, so any shortfall counts)" if args.seeds == 1 else ""
         print(f"positions where ours is below the peer by more than the seeds' spread{spread_note}: " + (", ".join(str(b["position"]) for b in below) or "none"))
     if p5:
-        print(f"\nP5 (ours trained / its untrained twin, mean acceptance at k = {args.k}): {p5['p5c']:.3f}; "
-              f"{against_reference(figures['ours'], figures[UNTRAINED])}")  # fmt: skip
+        print(f"\nP5 (ours trained / its untrained twin, mean acceptance at k = {args.k}): {against_reference(figures['ours'], figures[UNTRAINED])}")
     for label, against in own.items():
         recipe_of = "its whole recipe: Muon lr 1e-3, linear, 8,192-token batches" if label == "peer-own" else "its optimizer and schedule on our batches"
         print(f"ours / speculators at its own defaults ({recipe_of}; ours on its own recipe), mean acceptance at k = {args.k}: {against['p5c']:.3f}")
