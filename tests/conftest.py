@@ -64,7 +64,7 @@ SHARED_WORKER = {"test_ray_cluster": "ray", "test_ray_ui": "ray", "test_acceptan
 
 
 # The files that take minutes (docs/testing.md#workers), first within their build group: started early, each
-# runs beside the rest on the other worker instead of alone at the end.
+# runs beside the rest on the other workers instead of alone at the end.
 LONG_FILES = ("test_end_to_end", "test_kimi_end_to_end", "test_deployed_draft_watch", "test_ray_cluster", "test_ui", "test_export")
 
 
