@@ -66,11 +66,16 @@ SHARED_WORKER = {"test_ray_cluster": "ray", "test_ray_ui": "ray", "test_acceptan
 # The files that take minutes (docs/testing.md#workers), first within their build group: started early, each
 # runs beside the rest on the other workers instead of alone at the end.
 LONG_FILES = ("test_end_to_end", "test_kimi_end_to_end", "test_deployed_draft_watch", "test_ray_cluster", "test_ui", "test_export")
+# With workers, the two graphs (the suite's largest files) are handed out before everything else, the Kimi one
+# although its target builds for minutes: its worker waits on the build lock while the build and the other
+# workers fill both cores, instead of the graph starting after every other file and running on alone at the end.
+# One process keeps the build order: it would wait with nothing else running.
+FIRST_WITH_WORKERS = ("test_kimi_end_to_end", "test_end_to_end")
 
 
 def pytest_collection_modifyitems(session, config, items):
     """Whole files in the order their builds are ready: no target, then the tiny target, then the larger ones; in
-    each, the long files first.
+    each, the long files first. With workers, the two graphs before all of them.
 
     Files stay whole so that a module's fixtures (a graph, a server) are set up once (with workers: the scheduler
     below)."""
@@ -79,9 +84,16 @@ def pytest_collection_modifyitems(session, config, items):
         used.setdefault(item.path, set()).update(_targets_used(item.path, item.fixturenames))
     first_index = {path: index for index, path in reversed(list(enumerate(item.path for item in items)))}
 
+    first = FIRST_WITH_WORKERS if _role(config) != "single" else ()
+
     def order(item) -> tuple:
         stem = item.path.stem
-        return (_file_group(used[item.path]), LONG_FILES.index(stem) if stem in LONG_FILES else len(LONG_FILES), first_index[item.path])
+        return (
+            first.index(stem) if stem in first else len(first),
+            _file_group(used[item.path]),
+            LONG_FILES.index(stem) if stem in LONG_FILES else len(LONG_FILES),
+            first_index[item.path],
+        )  # fmt: skip
 
     items.sort(key=order)
 
