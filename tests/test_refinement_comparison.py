@@ -42,3 +42,27 @@ def test_the_goal_is_met_only_above_1_05_and_beyond_the_larger_of_the_two_ranges
 
     below = refinement_comparison.verdict(over_seeds(1.80, 1.81, 1.79), SUPERVISED)
     assert below["beyond_spread"] and not below["goal_met"] and "below, beyond the seeds' spread" in below["reading"]
+
+
+def test_the_long_targets_round_serves_its_own_demo_conversations_and_is_judged_on_others():
+    """``--target long``: the held-in prompts are the long demo's own (its ids, multi-turn ones with their answered
+    history and system prompts) and what the target was trained to write after them; the held-out ones share no
+    question with them (the product's own guard, ``held_out_overlap``). Fails when the held-out conversations are
+    drawn with the demo's seed (every one is then a held-in one), or when the history is dropped from the held-in
+    prompts."""
+    import polars as pl
+
+    from eagle3_assets.core.refinement.round import held_out_overlap
+    from eagle3_assets.demo.long_prompts import long_prompts
+
+    held_in = refinement_comparison.held_in_conversations("long", 48)
+    held_out = [messages for _, messages in refinement_comparison.held_out_conversations("long")]
+    assert [row[0] for row in held_in] == [row["id"] for row in long_prompts(48, refinement_comparison.DEMO_PROMPTS_SEED)]
+    assert any(sum(m["role"] == "assistant" for m in messages) >= 1 for _, messages, _, _ in held_in)
+    assert any(messages[0]["role"] == "system" for _, messages, _, _ in held_in)
+    assert all(messages[-1]["role"] == "user" and reasoning and answer for _, messages, reasoning, answer in held_in)
+    assert len(held_out) == refinement_comparison.LONG_HELD_OUT
+    rows = pl.DataFrame({"id": [row[0] for row in held_in], "messages": [row[1] for row in held_in]})
+    assert held_out_overlap(rows, held_out) == []
+    # The guard does see an overlap where there is one: the first held-in conversation, judged on.
+    assert held_out_overlap(rows, [*held_out, held_in[0][1]]) == [held_in[0][0]]
