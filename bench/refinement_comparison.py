@@ -130,15 +130,19 @@ def verdict(refined: dict, supervised: dict, goal: float = GOAL) -> dict:
 
     The spread is the larger of the two variants' ranges over seeds (a difference of means inside it is not resolved by
     these seeds). The goal is met only when the ratio of means is at least ``goal`` *and* refined is above by more than
-    the spread; otherwise the default stays supervised.
+    the spread; otherwise the default stays supervised. One seed (a run of the path end to end) has no spread: no
+    verdict.
     """
     a, b = refined["acceptance_length"], supervised["acceptance_length"]
     ratio = a["mean"] / b["mean"]
     spread = max(a["max"] - a["min"], b["max"] - b["min"])
     difference = a["mean"] - b["mean"]
-    beyond = abs(difference) > spread
+    seeds = min(a.get("n", 2), b.get("n", 2))
+    beyond = seeds >= 2 and abs(difference) > spread  # one seed has no spread: nothing is beyond it
     met = beyond and difference > 0 and ratio >= goal
-    if met:
+    if seeds < 2:
+        reading = f"refined / supervised-continued {ratio:.3f} from one seed: no spread to read it against, so no verdict; the default stays supervised"
+    elif met:
         reading = f"refined / supervised-continued {ratio:.3f}: at least {goal} and above beyond the seeds' spread ({spread:.3f}): the goal is met on this target"
     elif not beyond:
         reading = (

@@ -44,6 +44,14 @@ def test_the_goal_is_met_only_above_1_05_and_beyond_the_larger_of_the_two_ranges
     assert below["beyond_spread"] and not below["goal_met"] and "below, beyond the seeds' spread" in below["reading"]
 
 
+def test_one_seed_gives_no_verdict_however_large_the_ratio():
+    """A range of one value is 0, so any difference is "beyond" it: seen in a one-seed run of the long target (1.064,
+    "goal met beyond the seeds' spread (0.000)"). Fails without the check on the number of seeds."""
+    one = refinement_comparison.verdict(over_seeds(1.768), over_seeds(1.661))
+    assert not one["goal_met"] and not one["beyond_spread"] and one["ratio"] == pytest.approx(1.0644, abs=1e-4)
+    assert "one seed" in one["reading"] and "no verdict" in one["reading"]
+
+
 def test_the_long_targets_round_serves_its_own_demo_conversations_and_is_judged_on_others():
     """``--target long``: the held-in prompts are the long demo's own (its ids, multi-turn ones with their answered
     history and system prompts) and what the target was trained to write after them; the held-out ones share no
