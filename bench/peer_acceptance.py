@@ -377,6 +377,8 @@ def against_reference(f: dict, ref: dict) -> str:
     a, b = f["acceptance_length"], ref["acceptance_length"]
     spread = max(a["max"] - a["min"], b["max"] - b["min"])
     verdict = "above, beyond the spread" if a["mean"] - b["mean"] > spread else "below, beyond the spread" if b["mean"] - a["mean"] > spread else "within the spread"
+    if min(a.get("n", 2), b.get("n", 2)) < 2:
+        verdict = "one seed: no spread"  # a range of one value is 0, and every difference would read as beyond it
     common = sorted(set(f["by_seed"]) & set(ref["by_seed"]), key=int)
     above = sum(f["by_seed"][s] > ref["by_seed"][s] for s in common)
     below = sum(f["by_seed"][s] < ref["by_seed"][s] for s in common)

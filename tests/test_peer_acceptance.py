@@ -86,6 +86,9 @@ def test_a_change_counts_against_the_reference_only_beyond_the_seeds_spread():
     assert peer_acceptance.against_reference(far, reference) == f"{3.525 / 3.9:.3f} (below, beyond the spread; seed by seed above in 0, below in 2 of 2)"
     mixed = peer_acceptance.variant_figures({"0": measurement(3.7, 34.0, 340), "1": measurement(4.1, 34.0, 340), "2": measurement(4.0, 34.0, 340)})
     assert peer_acceptance.against_reference(mixed, reference).endswith("seed by seed above in 1, below in 1 of 2)")  # seed 2: no reference
+    # One seed each: a range of one value is 0, so no difference is read against it (without the check: "beyond").
+    one, one_reference = (peer_acceptance.variant_figures({"0": measurement(length, 34.0, 340)}) for length in (4.2, 3.8))
+    assert peer_acceptance.against_reference(one, one_reference) == f"{4.2 / 3.8:.3f} (one seed: no spread; seed by seed above in 1, below in 0 of 1)"
     table = peer_acceptance.render({"ours": reference, "far": far}, 5, 32, 2)
     assert "| far | 3.52 (3.50-3.55) |" in table and "| 0.100 (0.100-0.100) | 0.904 (below, beyond the spread; seed by seed above in 0, below in 2 of 2) |" in table
 
