@@ -90,9 +90,9 @@ TARGET_DIRS = {
 # The long-trace target's held-out conversations: drawn with a seed of their own (its demo prompts are seed 1), so
 # none is a held-in one; as many as its demo's draft_evaluation judges on (an eighth of 64).
 LONG_HELD_OUT, LONG_HELD_OUT_SEED = 8, 2
-# Per target, what a flag left unset takes: traces of the starting draft, completion tokens per served held-in prompt
-# (the demo's traces end well before 512; the long target's run to the user's 8,192) and micro-batch tokens (the demo
-# recipe's: 1,024, and 8,192 for the long target, one whole trace a micro-batch).
+# Per target, what a flag left unset takes: traces of the starting draft and completion tokens per served held-in prompt
+# (the demo's traces end well before 512; the long target's run to the user's 8,192). Micro-batch tokens come from the
+# demo's recipe for the target (1,024; 8,192 for the long one, one whole trace a micro-batch).
 TARGET_DEFAULTS = {
     "tiny": {"start_traces": 256, "max_tokens": 512}, "qwen3": {"start_traces": 256, "max_tokens": 512},
     "long": {"start_traces": 48, "max_tokens": 8192},
@@ -474,7 +474,6 @@ def main() -> None:
     from eagle3_assets.core.storage.files import write_json_atomic, write_parquet_atomic
     from eagle3_assets.core.training.config import TrainConfig
     from eagle3_assets.core.training.schedule import fitted_learning_rate
-    from eagle3_assets.demo.targets import DEMO_TARGETS
 
     target, context = built_in_target(args.target)
     log(f"target {args.target}: {target.path}, layers {target.aux_layer_ids}, served with {target.serving.model_dump(exclude_defaults=True)}")
@@ -497,9 +496,9 @@ def main() -> None:
     overrides = {
         "prompts_per_round": args.prompts_per_round, "max_tokens": max_tokens, "batch_tokens": batch_tokens,
         "learning_rate": learning_rate, "max_eval_prompts": len(held_out),
+        # the held-out passes as long as the demo's draft_evaluation's (its default 128; the long target's 4,352)
+        "eval_max_tokens": demo_evaluation(args.target, None, None)["max_tokens"],
     }  # fmt: skip
-    if DEMO_TARGETS[args.target].evaluation:  # the held-out passes as long as the demo's draft_evaluation's (long: 4,352 tokens)
-        overrides["eval_max_tokens"] = demo_evaluation(args.target, None, None)["max_tokens"]
     if args.loss:
         overrides["loss"] = args.loss
     job = RefinementJob(
