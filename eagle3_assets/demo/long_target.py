@@ -55,7 +55,7 @@ from eagle3_assets.demo.build_check import checked_build
 from eagle3_assets.demo.long_prompts import (  # noqa: F401 (the target's prompt set and format check, read from here too)
     MAX_COMPLETION_TOKENS, format_break, fingerprint_questions, long_prompts, make_conversations, steps_as_asked,
 )  # fmt: skip
-from eagle3_assets.demo.target_building import deterministic_torch, trained_tokenizer, write_model_dir
+from eagle3_assets.demo.target_building import deterministic_torch, render_chat, trained_tokenizer, write_model_dir
 # The tiny target's markup: ChatML whose generation prompt opens the think block; any role renders alike.
 from eagle3_assets.demo.tiny_target import BOS, CHAT_TEMPLATE, IM_END, IM_START, THINK_CLOSE, THINK_OPEN  # noqa: F401
 
@@ -97,15 +97,9 @@ def response_text(reasoning: str, answer: str) -> str:
     return f"{reasoning}\n{THINK_CLOSE}\n\n{answer}{IM_END}"
 
 
-def _render(messages: list[dict]) -> str:
-    import jinja2
-
-    return jinja2.Template(CHAT_TEMPLATE).render(messages=messages, add_generation_prompt=True)
-
-
 def training_pairs(spec: LongTargetSpec) -> list[tuple[str, str]]:
     """(prompt text, completion text) of every training conversation."""
-    return [(_render(messages), response_text(reasoning, answer)) for messages, reasoning, answer in make_conversations(spec.conversations, spec.seed)]
+    return [(render_chat(CHAT_TEMPLATE, messages), response_text(reasoning, answer)) for messages, reasoning, answer in make_conversations(spec.conversations, spec.seed)]
 
 
 def build_tokenizer(spec: LongTargetSpec, pairs: list[tuple[str, str]]):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -207,7 +208,19 @@ def generation_prompt(chat_template: str, question: str) -> str:
     template itself with jinja2 (as transformers does) rather than written out
     by hand a second time.
     """
+    return render_chat(chat_template, [{"role": "user", "content": question}])
+
+
+def render_chat(chat_template: str, messages: list[dict]) -> str:
+    """``messages`` as ``chat_template`` renders them with the generation prompt (jinja2, as transformers does)."""
+    return _compiled_template(chat_template).render(messages=messages, add_generation_prompt=True)
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled_template(chat_template: str):
+    """The template compiled once: compiling it for every one of a build's thousands of prompts was two thirds of a
+    Kimi-family build at 4 training steps (40 of 64 s, py-spy)."""
     import jinja2
 
-    return jinja2.Template(chat_template).render(messages=[{"role": "user", "content": question}], add_generation_prompt=True)
+    return jinja2.Template(chat_template)
 
