@@ -59,8 +59,14 @@ def _file_group(targets: set[str]) -> int:
 
 
 # Files that run on one xdist worker together (`make test` runs three, docs/testing.md#workers): the local Ray
-# cluster is started once for both of its files, and the trained draft's server once for the two that read it.
-SHARED_WORKER = {"test_ray_cluster": "ray", "test_ray_ui": "ray", "test_acceptance_spread": "trained-draft-server", "test_replay": "trained-draft-server"}
+# cluster is started once for both of its files, the trained draft's server once for the two that read it, and the
+# Kimi-family and Qwen3 targets' servers once each for the files that ask for them (each was started twice, on two
+# workers: 71 CPU-s, measured).
+SHARED_WORKER = {
+    "test_ray_cluster": "ray", "test_ray_ui": "ray",
+    "test_acceptance_spread": "trained-draft-server", "test_replay": "trained-draft-server",
+    **dict.fromkeys(("test_kimi_end_to_end", "test_kimi_target", "test_server_token_ids", "test_qwen3_target"), "built-in-servers"),
+}  # fmt: skip
 
 
 # The files that take minutes (docs/testing.md#workers), first within their build group: started early, each
