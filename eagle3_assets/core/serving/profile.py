@@ -257,7 +257,10 @@ def vllm_launch(
     if on_cpu:
         defaults[CPU_KV_CACHE_ENV] = str(CPU_KV_CACHE_GIB)  # vLLM's CPU default reserves most of the host's memory
     if built_in:
-        defaults[MULTIPROCESSING_ENV] = "0"  # the engine in the API server's process: healthy in well under half the time
+        # vLLM 0.32's API server still spawns its engine core (AsyncLLM has no in-process client; on a CPU vLLM forces
+        # spawn, so the core imports vLLM again): with this set a tiny target was healthy in 38 s against 56 s, at the
+        # same ~35 CPU-s (one start each, 2026-12-07). The vLLM extraction backend's LLM does run in-process with it.
+        defaults[MULTIPROCESSING_ENV] = "0"
     return VLLMLaunch(
         engine_args={k: v for k, v in engine_args.items() if v is not None},
         env=dict(profile.env),
