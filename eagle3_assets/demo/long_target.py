@@ -99,7 +99,8 @@ def response_text(reasoning: str, answer: str) -> str:
 
 def training_pairs(spec: LongTargetSpec) -> list[tuple[str, str]]:
     """(prompt text, completion text) of every training conversation."""
-    return [(render_chat(CHAT_TEMPLATE, messages), response_text(reasoning, answer)) for messages, reasoning, answer in make_conversations(spec.conversations, spec.seed)]
+    conversations = make_conversations(spec.conversations, spec.seed)
+    return [(render_chat(CHAT_TEMPLATE, messages), response_text(reasoning, answer)) for messages, reasoning, answer in conversations]
 
 
 def build_tokenizer(spec: LongTargetSpec, pairs: list[tuple[str, str]]):
