@@ -339,6 +339,20 @@ def shared_round(job, paths, layer_ids: list[int], log) -> dict:
     }  # fmt: skip
 
 
+def variant_dir(work: Path, label: str, loss: str, seed: int, states: Path) -> VariantPaths:
+    """Where one variant's training for ``seed`` lives: by loss as well as label, so that a run with another
+    ``--loss`` over the same work directory trains its own refined drafts beside the earlier ones."""
+    return VariantPaths(work / "variants" / label / loss / f"seed-{seed}", states)
+
+
+def reusable_training(record: Path, model: Path, job) -> dict | None:
+    """A finished training's record, when it is one of ``job``'s loss and seed and its draft was written; else None."""
+    if not (record.is_file() and (model / "config.json").is_file()):
+        return None
+    trained = json.loads(record.read_text())
+    return trained if (trained.get("loss"), trained.get("seed")) == (job.loss, job.seed) else None
+
+
 def train_and_gate(job, variant_paths: VariantPaths, draft_config, log) -> dict:
     """The stage's train phase into this variant's directory (reused when its record is there), then its gate phase."""
     from eagle3_assets.core.storage.files import write_json_atomic
@@ -346,8 +360,8 @@ def train_and_gate(job, variant_paths: VariantPaths, draft_config, log) -> dict:
     from eagle3_assets.stages import refine_draft as stage
 
     record = variant_paths.root / "train.json"
-    if record.is_file() and (variant_paths.model / "config.json").is_file():
-        trained = json.loads(record.read_text())
+    trained = reusable_training(record, variant_paths.model, job)
+    if trained:
         log(f"{variant_paths.root.name}: training reused ({record})")
     else:
         variant_paths.root.mkdir(parents=True, exist_ok=True)
@@ -518,7 +532,7 @@ def main() -> None:
         for label, loss in variants.items():
             log(f"{label} (loss {loss}), seed {seed}")
             variant_job = job.model_copy(update={"loss": loss, "seed": seed})
-            runs[label][str(seed)] = train_and_gate(variant_job, VariantPaths(work / "variants" / label / f"seed-{seed}", paths.states), draft_config, log)
+            runs[label][str(seed)] = train_and_gate(variant_job, variant_dir(work, label, loss, seed, paths.states), draft_config, log)
         steps = {label: runs[label][str(seed)]["optimizer_steps"] for label in variants}
         if len(set(steps.values())) != 1:
             raise SystemExit(f"seed {seed}: the variants trained different optimizer steps {steps}: the comparison is not of the same cost")

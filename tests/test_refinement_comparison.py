@@ -4,6 +4,7 @@ training."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -74,3 +75,25 @@ def test_the_long_targets_round_serves_its_own_demo_conversations_and_is_judged_
     assert held_out_overlap(rows, held_out) == []
     # The guard does see an overlap where there is one: the first held-in conversation, judged on.
     assert held_out_overlap(rows, [*held_out, held_in[0][1]]) == [held_in[0][0]]
+
+
+def test_a_training_is_reused_only_for_its_own_loss_and_seed(tmp_path):
+    """A second run with ``--loss opd_anchored`` over a work directory where ``opd`` had trained: its refined drafts
+    are trained in their own directories, and a record of another loss or seed is never taken for this one's. Fails
+    when the variant's directory ignores the loss (the opd draft then reported as opd_anchored's) or when the reuse
+    check ignores the record's loss or seed."""
+    from types import SimpleNamespace
+
+    states = tmp_path / "states"
+    opd, anchored = (refinement_comparison.variant_dir(tmp_path, "refined", loss, 0, states) for loss in ("opd", "opd_anchored"))
+    assert opd.root != anchored.root and opd.states == anchored.states == states
+    assert refinement_comparison.variant_dir(tmp_path, "refined", "opd", 1, states).root != opd.root
+
+    opd.model.mkdir(parents=True)
+    (opd.model / "config.json").write_text("{}")
+    record = opd.root / "train.json"
+    assert refinement_comparison.reusable_training(record, opd.model, SimpleNamespace(loss="opd", seed=0)) is None  # not finished
+    record.write_text(json.dumps({"loss": "opd", "seed": 0, "train_s": 1.0}))
+    assert refinement_comparison.reusable_training(record, opd.model, SimpleNamespace(loss="opd", seed=0))["train_s"] == 1.0
+    for other in (SimpleNamespace(loss="opd_anchored", seed=0), SimpleNamespace(loss="opd", seed=1)):
+        assert refinement_comparison.reusable_training(record, opd.model, other) is None
