@@ -1,14 +1,19 @@
-"""The long-trace target's generated traces, read back from a data directory: their lengths and how often they break the format.
+"""The long-trace target's generated traces: their lengths and how often they break the format.
 
     .venv/bin/python bench/long_traces.py [--data-dir data]
+    .venv/bin/python bench/long_traces.py --generate --temperatures 1.0 0.6 0.3 [--save responses.jsonl]
 
-Reads ``<data>/prompts/*.parquet`` (each row's last user question) and
-``<data>/raw_responses/*.parquet`` (what the target wrote, as vLLM returned it)
-of a ``make demo DEMO_TARGET=long`` run, checks every response with
-:func:`eagle3_assets.demo.long_prompts.format_break`, and prints the count of
+Without ``--generate`` it reads ``<data>/prompts/*.parquet`` (each row's last
+user question) and ``<data>/raw_responses/*.parquet`` (what the target wrote, as
+vLLM returned it) of a ``make demo DEMO_TARGET=long`` run: it measures what the
+run wrote and generates nothing. With ``--generate`` it serves the built long
+target (``EAGLE3_LONG_TARGET_DIR``, built and checked if missing) with the
+demo's serving profile, one vLLM start, and sends the long demo's 64 prompts
+at each temperature in turn (the demo's 8,192 completion tokens and 128 in
+flight, the generation's default top_p 0.95). Either way every response is checked with
+:func:`eagle3_assets.demo.long_prompts.format_break`, and it prints the
 breaks by kind, how many started from the question's own step count, and the
 completion tokens (p50, p95, max) of all responses and of those in format.
-Measures what the run wrote; generates nothing.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from pathlib import Path
 import polars as pl
 
 from eagle3_assets.demo.long_prompts import format_break, steps_as_asked
+from eagle3_assets.demo.prompt_set import write_jsonl
 
 
 def last_question(messages: list[dict]) -> str:
@@ -54,11 +60,60 @@ def break_kind(why: str) -> str:
     return re.sub(r"line \d+ '.*' is not", "a line is not", re.sub(r"line \d+ counts \d+ after \d+", "a line skips the count", why))
 
 
+def generated_rows(temperatures: list[float]) -> dict[float, list[dict]]:
+    """The long demo's prompts, each sampled once at each temperature from one start of the served long target."""
+    import asyncio
+
+    from eagle3_assets.core.generation.config import Sampling
+    from eagle3_assets.core.generation.openai_client import async_openai_client
+    from eagle3_assets.demo.long_prompts import make_conversations
+    from eagle3_assets.demo.plugin import LONG_SAMPLING
+    from eagle3_assets.demo.serve import demo_server
+
+    conversations = [messages for messages, _, _ in make_conversations(64, 1)]  # long_prompts(): the demo's set
+
+    async def one(client, model: str, messages: list[dict], temperature: float, slots: asyncio.Semaphore) -> dict:
+        async with slots:
+            reply = await client.chat.completions.create(
+                model=model, messages=messages, max_tokens=LONG_SAMPLING["max_tokens"], temperature=temperature, top_p=Sampling().top_p
+            )
+        choice = reply.choices[0]
+        reasoning = getattr(choice.message, "reasoning", None) or (choice.message.model_extra or {}).get("reasoning")
+        return {
+            "question": last_question(messages), "reasoning": reasoning, "content": choice.message.content,
+            "finish_reason": choice.finish_reason, "completion_tokens": reply.usage.completion_tokens,
+        }  # fmt: skip
+
+    async def run(server) -> dict[float, list[dict]]:
+        slots = asyncio.Semaphore(LONG_SAMPLING["concurrency"])
+        async with async_openai_client(server.base_url) as client:
+            return {
+                t: await asyncio.gather(*(one(client, server.served_model_name, m, t, slots) for m in conversations)) for t in temperatures
+            }  # fmt: skip
+
+    with demo_server("long", port=0) as server:
+        return asyncio.run(run(server))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--data-dir", type=Path, default=Path("data"))
+    parser.add_argument("--generate", action="store_true", help="serve the long target and generate here, instead of reading a run")
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[1.0], help="with --generate: one pass of the prompts at each")
+    parser.add_argument("--save", type=Path, help="with --generate: write every response here (JSON lines), to read the breaks")
     args = parser.parse_args()
-    rows = read_rows(args.data_dir)
+    if args.generate:
+        generated = generated_rows(args.temperatures)
+        if args.save:
+            write_jsonl(args.save, [{"temperature": t, **row} for t, rows in generated.items() for row in rows])
+        for temperature, rows in generated.items():
+            print(f"\ntemperature {temperature}:")
+            report(rows)
+    else:
+        report(read_rows(args.data_dir))
+
+
+def report(rows: list[dict]) -> None:
     kinds: Counter = Counter()
     kept, as_asked = [], 0
     for row in rows:

@@ -25,27 +25,33 @@ def _spaced(value: int | str, width: int = 0) -> str:
     return " ".join(reversed(str(value).zfill(width))) if isinstance(value, int) else " ".join(value)
 
 
+def _countdown(left: int, tag: str) -> str:
+    """A line's opening: the steps left, units first, then the family's tag, capitalised on the last line (``left``
+    0). The mark is what the stop is read from: the three digits just written decide it, and the line's end then
+    finds one capital in sight instead of three zeros among a line's worth of digits (read from the hundreds digit,
+    the stop went wrong on a third of traces either way: closed at ``n 0 0 d``, or went on past ``n 0 0 0``)."""
+    return f"n {_spaced(left, 3)} {tag.upper() if left == 0 else tag}"
+
+
 # Each family: its name, the range of its step count (lines - 1), and how it writes a trace for a seeded generator.
 def _sum_trace(rng: random.Random, steps: int) -> Trace:
     a, s = rng.randint(1, 9), rng.randint(0, 9999)
-    first = f"n {_spaced(steps, 3)} a {a} s {_spaced(s, 4)}"
+    first = f"{_countdown(steps, 'a')} {a} s {_spaced(s, 4)}"
     lines = []
     for left in range(steps, -1, -1):
-        lines.append(f"n {_spaced(left, 3)} a {a} s {_spaced(s, 4)}")
-        s = (s + a) % 10000
-    last = lines[-1].split(" s ")[1]
-    return (f"Add a to s once for every step, keeping four digits: {first}", "\n".join(lines), f"The sum is {last}.")
+        lines.append(f"{_countdown(left, 'a')} {a} s {_spaced(s, 4)}")
+        last, s = s, (s + a) % 10000
+    return (f"Add a to s once for every step, keeping four digits: {first}", "\n".join(lines), f"The sum is {_spaced(last, 4)}.")
 
 
 def _rotate_trace(rng: random.Random, steps: int) -> Trace:
     word = "".join(rng.choice(LETTERS) for _ in range(6))
-    first = f"n {_spaced(steps, 3)} w {_spaced(word)}"
+    first = f"{_countdown(steps, 'w')} {_spaced(word)}"
     lines = []
     for left in range(steps, -1, -1):
-        lines.append(f"n {_spaced(left, 3)} w {_spaced(word)}")
-        word = word[1:] + word[0]
-    last = lines[-1].split(" w ")[1]
-    return (f"Rotate the word left by one letter at every step: {first}", "\n".join(lines), f"The word ends as {last}.")
+        lines.append(f"{_countdown(left, 'w')} {_spaced(word)}")
+        last, word = word, word[1:] + word[0]
+    return (f"Rotate the word left by one letter at every step: {first}", "\n".join(lines), f"The word ends as {_spaced(last)}.")
 
 
 def _flips_trace(rng: random.Random, steps: int) -> Trace:
@@ -54,14 +60,13 @@ def _flips_trace(rng: random.Random, steps: int) -> Trace:
     for left in range(steps, -1, -1):
         flip = rng.choice("ht")
         heads += flip == "h"
-        lines.append(f"n {_spaced(left, 3)} f {flip} c {_spaced(heads, 4)}")
-    last = lines[-1].split(" c ")[1]
-    return (f"Flip a coin at every step and count the heads: {first}", "\n".join(lines), f"Heads came up {last} times.")
+        lines.append(f"{_countdown(left, 'f')} {flip} c {_spaced(heads, 4)}")
+    return (f"Flip a coin at every step and count the heads: {first}", "\n".join(lines), f"Heads came up {_spaced(heads, 4)} times.")
 
 
 def _dice_trace(rng: random.Random, steps: int) -> Trace:
     first = f"n {_spaced(steps, 3)}"
-    lines = [f"n {_spaced(left, 3)} r {' '.join(str(rng.randint(1, 6)) for _ in range(6))}" for left in range(steps, -1, -1)]
+    lines = [f"{_countdown(left, 'r')} {' '.join(str(rng.randint(1, 6)) for _ in range(6))}" for left in range(steps, -1, -1)]
     return (f"Roll six dice at every step and write each roll: {first}", "\n".join(lines), f"The last roll was {lines[-1][-1]}.")
 
 
@@ -122,10 +127,10 @@ def fingerprint_questions() -> list[list[dict]]:
 
 # One line of each family, after the countdown: what the first line copies from the question and each line keeps.
 _LINE_PATTERNS = {
-    "sum": r"n \d \d \d a \d s \d \d \d \d",
-    "rotate": r"n \d \d \d w [a-z] [a-z] [a-z] [a-z] [a-z] [a-z]",
-    "flips": r"n \d \d \d f [ht] c \d \d \d \d",
-    "dice": r"n \d \d \d r [1-6] [1-6] [1-6] [1-6] [1-6] [1-6]",
+    "sum": r"n \d \d \d [aA] \d s \d \d \d \d",
+    "rotate": r"n \d \d \d [wW] [a-z] [a-z] [a-z] [a-z] [a-z] [a-z]",
+    "flips": r"n \d \d \d [fF] [ht] c \d \d \d \d",
+    "dice": r"n \d \d \d [rR] [1-6] [1-6] [1-6] [1-6] [1-6] [1-6]",
 }
 _QUESTION_FAMILY = {"Add a to s": "sum", "Rotate the word": "rotate", "Flip a coin": "flips", "Roll six dice": "dice"}
 
@@ -136,7 +141,8 @@ def format_break(question: str, reasoning: str | None, answer: str | None, finis
     In format: the think block closed (a reasoning and an answer, finish ``stop``),
     every reasoning line of the question's family's form, the countdown falling by
     one a line to ``0 0 0``. The content of a line (a wrong sum, a letter out of
-    turn) is not the format, nor is the count the first line starts from
+    turn, a tag written small on the last line or capitalised on another) is not
+    the format, nor is the count the first line starts from
     (:func:`steps_as_asked` says whether it is the question's).
     """
     import re

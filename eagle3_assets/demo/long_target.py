@@ -11,8 +11,10 @@ What a tiny model (width 64) trained for a few minutes can write in format for
 before it by a local rule, and the question says how many lines there are.
 Each line starts with a countdown ``n d d d`` (the steps left, one token per
 digit, units first) that the first line copies from the question and each next
-line decrements; the line with ``n 0 0 0`` is the last, so the stop is in sight
-of the model, and the length comes from the question. Numbers are written units
+line decrements, then the family's tag, capitalised on the line with ``n 0 0 0``
+alone; that line is the last, so the stop is in sight of the model (one capital
+within the window, decided by the three digits just written), and the length
+comes from the question. Numbers are written units
 first so that a borrow (or a carry) shows in the digit the model has just
 written: the tens fall by one exactly when the units just written are 9, a rule
 of the last token, where written the usual way it is a rule of the digits
@@ -89,7 +91,7 @@ class LongTargetSpec:
 
     @property
     def fingerprint(self) -> str:
-        return stable_hash({"spec": dataclasses.asdict(self), "template": CHAT_TEMPLATE, "format": 1})
+        return stable_hash({"spec": dataclasses.asdict(self), "template": CHAT_TEMPLATE, "format": 2})
 
 
 def response_text(reasoning: str, answer: str) -> str:
