@@ -14,7 +14,7 @@
 - ``long``: the long-trace target (``long_target.py``): traces of 750-7,750
   tokens whose length the question sets, over its own prompt set (64
   conversations, some multi-turn, several system prompts), generated at
-  temperature 0.3 with the user's 8,192 completion tokens and a draft trained at
+  temperature 0.6 with the user's 8,192 completion tokens and a draft trained at
   ``max_seq_len`` 8,192.
 
 ``make demo DEMO_TARGET=kimi`` runs the whole graph on the second one.
