@@ -64,6 +64,7 @@ def generated_rows(temperatures: list[float]) -> dict[float, list[dict]]:
     """The long demo's prompts, each sampled once at each temperature from one start of the served long target."""
     import asyncio
 
+    from eagle3_assets.core.generation.completions import parse_completion
     from eagle3_assets.core.generation.config import Sampling
     from eagle3_assets.core.generation.openai_client import async_openai_client
     from eagle3_assets.demo.long_prompts import make_conversations
@@ -77,12 +78,8 @@ def generated_rows(temperatures: list[float]) -> dict[float, list[dict]]:
             reply = await client.chat.completions.create(
                 model=model, messages=messages, max_tokens=LONG_SAMPLING["max_tokens"], temperature=temperature, top_p=Sampling().top_p
             )
-        choice = reply.choices[0]
-        reasoning = getattr(choice.message, "reasoning", None) or (choice.message.model_extra or {}).get("reasoning")
-        return {
-            "question": last_question(messages), "reasoning": reasoning, "content": choice.message.content,
-            "finish_reason": choice.finish_reason, "completion_tokens": reply.usage.completion_tokens,
-        }  # fmt: skip
+        row = parse_completion(reply.model_dump())  # the platform's reader: either name of the reasoning field
+        return {"question": last_question(messages), **{key: row[key] for key in ("reasoning", "content", "finish_reason", "completion_tokens")}}
 
     async def run(server) -> dict[float, list[dict]]:
         slots = asyncio.Semaphore(LONG_SAMPLING["concurrency"])
