@@ -40,6 +40,8 @@ measurement already in the work directory (``--fresh`` discards them).
     .venv/bin/python bench/peer_acceptance.py --data /tmp/long/data --demo-target long --variants ours peer-defaults
         # the long demo's states, recipe and held-out passes (4,352 tokens); --max-tokens 8192 then scores the same
         # drafts over whole traces
+    .venv/bin/python bench/peer_acceptance.py --data /tmp/long/data --demo-target long --variants ours peer-defaults --train-jobs 2
+        # two drafts training at once, one per core (both trainers take one thread on a CPU), then the evaluations
     .venv/bin/python bench/peer_acceptance.py --hidden-states /data/hidden_states --vocab-mapping /data/vocab_mapping \\
         --eval-prompts held_out.jsonl --target /models/MyTarget                # another target's states
 """
@@ -115,6 +117,12 @@ def parser() -> argparse.ArgumentParser:
         "the draft windowed as the target, the first 4,352 tokens of each held-out trace)",
     )  # fmt: skip
     p.add_argument("--max-tokens", type=int, default=None, help="completion tokens per held-out request (default: the demo target's evaluation, else 128)")
+    p.add_argument(
+        "--train-jobs", type=int, default=1,
+        help="drafts trained at once, each in a process of its own, before any is evaluated (default 1: each trained just "
+        "before its evaluation). On a CPU host both trainers take one thread, so N cores train N drafts at once; the seconds "
+        "per step then include the neighbours' load. The evaluations stay one server at a time",
+    )  # fmt: skip
     return p
 
 
@@ -295,6 +303,42 @@ def train_peer(label: str, seed: int, recipe: dict, shards: list[Path], vocab: P
     return out
 
 
+def train_draft(label: str, seed: int, ours_variants: dict, peer_recipe: dict, shards: list[Path], vocab: Path, target: Path, work: Path, python: str) -> Path:
+    """``label``'s draft of ``seed``, trained here or kept from an earlier run."""
+    if label in PEER_VARIANTS:
+        return train_peer(label, seed, peer_recipe, shards, vocab, target, work, python)
+    if label == UNTRAINED:
+        return untrained_draft(train_ours("ours", ours_variants["ours"], seed, shards, vocab, target, work), seed, work)
+    return train_ours(label, ours_variants[label], seed, shards, vocab, target, work)
+
+
+def train_in_parallel(pending: list[tuple[int, str]], jobs: int, *inputs) -> None:
+    """Train the drafts of ``pending`` ((seed, label), in that order), ``jobs`` at a time, each in a process of its own.
+    A failure starts nothing more; the drafts in training finish and are kept, so a rerun trains only the rest."""
+    import multiprocessing
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+
+    print(f"peer_acceptance: training {len(pending)} draft(s), {jobs} at a time: {', '.join(f'{label} seed {seed}' for seed, label in pending)}", flush=True)
+    queue, running, failed = list(pending), {}, None
+    # spawn, not fork: the parent has imported torch, whose thread pools a forked child inherits broken. Submitted one
+    # by one as workers free up, since a pool's queued calls could no longer be held back after a failure.
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        while queue or running:
+            while queue and failed is None and len(running) < jobs:
+                seed, label = queue.pop(0)
+                running[pool.submit(train_draft, label, seed, *inputs)] = (seed, label)
+            if not running:
+                break
+            done, _ = wait(running, return_when=FIRST_COMPLETED)
+            for future in done:
+                seed, label = running.pop(future)
+                if future.exception() is not None and failed is None:
+                    failed = future
+                    print(f"peer_acceptance: {label} seed {seed} failed; the drafts in training finish and are kept, nothing more starts", flush=True)
+    if failed is not None:
+        failed.result()  # the trainer's own error (a SystemExit names its log)
+
+
 def peer_settings(label: str) -> str | list[str]:
     """What a peer variant's drafts depend on beyond the shared inputs (kept as before for the variants on our recipe)."""
     return [PEER_VARIANTS[label], f"{PEER_OWN_RECIPE[label]}-recipe"] if label in PEER_OWN_RECIPE else PEER_VARIANTS[label]
@@ -459,6 +503,8 @@ def main() -> None:
     unknown = [v for v in args.variants if v not in ours_variants and v not in PEER_VARIANTS and v != UNTRAINED]
     if unknown:
         sys.exit(f"--variants {unknown}: not ours, {', '.join(PEER_VARIANTS)}, {UNTRAINED} or an --ours-variant label")
+    if args.train_jobs < 1:
+        sys.exit(f"--train-jobs {args.train_jobs}: at least 1")
     needs_peer = any(v in PEER_VARIANTS for v in args.variants)
     if needs_peer and not Path(args.peer_python).is_file():
         sys.exit(f"{args.peer_python}: no peer environment; run `make peer-env` (or pass --peer-python)")
@@ -515,34 +561,33 @@ def main() -> None:
     profile = (evaluation["profile"] or ServingProfile()).model_copy(update={"trust_remote_code": args.trust_remote_code})
     # Seed by seed across the variants, not variant by variant: a run cut short still has every variant at the seeds it
     # finished, and the machine's load over the run falls on every variant alike.
-    for seed in range(args.seeds):
-        for label in args.variants:
-            if str(seed) in measured.get(label, {}).get(key, {}):
-                continue
-            started = time.monotonic()
-            if label in PEER_VARIANTS:
-                draft = train_peer(label, seed, peer_recipe, shards, vocab, target, work, args.peer_python)
-            elif label == UNTRAINED:
-                draft = untrained_draft(train_ours("ours", ours_variants["ours"], seed, shards, vocab, target, work), seed, work)
-            else:
-                draft = train_ours(label, ours_variants[label], seed, shards, vocab, target, work)
-            trained_s = time.monotonic() - started
-            run = json.loads((draft / DONE).read_text())
-            print(f"peer_acceptance: {label} seed {seed}: draft {draft} (training {run.get('train_s', round(trained_s, 1))} s)", flush=True)
-            result = evaluate(
-                target, {f"{label}-seed{seed}": draft}, conversations, num_speculative_tokens=args.k, concurrency=evaluation["concurrency"],
-                max_tokens=evaluation["max_tokens"],
-                include_reference=False, server_log_dir=work / "logs", profile=profile, temperature=args.temperature,
-                draft_sample_method=args.draft_sample_method,
-            )[f"{label}-seed{seed}"]  # fmt: skip
-            if result.failed or result.mean_acceptance_length is None:
-                sys.exit(f"{label} seed {seed}: {result.failed} of {result.prompts} requests failed or no drafts counted; see {work / 'logs'}")
-            entry = {**result.to_dict(), "train_s": run.get("train_s"), "optimizer_steps": optimizer_steps(run), "draft": str(draft)}
-            measured.setdefault(label, {}).setdefault(key, {})[str(seed)] = entry
-            report = {**report, "measured": measured}
-            write_json_atomic(report_path, report)  # each measurement kept at once: a rerun measures only what is missing
-            rates = " ".join(f"{r:.2f}" for r in result.acceptance_rate_per_position or [])
-            print(f"peer_acceptance: {label} seed {seed}: acceptance length {result.mean_acceptance_length:.3f}, per position {rates}", flush=True)
+    train_inputs = (ours_variants, peer_recipe, shards, vocab, target, work, args.peer_python)
+    missing = [(seed, label) for seed in range(args.seeds) for label in args.variants if str(seed) not in measured.get(label, {}).get(key, {})]
+    if args.train_jobs > 1:
+        # The untrained twin is its trained draft re-initialised, made in a moment at its evaluation.
+        pending = [(seed, label) for seed, label in missing if label != UNTRAINED and not (work / "drafts" / f"{label}-seed{seed}" / DONE).is_file()]
+        if pending:
+            train_in_parallel(pending, args.train_jobs, *train_inputs)
+    for seed, label in missing:
+        started = time.monotonic()
+        draft = train_draft(label, seed, *train_inputs)
+        trained_s = time.monotonic() - started
+        run = json.loads((draft / DONE).read_text())
+        print(f"peer_acceptance: {label} seed {seed}: draft {draft} (training {run.get('train_s', round(trained_s, 1))} s)", flush=True)
+        result = evaluate(
+            target, {f"{label}-seed{seed}": draft}, conversations, num_speculative_tokens=args.k, concurrency=evaluation["concurrency"],
+            max_tokens=evaluation["max_tokens"],
+            include_reference=False, server_log_dir=work / "logs", profile=profile, temperature=args.temperature,
+            draft_sample_method=args.draft_sample_method,
+        )[f"{label}-seed{seed}"]  # fmt: skip
+        if result.failed or result.mean_acceptance_length is None:
+            sys.exit(f"{label} seed {seed}: {result.failed} of {result.prompts} requests failed or no drafts counted; see {work / 'logs'}")
+        entry = {**result.to_dict(), "train_s": run.get("train_s"), "optimizer_steps": optimizer_steps(run), "draft": str(draft)}
+        measured.setdefault(label, {}).setdefault(key, {})[str(seed)] = entry
+        report = {**report, "measured": measured}
+        write_json_atomic(report_path, report)  # each measurement kept at once: a rerun measures only what is missing
+        rates = " ".join(f"{r:.2f}" for r in result.acceptance_rate_per_position or [])
+        print(f"peer_acceptance: {label} seed {seed}: acceptance length {result.mean_acceptance_length:.3f}, per position {rates}", flush=True)
 
     figures = {
         label: variant_figures({s: m for s, m in measured[label][key].items() if int(s) < args.seeds})

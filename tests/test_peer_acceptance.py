@@ -170,3 +170,46 @@ def test_acceptance_by_output_position_is_summarised_over_the_seeds_that_have_st
     assert figures["decay_ratio"]["n"] == 2
     table = peer_acceptance.render_output_positions({"ours": {"by_output_position": figures}, "peer": {"by_output_position": None}})
     assert "| ours | 3.20 (3.00-3.40) | 3.00 (2.70-3.30) | 0.97 (0.84-1.10) |" in table and "| peer |" not in table
+
+
+# A fake peer interpreter, for fault injection only: it takes the bench's command line for bench/peer/train_speculators.py,
+# notes when each seed starts and ends, fails on seed 1, and otherwise hands back a draft directory as the real one does.
+FAULT_INJECTING_PEER = """#!{python}
+import json, sys, time
+from pathlib import Path
+
+argv = sys.argv[2:]
+out, seed = Path(argv[argv.index("--out") + 1]), int(argv[argv.index("--seed") + 1])
+times = out.parent.parent / "times.jsonl"
+with open(times, "a") as f:
+    f.write(json.dumps({{"seed": seed, "event": "start", "t": time.time()}}) + "\\n")
+if seed == 1:
+    time.sleep(0.5)
+    sys.exit("fault injected: seed 1")
+time.sleep(3.0)
+out.mkdir(parents=True)
+with open(times, "a") as f:
+    f.write(json.dumps({{"seed": seed, "event": "end", "t": time.time()}}) + "\\n")
+print(json.dumps({{"draft": str(out)}}))
+"""
+
+
+def test_drafts_train_side_by_side_and_a_failure_keeps_the_ones_in_training_and_starts_no_more(tmp_path):
+    """``--train-jobs 2``: two drafts train at once (on a 2-core host, each trainer on its own core), and when one fails
+    the other finishes and is kept for the rerun while the next waiting draft never starts. Fails if the jobs are run
+    one after another (seed 1 starts after seed 0 ends), if a failure abandons the draft beside it (seed 0 not kept),
+    or if the queue goes on after it (seed 2 starts)."""
+    peer = tmp_path / "fault_injecting_peer"
+    peer.write_text(FAULT_INJECTING_PEER.format(python=sys.executable))
+    peer.chmod(0o755)
+    work = tmp_path / "work"
+    recipe = {"epochs": 1, "learning_rate": 3e-3, "warmup_ratio": 0.05, "ttt_steps": 3, "batch_tokens": 1024, "max_seq_len": 512, "betas": [0.9, 0.95]}
+    inputs = ({}, recipe, [tmp_path / "shard"], tmp_path / "vocab", tmp_path / "target", work, str(peer))
+    pending = [(0, "peer-defaults"), (1, "peer-defaults"), (2, "peer-defaults")]
+    with pytest.raises(SystemExit, match=r"(?s)peer-defaults seed 1: speculators' training failed .*fault injected: seed 1"):
+        peer_acceptance.train_in_parallel(pending, 2, *inputs)
+    events = [json.loads(line) for line in (work / "times.jsonl").read_text().splitlines()]
+    at = {(e["seed"], e["event"]): e["t"] for e in events}
+    assert at[(1, "start")] < at[(0, "end")], "seed 1 waited for seed 0: the drafts trained one after another"
+    assert (work / "drafts" / "peer-defaults-seed0" / peer_acceptance.DONE).is_file(), "the draft in training beside the failure was lost"
+    assert (2, "start") not in at and not (work / "drafts" / "peer-defaults-seed2").exists(), "a draft started after the failure"
