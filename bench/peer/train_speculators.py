@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> None:
         scheduler_type=recipe["scheduler"], scheduler_warmup_ratio=recipe["warmup_ratio"], checkpoint_freq=recipe["epochs"],
         hidden_states_dtype=states_dtype, log_freq=1,
     )  # fmt: skip
-    metrics = MetricsLog()
+    metrics = MetricsLog(total_steps=len(loader) * recipe["epochs"])
     metric_logger = logging.getLogger("speculators.metrics")
     metric_logger.setLevel(logging.INFO)
     metric_logger.addHandler(metrics)
@@ -259,14 +259,19 @@ def main(argv: list[str] | None = None) -> None:
 class MetricsLog(logging.Handler):
     """speculators' per-step training metrics (its ``speculators.metrics`` logger), kept for the run's record."""
 
-    def __init__(self):
+    def __init__(self, total_steps: int, every: int = 10):
         super().__init__()
         self.steps: list[dict] = []
+        self.total_steps, self.every, self.started = total_steps, every, time.monotonic()
 
     def emit(self, record: logging.LogRecord) -> None:
         if isinstance(record.msg, dict) and "train" in record.msg:
             train = record.msg["train"]
             self.steps.append({"step": record.msg.get("global_step"), **{k: round(float(v), 4) for k, v in train.items() if k.startswith(("loss", "full_acc"))}})
+            done = len(self.steps)
+            if done % self.every == 0 or done == self.total_steps:  # long runs show progress (the bench's log of this seed)
+                loss = self.steps[-1].get("loss", float("nan"))
+                print(f"speculators: step {done}/{self.total_steps} loss {loss:.4f} ({time.monotonic() - self.started:.0f}s)", file=sys.stderr, flush=True)
 
     def last(self, n: int) -> list[dict]:
         return self.steps[-n:]
