@@ -10,8 +10,16 @@ longest; packed, over its own length) and the time to plan an epoch; then
 packed over padded for each. Acceptance is measured by
 ``bench/peer_acceptance.py --ours-variant padded:pack_samples=false``.
 
+With ``--time``, it then trains one epoch of those states each way with the
+platform's trainer on a demo target's recipe (``--demo-target``), ``--rounds``
+times in alternating order, and prints tokens/s and the time per token of packed
+over padded (the median round of each): what the plan's figures cost in a real
+step, packed attention's per-sample calls included.
+
     .venv/bin/python bench/packing.py                                     # the user's size, synthetic
     .venv/bin/python bench/packing.py --hidden-states data/hidden_states --batch-tokens 1024   # the demo's states
+    .venv/bin/python bench/packing.py --hidden-states /tmp/long/data/hidden_states --max-seq-len 8192 --batch-tokens 8192 \
+        --time --demo-target long                                         # the long demo's states, timed
 """
 
 from __future__ import annotations
@@ -58,6 +66,37 @@ def plan_figures(lengths: list[int], batch_tokens: int, packed: bool) -> dict:
     }
 
 
+def timed_epochs(shards: list[Path], recipe: dict, rounds: int, work: Path) -> dict[str, list[dict]]:
+    """``shards`` trained on ``recipe`` (one epoch, from :func:`main`) packed and padded with the platform's trainer,
+    ``rounds`` times, alternating which goes first (the machine's drift falls on both alike); each run's tokens/s of
+    training and its optimizer steps."""
+    import json
+    import shutil
+
+    from eagle3_assets.core.training.config import TrainConfig
+    from eagle3_assets.core.training.launch import run_training
+
+    sidecar = json.loads((shards[0] / "metadata.json").read_text())
+    vocab = shards[0].parent.parent / "vocab_mapping" / "vocab_mapping.safetensors"
+    if not vocab.is_file():
+        sys.exit(f"{vocab}: no vocabulary map beside the hidden states; materialise vocab_mapping first")
+    runs: dict[str, list[dict]] = {"padded": [], "packed": []}
+    for round_ in range(rounds):
+        for name in ("packed", "padded") if round_ % 2 == 0 else ("padded", "packed"):
+            training_dir = work / f"{name}-round{round_}"
+            shutil.rmtree(training_dir, ignore_errors=True)  # from scratch each time: a resumed run would time nothing
+            config = TrainConfig(
+                hidden_state_dirs=[str(s) for s in shards], vocab_mapping=str(vocab), target_path=sidecar["target_path"],
+                training_dir=str(training_dir), **{**recipe, "pack_samples": name == "packed"},
+            )  # fmt: skip
+            result = run_training(config)
+            figures = {"tokens_per_s": result["train_tokens_per_s"], "optimizer_steps": result["schedule"]["optimizer_steps"]}
+            print(f"packing: round {round_} {name}: {figures['tokens_per_s']:.1f} tokens/s, {figures['optimizer_steps']} optimizer steps", flush=True)
+            runs[name].append(figures)
+            shutil.rmtree(training_dir, ignore_errors=True)
+    return runs
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hidden-states", help="a hidden_states directory (its shards) or one shard; default: synthetic lengths")
@@ -67,7 +106,13 @@ def main() -> None:
     p.add_argument("--shortest", type=int, default=200)
     p.add_argument("--longest", type=int, default=4096)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--time", action="store_true", help="also train an epoch of --hidden-states each way and time it")
+    p.add_argument("--demo-target", choices=["tiny", "kimi", "qwen3", "long"], default="tiny", help="whose demo recipe --time trains with")
+    p.add_argument("--rounds", type=int, default=2, help="--time: epochs of each, alternating the order; the median is printed")
+    p.add_argument("--work", default="/tmp/bench_packing", help="--time: where the training runs go (removed after each)")
     args = p.parse_args()
+    if args.time and not args.hidden_states:
+        sys.exit("--time trains on stored states: pass --hidden-states")
 
     lengths, described = lengths_of(args)
     print(f"packing: {described}, {sum(lengths):,} tokens, micro-batches of {args.batch_tokens:,} tokens")
@@ -84,6 +129,22 @@ def main() -> None:
         f"packed over padded: micro-batches (optimizer steps at grad_accumulation 1) {packed['micro_batches'] / padded['micro_batches']:.3f}, "
         f"attention scores {packed['attention_scores'] / padded['attention_scores']:.3f}"
     )
+    if not args.time:
+        return
+    import statistics
+
+    sys.path.insert(0, str(REPO / "bench"))
+    from peer_acceptance import demo_recipe, shard_dirs
+
+    recipe = {**demo_recipe(args.demo_target), "max_seq_len": args.max_seq_len, "batch_tokens": args.batch_tokens, "epochs": 1}
+    print(f"packing: timing one epoch each way, {args.rounds} round(s), the {args.demo_target} demo's recipe as {recipe}", flush=True)
+    runs = timed_epochs(shard_dirs([args.hidden_states], Path()), recipe, args.rounds, Path(args.work))
+    rate = {name: statistics.median(r["tokens_per_s"] for r in rows) for name, rows in runs.items()}
+    print("| plan | optimizer steps an epoch | tokens/s (median of rounds) | each round | time per token over padded |")
+    print("| --- | --- | --- | --- | --- |")
+    for name, rows in runs.items():
+        each = " / ".join(f"{r['tokens_per_s']:.1f}" for r in rows)
+        print(f"| {name} | {rows[0]['optimizer_steps']} | {rate[name]:.1f} | {each} | {rate['padded'] / rate[name]:.3f} |")
 
 
 if __name__ == "__main__":
