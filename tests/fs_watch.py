@@ -64,6 +64,13 @@ class TreeWatcher(threading.Thread):
             entries = list(directory.iterdir())
         except FileNotFoundError:
             return
+        # A directory is adopted again when its create event was queued before an earlier look took it in. What that
+        # look saw and is gone now (a .tmp renamed to its final name) would otherwise count beside its successor until
+        # its own queued event is handled: a peak the tree never held.
+        present = set(entries)
+        known = {directory / p.relative_to(directory).parts[0] for p in [*self.sizes, *self.dirs] if directory in p.parents}
+        for gone in known - present:
+            self._forget(gone)
         for entry in entries:
             if entry.is_dir():
                 self._adopt(entry)
