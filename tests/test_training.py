@@ -215,7 +215,7 @@ def test_a_frozen_lm_head_ends_bit_for_bit_as_it_started_and_has_no_optimizer_st
     for frozen in (True, False):
         config = small_config(hidden_states, tiny_target, tmp_path / f"frozen-{frozen}", epochs=1, freeze_lm_head=frozen)
         result = run_training(config)
-        saved = torch.load(Path(result["checkpoint"]) / "trainer.pt", weights_only=True)["optimizer"]["state"]
+        saved = torch.load(Path(result["checkpoint"]) / "trainer.pt", weights_only=True)["optimizers"][0]["state"]
         runs[frozen] = (config, final_weights(result), {index: state["exp_avg"].numel() for index, state in saved.items()})
     mapping = load_vocab_mapping(Path(runs[True][0].vocab_mapping))
     initial = load_head_weights(tiny_target)["lm_head"][mapping.draft_to_target]

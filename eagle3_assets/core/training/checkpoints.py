@@ -58,7 +58,7 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def save_checkpoint(checkpoints: Path, step: int, model: torch.nn.Module, optimizer, scheduler, state: dict, keep: int) -> Path:
+def save_checkpoint(checkpoints: Path, step: int, model: torch.nn.Module, optimizers: list, schedulers: list, state: dict, keep: int) -> Path:
     """Write a step's checkpoint into a temporary directory, seal it with a manifest, rename it into place.
 
     A crash at any point leaves either no ``step-NNNNNNNN`` directory or a
@@ -74,7 +74,8 @@ def save_checkpoint(checkpoints: Path, step: int, model: torch.nn.Module, optimi
         rng = {"python": random.getstate(), "torch": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state_all()
-        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng}, staging / "trainer.pt")
+        trainer = {"optimizers": [o.state_dict() for o in optimizers], "schedulers": [s.state_dict() for s in schedulers], "rng": rng}
+        torch.save(trainer, staging / "trainer.pt")
         (staging / "state.json").write_text(json.dumps(state, indent=1))
         files = {}
         for path in sorted(staging.iterdir()):
@@ -95,13 +96,16 @@ def save_checkpoint(checkpoints: Path, step: int, model: torch.nn.Module, optimi
     return final
 
 
-def restore_checkpoint(checkpoint: Path, draft: Eagle3Draft, optimizer, scheduler) -> dict:
+def restore_checkpoint(checkpoint: Path, draft: Eagle3Draft, optimizers: list, schedulers: list) -> dict:
     """Load a complete checkpoint's weights, optimizer, schedule and RNG states in place; return its ``state.json``."""
     state = json.loads((checkpoint / "state.json").read_text())
     draft.load_state_dict({**load_file(str(checkpoint / "model.safetensors")), "embed_tokens.weight": draft.embed_tokens.weight}, strict=True)
     saved = torch.load(checkpoint / "trainer.pt", weights_only=True)
-    optimizer.load_state_dict(saved["optimizer"])
-    scheduler.load_state_dict(saved["scheduler"])
+    # A run's fingerprint holds its optimizer setting, so the checkpoint has as many optimizers as this run.
+    for optimizer, optimizer_state in zip(optimizers, saved["optimizers"], strict=True):
+        optimizer.load_state_dict(optimizer_state)
+    for scheduler, scheduler_state in zip(schedulers, saved["schedulers"], strict=True):
+        scheduler.load_state_dict(scheduler_state)
     random.setstate(saved["rng"]["python"])
     torch.set_rng_state(saved["rng"]["torch"])
     if "cuda" in saved["rng"] and torch.cuda.is_available():

@@ -12,6 +12,7 @@ from typing import ClassVar
 
 from eagle3_assets.core.settings.job_schema import JobSchema, given, setting
 from eagle3_assets.core.training.losses import LOSSES, known_losses
+from eagle3_assets.core.training.optimizers import OPTIMIZERS
 
 
 class TrainingRecipe(JobSchema):
@@ -24,11 +25,18 @@ class TrainingRecipe(JobSchema):
     # Unset: fitted to the data before training (core/training/schedule.py); the run then records what was used.
     epochs: int | None = setting(None, "passes over all samples; default: 10, more when that is under 400 optimizer steps")
     learning_rate: float | None = setting(
-        None, "peak AdamW learning rate; default: 1e-4 for a published-size draft, scaled to the draft's width and batch"
+        None, "peak learning rate (of both optimizers under muon); default: 1e-4 for a published-size draft, scaled to the draft's width and batch"
     )
     min_lr_ratio: float = setting(0.0, "cosine decay ends at learning_rate * min_lr_ratio")
     warmup_ratio: float = setting(0.02, "share of all optimizer steps spent warming up linearly")
     weight_decay: float = setting(0.0, "AdamW weight decay")
+    # speculators' default since 0.9 is Muon; ours stays AdamW unless Muon wins beyond the seeds' spread
+    # (docs/performance.md#muon-against-adamw).
+    optimizer: str = setting(
+        "adamw", "'adamw', or 'muon': torch.optim.Muon on the draft's fc, attention and MLP matrices, at the same "
+        "learning_rate and schedule (its update scaled to AdamW's size), and AdamW on its norms and lm_head",
+    )  # fmt: skip
+    muon_weight_decay: float = setting(0.1, "optimizer 'muon': decoupled weight decay of the Muon matrices (speculators' default)", ge=0)
     grad_clip: float = setting(0.5, "gradient norm clip")
     ttt_steps: int = setting(7, "training-time test: draft steps unrolled on the draft's own states")
     step_weight: float = setting(0.8, "loss weight of unrolled step i is step_weight**i")
@@ -152,6 +160,8 @@ class TrainConfig(TrainingRecipe):
             problems.append(f"supervised_share {self.supervised_share} with no supervised_dirs: no supervised samples to mix in")
         if set(self.supervised_dirs) & set(self.hidden_state_dirs):
             problems.append(f"supervised_dirs and hidden_state_dirs share {sorted(set(self.supervised_dirs) & set(self.hidden_state_dirs))}")
+        if self.optimizer not in OPTIMIZERS:
+            problems.append(f"optimizer {self.optimizer!r}: one of {', '.join(repr(o) for o in OPTIMIZERS)}")
         if self.draft_form not in ("auto", "llama", "deepseek_mla"):
             problems.append(f"draft_form {self.draft_form!r}: one of 'auto', 'llama', 'deepseek_mla'")
         if problems:

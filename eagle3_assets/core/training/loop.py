@@ -52,6 +52,7 @@ from eagle3_assets.core.training.initial_weights import initial_draft
 from eagle3_assets.core.training.loss import TrainingTimeTest
 from eagle3_assets.core.training.losses import training_loss
 from eagle3_assets.core.training.memory import free_memory_bytes, plan_micro_batch
+from eagle3_assets.core.training.optimizers import build_optimizers
 from eagle3_assets.core.training.sources import BatchSource, DataSize, PlannedStep, StoredShards
 from eagle3_assets.core.training.tensorboard_log import open_curves
 from eagle3_assets.core.draft.vocab import load_vocab_mapping
@@ -94,8 +95,13 @@ class Trainer:
         if distributed:
             self.model = nn.parallel.DistributedDataParallel(ttt, device_ids=[device.index] if device.type == "cuda" else None)
         self.trainable = [p for p in draft.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.trainable, lr=config.learning_rate, betas=config.betas, weight_decay=config.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(total_steps, config.warmup_ratio, config.min_lr_ratio))
+        # One optimizer (AdamW), or two (Muon on the matrices, AdamW on the rest), each on the one schedule.
+        self.optimizers = build_optimizers(
+            draft, optimizer=config.optimizer, learning_rate=config.learning_rate, betas=config.betas,
+            weight_decay=config.weight_decay, muon_weight_decay=config.muon_weight_decay,
+        )  # fmt: skip
+        factor = lr_lambda(total_steps, config.warmup_ratio, config.min_lr_ratio)
+        self.schedulers = [torch.optim.lr_scheduler.LambdaLR(optimizer, factor) for optimizer in self.optimizers]
         use_bf16 = device.type == "cuda" and config.bf16_autocast
         self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if use_bf16 else nullcontext()
         self.micro_batches = self.tokens = 0  # this process's share over this trainer's life
@@ -125,9 +131,10 @@ class Trainer:
             totals += stats
         self.tokens += tokens
         grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.config.grad_clip)
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        for optimizer, scheduler in zip(self.optimizers, self.schedulers):
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
 
         # Per-step figures over every process's micro-batches.
         summary = torch.cat([loss_sum.view(1), totals[0], totals[1:].flatten(), torch.tensor([float(tokens)], device=self.device)])
@@ -139,7 +146,7 @@ class Trainer:
             "loss": float(summary[0]) / n,
             "step_losses": [round(float(x) / n, 6) for x in summary[1 : 1 + k]],
             "accuracy": [round(float(c) / max(float(m), 1.0), 6) for c, m in zip(correct, counts)],
-            "lr": self.scheduler.get_last_lr()[0],
+            "lr": self.schedulers[0].get_last_lr()[0],
             "grad_norm": float(grad_norm),
             "tokens": int(summary[-1]),
         }
@@ -277,7 +284,7 @@ def _train(config: TrainConfig, source: BatchSource, emit: OnEvent, device: torc
                 shutil.rmtree(partial, ignore_errors=True)
     step, history, saved, resumed_from = 0, [], {}, None
     if resume is not None:
-        state = restore_checkpoint(resume, draft, trainer.optimizer, trainer.scheduler)
+        state = restore_checkpoint(resume, draft, trainer.optimizers, trainer.schedulers)
         step, history, saved, resumed_from = state["step"], state["history"], state.get("source", {}), str(resume)
         if rank == 0:
             # The checkpoint is durable, its journal lines perhaps not yet (a kill between the two): append what is missing.
@@ -327,7 +334,7 @@ def _train(config: TrainConfig, source: BatchSource, emit: OnEvent, device: torc
             "config": config.to_dict(),
         }
         if rank == 0:
-            path = save_checkpoint(checkpoints, planned.step, draft, trainer.optimizer, trainer.scheduler, state, config.keep_checkpoints)
+            path = save_checkpoint(checkpoints, planned.step, draft, trainer.optimizers, trainer.schedulers, state, config.keep_checkpoints)
             append_journal(journal, pending)  # after the checkpoint: the journal lists only committed steps
             last_checkpoint = str(path)
             emit({"event": "checkpoint", "epoch": planned.epoch, "step": planned.step, "path": last_checkpoint})

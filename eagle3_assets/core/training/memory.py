@@ -4,8 +4,10 @@ The estimate counts what the step holds at its peak (the last unrolled step
 of a micro-batch, its attention or its loss's backward, with the gradients
 and the optimizer state already there):
 
-- the draft's weights, gradients and AdamW state (float32: 4 + 4 + 8 bytes a
-  trainable parameter; under bf16 autocast a 2-byte copy of each weight too),
+- the draft's weights, gradients and optimizer state (float32: 4 + 4 + 8 bytes a
+  trainable parameter under AdamW; Muon keeps 4 bytes, one momentum, for each
+  weight of the matrices it takes; under bf16 autocast a 2-byte copy of each
+  weight too),
   its frozen embedding (and, with ``freeze_lm_head``, its head's weights alone),
   and the target's ``lm_head`` and norm;
 - the micro-batch: the three auxiliary states and the final one in float32
@@ -92,6 +94,7 @@ class StepShape:
     latent_width: int = 0  # the MLA form's query and KV latents per token
     frozen_lm_head: bool = False  # freeze_lm_head: the head's weights only, no gradient or optimizer state
     loss: str = "kl"  # the training loss (its vocabulary-wide tensors: its entry in core/training/losses.py)
+    optimizer: str = "adamw"  # 'muon': one float of state for each weight of fc, attention and MLP, two for the rest
 
     @classmethod
     def of(cls, draft: DraftConfig | MLADraftConfig, tokens: int, seq_len: int, ttt_steps: int, *, bf16: bool, **settings) -> StepShape:
@@ -119,6 +122,15 @@ class StepShape:
             + 4 * h  # four norms
             + (0 if self.frozen_lm_head else self.lm_head_parameters)
         )
+
+    @property
+    def optimizer_state_floats(self) -> int:
+        """AdamW's two moments for every trainable weight; under Muon one momentum for its matrices (all but the
+        norms and the head, core/training/optimizers.py), AdamW's two for the rest."""
+        if self.optimizer != "muon":
+            return 2 * self.trainable_parameters
+        adamw = 4 * self.hidden + (0 if self.frozen_lm_head else self.lm_head_parameters)
+        return (self.trainable_parameters - adamw) + 2 * adamw
 
     @property
     def lm_head_parameters(self) -> int:
@@ -199,7 +211,7 @@ def estimate_terms(shape: StepShape) -> dict[str, int]:
         "embedding": s.vocab * s.hidden * FLOAT32,
         "bf16_weight_copies": held * 2 if a == 2 else 0,
         "gradients": params * FLOAT32,
-        "optimizer_state": params * 2 * FLOAT32,
+        "optimizer_state": s.optimizer_state_floats * FLOAT32,
         "target_head": s.vocab * s.target_hidden * FLOAT32,
         "batch": n * 4 * s.target_hidden * FLOAT32,
     }
@@ -360,6 +372,7 @@ def plan_micro_batch(
         target_head_chunk_tokens=config.target_head_chunk_tokens,
         frozen_lm_head=config.freeze_lm_head,
         loss=config.loss,
+        optimizer=config.optimizer,
     )
     seq_len = min(longest, config.max_seq_len)
 
