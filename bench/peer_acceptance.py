@@ -42,6 +42,8 @@ measurement already in the work directory (``--fresh`` discards them).
         # drafts over whole traces
     .venv/bin/python bench/peer_acceptance.py --data /tmp/long/data --demo-target long --variants ours peer-defaults --train-jobs 2
         # two drafts training at once, one per core (both trainers take one thread on a CPU), then the evaluations
+    .venv/bin/python bench/peer_acceptance.py --data /tmp/long/data --demo-target long --variants ours \
+        --prompt-sets long_context template_perturbation  # the same drafts on draft_evaluation's other held-out sets too
     .venv/bin/python bench/peer_acceptance.py --hidden-states /data/hidden_states --vocab-mapping /data/vocab_mapping \\
         --eval-prompts held_out.jsonl --target /models/MyTarget                # another target's states
 """
@@ -84,6 +86,11 @@ def parser() -> argparse.ArgumentParser:
         help="held-out prompts (default: the set draft_evaluation served, as <data>/draft_evaluation/report.json names it; "
         "else <data>/demo/eval_prompts.jsonl, the tiny demo's; else the rows the prompts asset held out, up to 64)",
     )
+    p.add_argument(
+        "--prompt-sets", nargs="+", default=[], choices=["long_context", "template_perturbation"],
+        help="held-out sets each draft's server also serves, built from the held-out prompts as draft_evaluation builds "
+        "them (the long-context one for the served context); a draft measured before without a set is measured again",
+    )  # fmt: skip
     p.add_argument("--seeds", type=int, default=3, help="seeds per trainer (0, 1, ...)")
     p.add_argument("--k", type=int, default=5, help="num_speculative_tokens served")
     p.add_argument(
@@ -375,6 +382,23 @@ def variant_figures(measured: dict[str, dict]) -> dict:
     }  # fmt: skip
 
 
+def unmeasured(measured: dict, key: str, seeds: int, labels: list[str], sets: list[str]) -> list[tuple[int, str]]:
+    """The (seed, variant) pairs to measure: those with no measurement under ``key``, or one without a set asked for."""
+    def done(seed: int, label: str) -> bool:
+        entry = measured.get(label, {}).get(key, {}).get(str(seed))
+        return entry is not None and all(name in entry.get("per_set", {}) for name in sets)
+
+    return [(seed, label) for seed in range(seeds) for label in labels if not done(seed, label)]
+
+
+def set_figures(measured: dict, key: str, seeds: int, labels: list[str], name: str) -> dict:
+    """Per variant, its figures over the seeds on the held-out set ``name`` (served by the same server as the standard)."""
+    return {
+        label: variant_figures({s: m["per_set"][name] for s, m in measured[label][key].items() if int(s) < seeds})
+        for label in labels
+    }  # fmt: skip
+
+
 def output_position_figures(measured: dict[str, dict]) -> dict | None:
     """Per output-position bucket, the mean acceptance length over the seeds that have steps there (with its range and
     the steps counted), and the decay ratio (last filled bucket over the first) over the seeds."""
@@ -490,7 +514,7 @@ def main() -> None:
     eval_prompts = args.eval_prompts or str(default_eval_prompts(data, work))
     if not Path(eval_prompts).is_file():
         sys.exit(f"--eval-prompts {eval_prompts}: no such file")
-    _, conversations = load_conversations(eval_prompts)
+    ids, conversations = load_conversations(eval_prompts)
 
     recipe = {**demo_recipe(args.demo_target), "ttt_steps": args.ttt_steps}
     evaluation = demo_evaluation(args.demo_target, args.max_tokens, args.concurrency)
@@ -562,7 +586,18 @@ def main() -> None:
     # Seed by seed across the variants, not variant by variant: a run cut short still has every variant at the seeds it
     # finished, and the machine's load over the run falls on every variant alike.
     train_inputs = (ours_variants, peer_recipe, shards, vocab, target, work, args.peer_python)
-    missing = [(seed, label) for seed in range(args.seeds) for label in args.variants if str(seed) not in measured.get(label, {}).get(key, {})]
+    missing = unmeasured(measured, key, args.seeds, args.variants, args.prompt_sets)
+    prompt_sets = {}
+    if args.prompt_sets:  # built as draft_evaluation builds them, for the context this profile's server has
+        from transformers import AutoTokenizer
+
+        from eagle3_assets.core.evaluation.prompt_sets import build_sets
+        from eagle3_assets.core.serving.profile import vllm_launch
+
+        max_model_len = int(vllm_launch(profile, target).engine_args["max_model_len"])
+        built = build_sets(args.prompt_sets, ids, conversations, tokenizer=AutoTokenizer.from_pretrained(target, trust_remote_code=args.trust_remote_code),
+                           max_model_len=max_model_len, max_tokens=evaluation["max_tokens"])  # fmt: skip
+        prompt_sets = {b.name: b.conversations for b in built}
     if args.train_jobs > 1:
         # The untrained twin is its trained draft re-initialised, made in a moment at its evaluation.
         pending = [(seed, label) for seed, label in missing if label != UNTRAINED and not (work / "drafts" / f"{label}-seed{seed}" / DONE).is_file()]
@@ -578,11 +613,14 @@ def main() -> None:
             target, {f"{label}-seed{seed}": draft}, conversations, num_speculative_tokens=args.k, concurrency=evaluation["concurrency"],
             max_tokens=evaluation["max_tokens"],
             include_reference=False, server_log_dir=work / "logs", profile=profile, temperature=args.temperature,
-            draft_sample_method=args.draft_sample_method,
+            draft_sample_method=args.draft_sample_method, prompt_sets=prompt_sets or None,
         )[f"{label}-seed{seed}"]  # fmt: skip
-        if result.failed or result.mean_acceptance_length is None:
-            sys.exit(f"{label} seed {seed}: {result.failed} of {result.prompts} requests failed or no drafts counted; see {work / 'logs'}")
-        entry = {**result.to_dict(), "train_s": run.get("train_s"), "optimizer_steps": optimizer_steps(run), "draft": str(draft)}
+        for name, passed in {"the standard set": result, **result.per_set}.items():
+            if passed.failed or passed.mean_acceptance_length is None:
+                sys.exit(f"{label} seed {seed}, {name}: {passed.failed} of {passed.prompts} requests failed or no drafts counted; see {work / 'logs'}")
+        kept_sets = measured.get(label, {}).get(key, {}).get(str(seed), {}).get("per_set", {})
+        per_set = {**kept_sets, **{name: passed.to_dict() for name, passed in result.per_set.items()}}
+        entry = {**result.to_dict(), "per_set": per_set, "train_s": run.get("train_s"), "optimizer_steps": optimizer_steps(run), "draft": str(draft)}
         measured.setdefault(label, {}).setdefault(key, {})[str(seed)] = entry
         report = {**report, "measured": measured}
         write_json_atomic(report_path, report)  # each measurement kept at once: a rerun measures only what is missing
@@ -599,6 +637,12 @@ def main() -> None:
     table = render(figures, args.k, len(conversations), args.seeds, temperature=args.temperature, draft_sample_method=args.draft_sample_method)
     positions_table = render_output_positions(figures)
     print("\n" + table + ("\n\n" + positions_table if positions_table else ""))
+    by_set = {}
+    for name in args.prompt_sets:
+        by_set[name] = {"figures": set_figures(measured, key, args.seeds, args.variants, name)}
+        by_set[name]["table"] = render(by_set[name]["figures"], args.k, len(prompt_sets[name]), args.seeds, temperature=args.temperature,
+                                       draft_sample_method=args.draft_sample_method)  # fmt: skip
+        print(f"\nheld-out set '{name}', served by each draft's server after the standard set:\n" + by_set[name]["table"])
     if comparison:
         below = comparison["positions_below_by_more_than_spread"]
         print(f"\nP5c (ours / speculators on the same recipe, its draft's norm flags at their defaults, AdamW, mean acceptance at k = {args.k}, "
@@ -611,7 +655,7 @@ def main() -> None:
         recipe_of = "its whole recipe: Muon lr 1e-3, linear, 8,192-token batches" if label == "peer-own" else "its optimizer and schedule on our batches"
         print(f"ours / speculators at its own defaults ({recipe_of}; ours on its own recipe), mean acceptance at k = {args.k}: {against['p5c']:.3f}")
     report = {
-        **report, "measured": measured, "figures": figures, "comparison": comparison, "p5": p5, "against_peer_own": own, "table": table, "output_position_table": positions_table,
+        **report, "measured": measured, "figures": figures, "comparison": comparison, "p5": p5, "against_peer_own": own, "table": table, "output_position_table": positions_table, "by_set": by_set,
         "k": args.k, "max_tokens": evaluation["max_tokens"], "demo_target": args.demo_target, "temperature": args.temperature, "draft_sample_method": args.draft_sample_method, "seeds": args.seeds, "ttt_steps": args.ttt_steps, "recipe": recipe, "ours_variants": ours_variants,
         "prompts": len(conversations), "eval_prompts": eval_prompts, "target": str(target), "shards": [str(s) for s in shards],
         "samples": len(index.samples), "final_state": index.final_state,

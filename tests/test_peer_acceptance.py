@@ -93,6 +93,24 @@ def test_a_change_counts_against_the_reference_only_beyond_the_seeds_spread():
     assert "| far | 3.52 (3.50-3.55) |" in table and "| 0.100 (0.100-0.100) | 0.904 (below, beyond the spread; seed by seed above in 0, below in 2 of 2) |" in table
 
 
+def test_a_draft_measured_without_a_held_out_set_asked_for_now_is_measured_again_and_each_set_summarised_over_its_seeds():
+    """--prompt-sets: a kept measurement counts only if it has every set asked for; the sets' figures are their own."""
+    with_sets = {**measurement(3.0, 34.0, 340), "per_set": {"long_context": measurement(1.5, 0, 0), "template_perturbation": measurement(2.5, 0, 0)}}
+    measured = {
+        "ours": {"k5": {"0": with_sets, "1": {**measurement(3.2, 34.0, 340), "per_set": {"long_context": measurement(1.7, 0, 0)}}}},
+        "ours-plain": {"k5": {"0": measurement(2.9, 34.0, 340)}},
+    }
+    labels = ["ours", "ours-plain"]
+    assert peer_acceptance.unmeasured(measured, "k5", 2, labels, []) == [(1, "ours-plain")]
+    assert peer_acceptance.unmeasured(measured, "k5", 2, labels, ["long_context"]) == [(0, "ours-plain"), (1, "ours-plain")]
+    assert peer_acceptance.unmeasured(measured, "k5", 2, labels, ["long_context", "template_perturbation"]) == [
+        (0, "ours-plain"), (1, "ours"), (1, "ours-plain"),
+    ]  # fmt: skip
+    assert peer_acceptance.unmeasured(measured, "k6", 1, ["ours"], []) == [(0, "ours")]  # another k: nothing kept
+    figures = peer_acceptance.set_figures(measured, "k5", 2, ["ours"], "long_context")
+    assert figures["ours"]["acceptance_length"]["mean"] == pytest.approx(1.6) and figures["ours"]["by_seed"] == {"0": 1.5, "1": 1.7}
+
+
 def test_a_kept_draft_is_reused_only_for_the_settings_it_was_trained_with_defaults_included(monkeypatch):
     """A variant is what it names over the training defaults: when a default changes, a draft trained under the old
     one is another variant (its work directory then asks for --fresh or another label; bench/draft_norms.py retrains)."""
