@@ -120,6 +120,13 @@ def test_a_kept_draft_is_reused_only_for_the_settings_it_was_trained_with_defaul
     settings = trained_settings(recipe)
     assert settings["epochs"] == 20 and settings["pack_samples"] == TrainConfig.model_fields["pack_samples"].default
     assert "log_every" not in settings and "hidden_state_dirs" not in settings  # neither changes what is trained
+    # A setting added since, at the value every earlier draft had (AdamW), keeps the key drafts were kept by; Muon is
+    # another draft, and its weight decay counts under Muon alone.
+    assert "optimizer" not in settings and "muon_weight_decay" not in settings
+    assert trained_settings({**recipe, "optimizer": "adamw", "muon_weight_decay": 0.5}) == settings
+    muon = trained_settings({**recipe, "optimizer": "muon"})
+    assert muon["optimizer"] == "muon" and muon["muon_weight_decay"] == TrainConfig.model_fields["muon_weight_decay"].default
+    assert trained_settings({**recipe, "optimizer": "muon", "muon_weight_decay": 0.5}) != muon
     monkeypatch.setattr(TrainConfig.model_fields["pack_samples"], "default", not settings["pack_samples"])
     assert trained_settings(recipe) != settings, "a changed default changes the variant"
     assert trained_settings({**recipe, "pack_samples": settings["pack_samples"]}) == settings

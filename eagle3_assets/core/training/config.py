@@ -132,6 +132,12 @@ class TrainConfig(TrainingRecipe):
         "activation_checkpointing", "loss_chunk_tokens", "target_head_chunk_tokens", "memory_fraction",
     )  # fmt: skip
 
+    # Settings added after benches had kept drafts, at the value every draft trained before them had implicitly: a
+    # kept draft's key leaves them out at that value, so that adding a setting does not make it another draft.
+    _AS_BEFORE_IT_EXISTED: ClassVar[dict[str, object]] = {"optimizer": "adamw"}
+    # Settings that change nothing unless another setting has a value: (that setting, its value).
+    _ONLY_WITH: ClassVar[dict[str, tuple[str, object]]] = {"muon_weight_decay": ("optimizer", "muon")}
+
     def validate(self) -> None:
         problems = []
         if self.epochs is not None and self.epochs < 1:
@@ -172,11 +178,15 @@ def trained_settings(settings: dict) -> dict:
     """Every setting that changes what a run trains: ``settings`` over :class:`TrainConfig`'s defaults of the day.
 
     What a bench keys a kept draft by, so that a draft trained before a default changed is not taken for one
-    trained after it.
+    trained after it. A setting added since at the value that trains as before it existed, and one that changes
+    nothing under the others, are left out: the same draft keeps its key.
     """
     defaults = {
         name: field.get_default(call_default_factory=True)
         for name, field in TrainConfig.model_fields.items()
         if not field.is_required() and name not in TrainConfig._NOT_IN_FINGERPRINT
     }
-    return {**defaults, **settings}
+    merged = {**defaults, **settings}
+    inert = {name for name, (other, value) in TrainConfig._ONLY_WITH.items() if merged.get(other) != value}
+    inert |= {name for name, before in TrainConfig._AS_BEFORE_IT_EXISTED.items() if merged.get(name) == before}
+    return {name: value for name, value in merged.items() if name not in inert}
