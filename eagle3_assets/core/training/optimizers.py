@@ -12,12 +12,19 @@ learning rate and schedule: Muon scales its update to AdamW's RMS
 
 Muon keeps one momentum buffer per weight, AdamW two moments: the memory
 estimate (core/training/memory.py) counts the optimizer state that way.
+
+torch is imported where the optimizers are built: the settings' validation
+reads :data:`OPTIMIZERS`, and the code location loads without the ML packages
+(tests/test_import_graph.py).
 """
 
 from __future__ import annotations
 
-import torch
-from torch import nn
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
 
 OPTIMIZERS = ("adamw", "muon")
 
@@ -35,6 +42,8 @@ def takes_muon(name: str, parameter: torch.Tensor) -> bool:
 def build_optimizers(draft: nn.Module, *, optimizer: str, learning_rate: float, betas: tuple[float, float],
                      weight_decay: float, muon_weight_decay: float) -> list[torch.optim.Optimizer]:  # fmt: skip
     """The optimizers that step the draft's trainable weights, each weight in exactly one."""
+    import torch
+
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer {optimizer!r}: one of {', '.join(OPTIMIZERS)}")
     trainable = [(name, p) for name, p in draft.named_parameters() if p.requires_grad]
