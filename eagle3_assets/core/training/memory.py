@@ -119,9 +119,13 @@ class StepShape:
             3 * self.target_hidden * h  # fc
             + (self.attention_parameters or 2 * h * (q + 2 * kv) + q * h)  # q/k/v over [embedding ; state], o
             + 3 * h * self.intermediate  # MLP
-            + 4 * h  # four norms
+            + self.norm_parameters
             + (0 if self.frozen_lm_head else self.lm_head_parameters)
         )
+
+    @property
+    def norm_parameters(self) -> int:
+        return 4 * self.hidden  # four norms of the hidden width
 
     @property
     def optimizer_state_floats(self) -> int:
@@ -129,7 +133,7 @@ class StepShape:
         norms and the head, core/training/optimizers.py), AdamW's two for the rest."""
         if self.optimizer != "muon":
             return 2 * self.trainable_parameters
-        adamw = 4 * self.hidden + (0 if self.frozen_lm_head else self.lm_head_parameters)
+        adamw = self.norm_parameters + (0 if self.frozen_lm_head else self.lm_head_parameters)
         return (self.trainable_parameters - adamw) + 2 * adamw
 
     @property
