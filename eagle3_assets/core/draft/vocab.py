@@ -16,13 +16,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import polars as pl
 import torch
 from safetensors.torch import load_file, save_file
 
 from eagle3_assets.core.storage.shard_paths import VOCAB_MAPPING_FILE
 from eagle3_assets.core.storage.files import atomic_path, write_json_atomic
+
+if TYPE_CHECKING:  # polars is imported where traces are counted: training reads the mapping, not the traces
+    import polars as pl
 
 MAPPING_FILE = VOCAB_MAPPING_FILE
 SUMMARY_FILE = "vocab_mapping.json"
@@ -49,6 +52,8 @@ class VocabMapping:
 
 def count_supervised_tokens(traces: pl.DataFrame, target_vocab_size: int) -> torch.Tensor:
     """How often each target id occurs where ``loss_mask == 1``, over rows with ``input_ids``/``loss_mask`` lists."""
+    import polars as pl
+
     missing = {"input_ids", "loss_mask"} - set(traces.columns)
     if missing:
         raise ValueError(f"traces lack the columns {sorted(missing)}")

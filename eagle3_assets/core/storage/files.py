@@ -15,12 +15,13 @@ import secrets
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
-
-import polars as pl
+from typing import TYPE_CHECKING, Any
 
 from eagle3_assets.core.settings.environment import DATA_DIR
 from eagle3_assets.core.storage.shard_paths import PARTIAL_SUFFIX, data_dir
+
+if TYPE_CHECKING:  # polars is read where a frame is written, not on import: a GPU host's extraction and training need none
+    import polars as pl
 
 DATA_DIR_ENV = DATA_DIR.name
 

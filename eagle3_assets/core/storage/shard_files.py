@@ -19,8 +19,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import polars as pl
+if TYPE_CHECKING:  # polars is imported where a file is read: a GPU host's extraction and training need none
+    import polars as pl
 
 CORRUPT_MARK = ".corrupt-"
 
@@ -41,6 +43,8 @@ def _fix(asset: str, shard: str) -> str:
 
 def verify_parquet(path: Path) -> None:
     """Decode the whole file (every column, every row group); raise what the reader raises."""
+    import polars as pl
+
     for _ in pl.scan_parquet(path).collect_batches(chunk_size=4096, engine="streaming"):
         pass
 
@@ -62,6 +66,8 @@ def verify_shard_parquet(path: Path, *, asset: str, shard: str | None = None) ->
 
 def read_shard_parquet(path: Path, *, asset: str, shard: str | None = None, columns: Sequence[str] | None = None) -> pl.DataFrame:
     """The shard file's rows (``columns`` only), after verifying the whole file."""
+    import polars as pl
+
     verify_shard_parquet(path, asset=asset, shard=shard)
     try:
         return pl.read_parquet(path, columns=list(columns) if columns is not None else None)
