@@ -8,6 +8,7 @@ The benchmark itself is eagle3_assets/core/training/throughput.py (also run by
     .venv/bin/python bench/training.py --norms plain eagle3.1 speculators --rounds 3   # what the norm flags cost per step
     python bench/training.py --device cuda --preset kimi-k2 --ttt 1 3 7 # a GPU host: Kimi width
     python bench/training.py --device cuda --target /models/Kimi-K2 --plan   # the target's width, the planned micro-batch
+    python bench/training.py --device cuda --preset kimi-k2 --ttt 7 --lengths bench/long_trace_lengths.json   # packed vs padded
 """
 
 import sys

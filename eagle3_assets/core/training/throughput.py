@@ -28,6 +28,12 @@ depth in the same run. The norms' own FLOPs (elementwise) are not counted.
 ``--losses``: the training loss (``kl``, ``ce``, or the LK losses ``nla`` and
 ``lk_hybrid``), compared the same way (every norm variant with every loss).
 
+``--lengths``: one epoch of samples of those lengths instead of fixed-shape
+steps, planned as training plans it (``--packing``: packed and padded
+micro-batches of ``batch_tokens``), every step timed; tokens/s counts the
+samples' tokens, never the padding, and each plan's time per token is
+printed against the first's.
+
 Peak memory: on CUDA ``torch.cuda.max_memory_allocated`` against the card's
 memory; on CPU the child's maximum RSS (torch itself included); beside it the
 planner's estimate (eagle3_assets.core.training.memory).
@@ -36,6 +42,7 @@ planner's estimate (eagle3_assets.core.training.memory).
     python bench/training.py --device cuda --preset llama3-8b           # a GPU host: an 8B-class draft
     python bench/training.py --device cuda --preset kimi-k2 --ttt 1 3 7
     python bench/training.py --device cuda --target /models/Kimi-K2 --plan   # the target's width, the planned micro-batch
+    python bench/training.py --device cuda --preset kimi-k2 --ttt 7 --lengths bench/long_trace_lengths.json   # packed vs padded
 """
 
 from __future__ import annotations
@@ -160,18 +167,12 @@ def child(spec: dict) -> dict:
     ).to(device)
     trainable = [q for q in draft.parameters() if q.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-4)
-    batch, length = max(1, p["batch_tokens"] // p["seq_len"]), p["seq_len"]
-    aux = torch.randn(batch, length, 3 * p["hidden"], device=device)
-    final = torch.randn(batch, length, p["hidden"], device=device)
-    ids = torch.randint(0, p["vocab"], (batch, length), device=device)
-    mask = torch.ones(batch, length, dtype=torch.bool, device=device)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
-    target_chunk = memory["target_head_chunk_tokens"] or batch * length
 
-    def step() -> None:
-        logits, top = target_head.draft_logits(final, "post_norm", draft_to_target, chunk=target_chunk)
+    def step(aux, final, ids, mask, documents=None) -> None:
+        logits, top = target_head.draft_logits(final, "post_norm", draft_to_target, chunk=memory["target_head_chunk_tokens"] or ids.numel())
         with autocast:
-            loss, _ = ttt(aux, ids, mask, logits, top)
+            loss, _ = ttt(aux, ids, mask, logits, top, documents)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(trainable, 0.5)
         optimizer.step()
@@ -181,27 +182,83 @@ def child(spec: dict) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize()
 
+    def batch_of(lengths: list[int], packed: bool) -> tuple:
+        """Random states for samples of ``lengths``: one packed row (``documents``), or a row each padded to the longest."""
+        rows, width = (1, sum(lengths)) if packed else (len(lengths), max(lengths))
+        aux = torch.randn(rows, width, 3 * p["hidden"], device=device)
+        final = torch.randn(rows, width, p["hidden"], device=device)
+        ids = torch.randint(0, p["vocab"], (rows, width), device=device)
+        if packed:
+            documents = torch.cat([torch.full((n,), i, dtype=torch.long) for i, n in enumerate(lengths)])[None].to(device)
+            return aux, final, ids, torch.ones(rows, width, dtype=torch.bool, device=device), documents
+        mask = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
+        return aux, final, ids, mask.to(device), None
+
+    if "lengths" in spec:
+        return epoch_of_lengths(spec, step, batch_of, sync, device)
+    batch, length = max(1, p["batch_tokens"] // p["seq_len"]), p["seq_len"]
+    tensors = batch_of([length] * batch, packed=False)
     for _ in range(spec["warmup"]):
-        step()
+        step(*tensors)
     sync()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     started = time.perf_counter()
     for _ in range(spec["steps"]):
-        step()
+        step(*tensors)
     sync()
     elapsed = time.perf_counter() - started
-    if device.type == "cuda":
-        peak, capacity = torch.cuda.max_memory_allocated(), torch.cuda.get_device_properties(device).total_memory
-    else:
-        peak, capacity = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, None
+    peak, capacity = peak_memory(device)
     return {"tokens_per_s": batch * length * spec["steps"] / elapsed, "step_s": elapsed / spec["steps"], "peak_bytes": peak, "capacity_bytes": capacity, "batch": batch, "seq_len": length}
 
 
-def run_depth(shape: dict, args, depth: int, memory: dict, norms: str = "plain", loss: str = "kl", window: int = 0) -> dict:
+def peak_memory(device) -> tuple[int, int | None]:
+    """The peak since the last reset and the card's memory on CUDA; the process's maximum RSS on a CPU."""
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(), torch.cuda.get_device_properties(device).total_memory
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, None
+
+
+def epoch_of_lengths(spec: dict, step, batch_of, sync, device) -> dict:
+    """One epoch of samples of ``spec["lengths"]``, planned as training plans it (packed or padded micro-batches of
+    ``batch_tokens``): every micro-batch's optimizer step timed on its own (the random states are made between the
+    timings), after ``warmup`` steps of the largest one. tokens/s counts the samples' tokens, never the padding."""
+    import torch
+
+    from eagle3_assets.core.training.data import epoch_micro_batches
+
+    lengths, packed = spec["lengths"], spec["packed"]
+    plan = epoch_micro_batches(lengths, spec["shape"]["batch_tokens"], seed=0, epoch=0, packed=packed)
+    cost = (lambda b: sum(lengths[i] for i in b)) if packed else (lambda b: max(lengths[i] for i in b) * len(b))
+    largest = max(plan, key=cost)
+    for _ in range(spec["warmup"]):
+        step(*batch_of([lengths[i] for i in largest], packed))
+    sync()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    elapsed = 0.0
+    for micro_batch in plan:
+        tensors = batch_of([lengths[i] for i in micro_batch], packed)
+        sync()
+        started = time.perf_counter()
+        step(*tensors)
+        sync()
+        elapsed += time.perf_counter() - started
+    peak, capacity = peak_memory(device)
+    return {
+        "tokens_per_s": sum(lengths) / elapsed, "step_s": elapsed / len(plan), "epoch_s": elapsed, "micro_batches": len(plan),
+        "computed_tokens": sum(cost(b) for b in plan), "peak_bytes": peak, "capacity_bytes": capacity,
+        "batch": len(largest), "seq_len": max(lengths[i] for i in largest),
+    }  # fmt: skip
+
+
+def run_depth(shape: dict, args, depth: int, memory: dict, norms: str = "plain", loss: str = "kl", window: int = 0, **epoch) -> dict:
+    """One configuration in a child process; ``epoch`` (``lengths``, ``packed``): an epoch of those samples instead."""
     spec = {
         "shape": shape, "device": args.device, "ttt": depth, "steps": args.steps, "warmup": args.warmup, "threads": args.threads,
-        "memory": memory, "norms": norms, "loss": loss, "window": window,
+        "memory": memory, "norms": norms, "loss": loss, "window": window, **epoch,
     }  # fmt: skip
     # The child imports this package from where the parent did (a checkout run by bench/training.py, or an install).
     root = str(Path(__file__).resolve().parents[3])
@@ -220,7 +277,10 @@ def run(args) -> list[dict]:
     from eagle3_assets.core.training.memory import StepShape, estimate_step_bytes, plan_micro_batch
 
     shape = dict(shape_of_target(args.target) if args.target else PRESETS[args.preset])
-    if args.seq_len:
+    lengths = read_lengths(args.lengths) if args.lengths else None
+    if lengths:  # the plan (and the draft's positions) must hold the longest sample
+        shape["seq_len"] = max(lengths)
+    elif args.seq_len:
         shape["seq_len"] = args.seq_len
         shape["batch_tokens"] = max(shape["batch_tokens"], args.seq_len)
     if args.batch_tokens:
@@ -243,6 +303,8 @@ def run(args) -> list[dict]:
         f"memory settings {memory}, {args.steps} steps per configuration, median of {args.rounds} round(s)"
     )
     print(f"  reference: one {'bf16' if bf16 else 'float32'} {args.matmul_size}x{args.matmul_size} matrix product: {rate / 1e12:.3f} TFLOP/s")
+    if lengths:
+        return run_epochs(shape, args, memory, lengths, rate)
     grid = [(n, loss, d, w) for w in args.windows for n in args.norms for loss in args.losses for d in args.ttt]
     # Rounds, each in the other order (drift of a shared machine's load cancels); each configuration's median round.
     runs: dict[tuple[str, str, int, int], list[dict]] = {key: [] for key in grid}
@@ -286,6 +348,42 @@ def run(args) -> list[dict]:
     return rows
 
 
+def read_lengths(path: str) -> list[int]:
+    """Sample lengths from a JSON file: a list of token counts, or an object whose ``lengths`` is one."""
+    data = json.loads(Path(path).read_text())
+    lengths = data["lengths"] if isinstance(data, dict) else data
+    if not lengths or not all(isinstance(n, int) and n > 0 for n in lengths):
+        raise RuntimeError(f"--lengths {path}: expected a non-empty list of positive token counts")
+    return lengths
+
+
+def run_epochs(shape: dict, args, memory: dict, lengths: list[int], rate: float) -> list[dict]:
+    """An epoch of samples of ``lengths`` under each ``--packing``, at each depth: tokens/s of the samples' tokens, and
+    the time per token of each packing over the first's, in this run."""
+    print(f"  an epoch of {len(lengths)} samples, {sum(lengths)} tokens (longest {max(lengths)}), {shape['batch_tokens']} tokens per micro-batch")
+    rows = []
+    for depth in args.ttt:
+        runs = {packing: [] for packing in args.packing}
+        for round_index in range(args.rounds):  # alternating order, the median round of each
+            for packing in args.packing if round_index % 2 == 0 else args.packing[::-1]:
+                runs[packing].append(run_depth(shape, args, depth, memory, window=args.windows[0], lengths=lengths, packed=packing == "packed"))
+        first = None
+        for packing in args.packing:
+            r = sorted(runs[packing], key=lambda each: each["epoch_s"])[len(runs[packing]) // 2]
+            row = {**r, "ttt": depth, "packing": packing, "reference_tflops": rate / 1e12}
+            rows.append(row)
+            first = first or row
+            capacity = f" of {r['capacity_bytes'] / 2**30:.0f} GiB" if r["capacity_bytes"] else " (RSS, torch included)"
+            print(
+                f"  {packing:>6}, ttt_steps={depth}: {r['micro_batches']} micro-batches, {r['computed_tokens']} token slots computed, "
+                f"{r['epoch_s']:.2f} s for the epoch (measured), {r['tokens_per_s']:.0f} tokens/s of the samples' tokens, "
+                f"peak memory {r['peak_bytes'] / 2**30:.2f} GiB{capacity}"
+            )
+            if row is not first:
+                print(f"  ratio {packing} / {first['packing']}, ttt_steps={depth}: time per token {first['tokens_per_s'] / row['tokens_per_s']:.3f} (measured in this run)")
+    return rows
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
@@ -307,6 +405,11 @@ def parser() -> argparse.ArgumentParser:
         "--windows", type=int, nargs="+", default=[0],
         help="the draft's sliding windows to compare (draft_sliding_window; 0: full attention); ratios against the first",
     )  # fmt: skip
+    p.add_argument(
+        "--lengths", help="a JSON list of sample lengths (or {\"lengths\": [...]}): time one epoch of them, planned as training plans "
+        "it, instead of fixed-shape steps",
+    )  # fmt: skip
+    p.add_argument("--packing", nargs="+", choices=["packed", "padded"], default=["padded", "packed"], help="with --lengths: the plans to compare; ratios against the first")
     p.add_argument("--plan", action="store_true", help="the micro-batch the memory planner chooses on this device")
     p.add_argument("--no-memory-settings", action="store_true", help="activation checkpointing and the chunked heads off")
     p.add_argument("--matmul-size", type=int, default=None, help="the reference matrix product's size (default: 8192 on CUDA, 1024 on CPU)")
