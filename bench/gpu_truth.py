@@ -65,7 +65,7 @@ class Figure:
     name: str
     value: float | int | str | None
     unit: str
-    how: str  # measured | derived | estimate | not measured
+    how: str  # measured | derived | estimate | planned | not measured
     source: str  # with what, where; the arithmetic; or why not and the command
     goal: str = ""
     met: bool | None = None
@@ -106,7 +106,8 @@ def throughput_rows(run: Run, extra: list[str]) -> list[dict]:
     from eagle3_assets.core.training import throughput
 
     width = ["--preset", "kimi-k2"] if run.cuda else ["--preset", "tiny"]
-    argv = ["--device", run.device, *width, "--norms", "plain", "--warmup", "1", *extra]
+    # The platform's default norm flags (TrainConfig: norm_before_residual alone).
+    argv = ["--device", run.device, *width, "--norms", "norm_before_residual", "--warmup", "1", *extra]
     if not run.cuda:
         argv += ["--matmul-size", "256", "--matmul-repeats", "3"]
     return throughput.run(throughput.parser().parse_args(argv))
@@ -125,7 +126,7 @@ def kimi_width_step(run: Run) -> list[Figure]:
                run.measured(f"one {'bf16 8192x8192' if run.cuda else 'float32 256x256'} matrix product, mean of the timed repeats")),
         Figure("planned micro-batch", tokens, "tokens", "planned", f"the memory plan on this device, {width}, samples of {seq_len} tokens"),
         Figure("training tokens/s", round(row["tokens_per_s"]), "tokens/s", "measured", run.measured(f"{width}, {'bf16 autocast' if run.cuda else 'float32'}, default memory settings, {steps} timed optimizer step(s) after 1")),
-        Figure("achieved TFLOP/s", sig(row["tflops"]), "TFLOP/s", "derived", f"{row['gflop_per_token']:.1f} GFLOP a token (counted, model FLOPs) x the measured tokens/s"),
+        Figure("achieved TFLOP/s", sig(row["tflops"]), "TFLOP/s", "derived", f"{sig(row['gflop_per_token'])} GFLOP a token (counted, model FLOPs) x the measured tokens/s"),
         Figure("P13: share of the matrix rate", sig(share), "", "derived", "achieved TFLOP/s over the matrix product's, both of this run",
                f">= {GOALS['P13']:.2f}", share >= GOALS["P13"] if run.cuda else None),
         Figure("P14: peak memory", sig(peak / 1e9), "GB", "measured", run.measured(peak_how), f"<= {GOALS['P14'] / 1e9:.0f} GB", p14),
@@ -135,9 +136,10 @@ def kimi_width_step(run: Run) -> list[Figure]:
 
 
 def packed_vs_padded(run: Run) -> list[Figure]:
+    from eagle3_assets.core.training.throughput import read_lengths
+
     lengths_file = Path(run.args.lengths)
-    lengths = json.loads(lengths_file.read_text())
-    lengths = lengths["lengths"] if isinstance(lengths, dict) else lengths
+    lengths = read_lengths(str(lengths_file))
     if not run.cuda:  # the CPU's check of the command: the same plan's logic on lengths a tiny step takes in seconds
         lengths = [max(8, n // 32) for n in lengths[:12]]
         lengths_file = run.work / "cpu_lengths.json"
