@@ -242,9 +242,8 @@ def vllm_reason() -> str | None:
 def vllm_figures(run: Run) -> list[Figure]:
     """Not measured within the budget: each trains drafts before it serves them. The reason, and the command."""
     reason = vllm_reason()
-    if reason is None:
-        return [Figure(name, None, "", "not measured", f"vLLM and CUDA are here, but each trains drafts first, past this command's budget. Measure it here: {command}") for name, command in VLLM_FIGURES.items()]  # fmt: skip
-    return [Figure(name, None, "", "not measured", f"{reason}. Measure it on a GPU host with vLLM: {command}") for name, command in VLLM_FIGURES.items()]
+    why = f"{reason}. Measure it on a GPU host with vLLM" if reason else "vLLM and CUDA are here, but each trains drafts first, past this command's budget. Measure it here"
+    return [Figure(name, None, "", "not measured", f"{why}: {command}") for name, command in VLLM_FIGURES.items()]
 
 
 SECTIONS = [
