@@ -346,11 +346,13 @@ def variant_dir(work: Path, label: str, loss: str, seed: int, states: Path) -> V
 
 
 def reusable_training(record: Path, model: Path, job) -> dict | None:
-    """A finished training's record, when it is one of ``job``'s loss and seed and its draft was written; else None."""
+    """A finished training's record, when it is one of ``job``'s loss, seed and learning rate and its draft was written;
+    else None (a rerun with another ``--learning-rate`` over the same work directory trains again)."""
     if not (record.is_file() and (model / "config.json").is_file()):
         return None
     trained = json.loads(record.read_text())
-    return trained if (trained.get("loss"), trained.get("seed")) == (job.loss, job.seed) else None
+    wanted = (job.loss, job.seed, job.learning_rate)
+    return trained if (trained.get("loss"), trained.get("seed"), trained.get("learning_rate")) == wanted else None
 
 
 def train_and_gate(job, variant_paths: VariantPaths, draft_config, log) -> dict:

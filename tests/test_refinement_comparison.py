@@ -77,11 +77,11 @@ def test_the_long_targets_round_serves_its_own_demo_conversations_and_is_judged_
     assert held_out_overlap(rows, [*held_out, held_in[0][1]]) == [held_in[0][0]]
 
 
-def test_a_training_is_reused_only_for_its_own_loss_and_seed(tmp_path):
+def test_a_training_is_reused_only_for_its_own_loss_seed_and_learning_rate(tmp_path):
     """A second run with ``--loss opd_anchored`` over a work directory where ``opd`` had trained: its refined drafts
     are trained in their own directories, and a record of another loss or seed is never taken for this one's. Fails
     when the variant's directory ignores the loss (the opd draft then reported as opd_anchored's) or when the reuse
-    check ignores the record's loss or seed."""
+    check ignores the record's loss, seed or learning rate (a run at 1e-4 would report the fitted rate's drafts)."""
     from types import SimpleNamespace
 
     states = tmp_path / "states"
@@ -92,8 +92,10 @@ def test_a_training_is_reused_only_for_its_own_loss_and_seed(tmp_path):
     opd.model.mkdir(parents=True)
     (opd.model / "config.json").write_text("{}")
     record = opd.root / "train.json"
-    assert refinement_comparison.reusable_training(record, opd.model, SimpleNamespace(loss="opd", seed=0)) is None  # not finished
-    record.write_text(json.dumps({"loss": "opd", "seed": 0, "train_s": 1.0}))
-    assert refinement_comparison.reusable_training(record, opd.model, SimpleNamespace(loss="opd", seed=0))["train_s"] == 1.0
-    for other in (SimpleNamespace(loss="opd_anchored", seed=0), SimpleNamespace(loss="opd", seed=1)):
+    this = SimpleNamespace(loss="opd", seed=0, learning_rate=8e-4)
+    assert refinement_comparison.reusable_training(record, opd.model, this) is None  # not finished
+    record.write_text(json.dumps({"loss": "opd", "seed": 0, "learning_rate": 8e-4, "train_s": 1.0}))
+    assert refinement_comparison.reusable_training(record, opd.model, this)["train_s"] == 1.0
+    others = ({"loss": "opd_anchored"}, {"seed": 1}, {"learning_rate": 1e-4})
+    for other in (SimpleNamespace(**{**vars(this), **change}) for change in others):
         assert refinement_comparison.reusable_training(record, opd.model, other) is None
