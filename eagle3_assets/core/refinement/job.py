@@ -34,6 +34,8 @@ class RefinementRecipe(JobSchema):
         0.5, "share of the supervised hidden_states shards' samples mixed into the round's on-policy ones (0: none, 1: all)", ge=0, le=1
     )
     epochs: int = setting(2, "passes over the round's samples", gt=0)
+    # Fixed, not the trainer's from-scratch fit: at a published draft's width and batch the two are equal, and on the
+    # narrow built-in drafts the larger fit gained nothing over 1e-4, 3 seeds on each target (docs/performance.md).
     learning_rate: float = setting(1e-4, "peak AdamW learning rate of the round's fine-tuning", gt=0)
     warmup_ratio: float = setting(0.05, "share of the round's optimizer steps spent warming up linearly", ge=0, lt=1)
     ttt_steps: int = setting(3, "training-time test: draft steps unrolled on the draft's own states", gt=0)
