@@ -79,7 +79,7 @@ def test_the_long_targets_round_serves_its_own_demo_conversations_and_is_judged_
 
 def test_a_training_is_reused_only_for_its_own_loss_seed_and_learning_rate(tmp_path):
     """A second run with ``--loss opd_anchored`` over a work directory where ``opd`` had trained: its refined drafts
-    are trained in their own directories, and a record of another loss or seed is never taken for this one's. Fails
+    are trained in their own directories, and a record of another loss, seed or rate is never taken for this one's. Fails
     when the variant's directory ignores the loss (the opd draft then reported as opd_anchored's) or when the reuse
     check ignores the record's loss, seed or learning rate (a run at 1e-4 would report the fitted rate's drafts)."""
     from types import SimpleNamespace
